@@ -1,0 +1,1 @@
+"""Routing: policies choose a replica for a request; see ``base`` for the contract."""

