@@ -38,9 +38,7 @@ class PrefixPipeline:
         """``endpoint`` is "chat" or "completions"; other endpoints get no keys."""
         window = self.settings.window_tokens
         if endpoint == "chat":
-            tokens = chat_tokens(
-                self._tokenizer, body.get("messages") or [], body.get("tools"), max_tokens=window
-            )
+            tokens = chat_tokens(self._tokenizer, body.get("messages") or [], body.get("tools"), max_tokens=window)
         elif endpoint == "completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
