@@ -1,0 +1,454 @@
+"""Turn the policy benchmark's results into tables, target verdicts and PNG charts.
+
+Input is the results document written by ``bench_policies.py`` (also stored as JSON)::
+
+    {"meta": {...}, "missing_policies": [...],
+     "workloads": {NAME: {"summary": {...}, "levels": {LEVEL: {"runs": {POLICY: RunSummary},
+                                                               "oracle": RunSummary | None, ...}}}}}
+
+Everything here is pure (no servers), so it is unit-tested and can re-render a stored JSON:
+``python benchmarks/report.py benchmarks/results/bench_policies.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+BASELINE = "round_robin"
+CANDIDATE = "prefix"
+LOAD_AWARE = "least_loaded"
+ORACLE = "oracle"
+
+# The targets of issue 4, in one place.
+HIT_OF_ORACLE = 0.95
+P50_MODERATE_RATIO = 0.5
+P90_SATURATED_RATIO = 0.1
+LOAD_BOUND_C = 1.25
+LOAD_BOUND_SHARE = 0.99  # share of time the bound must hold (sampling edges, not policy slack)
+CONTROL_TOLERANCE = 1.05
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One target on one workload/load level."""
+
+    workload: str
+    level: str
+    target: str
+    value: float | None
+    threshold: float | None
+    passed: bool | None  # None = not applicable / not measurable in this run
+    detail: str
+
+    @property
+    def label(self) -> str:
+        return {True: "PASS", False: "FAIL", None: "n/a"}[self.passed]
+
+
+def _get(run: Mapping[str, Any] | None, *path: str) -> Any:
+    cur: Any = run
+    for key in path:
+        if not isinstance(cur, Mapping):
+            return None
+        cur = cur.get(key)
+    return cur
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0 or (isinstance(b, float) and math.isnan(b)):
+        return None
+    return a / b
+
+
+def evaluate(workload: str, levels: Mapping[str, Mapping[str, Any]], control: bool) -> list[Verdict]:
+    """Targets for one workload: hit rate vs oracle, TTFT vs round-robin (or least-loaded), load bound."""
+    out: list[Verdict] = []
+    for level, data in levels.items():
+        runs = data.get("runs", {})
+        cand = runs.get(CANDIDATE)
+        oracle = data.get(ORACLE)
+
+        def na(target: str, why: str, level: str = level) -> Verdict:
+            return Verdict(workload, level, target, None, None, None, why)
+
+        if cand is None:
+            out.append(na("all targets", f"policy {CANDIDATE!r} not run"))
+            continue
+        # 1. hit rate vs the pooled oracle
+        hit, ohit = _get(cand, "hit_rate"), _get(oracle, "hit_rate")
+        if control:
+            out.append(na("hit rate >= 95% of oracle", "control: nothing is shareable"))
+        elif hit is None or not ohit:
+            out.append(na("hit rate >= 95% of oracle", "oracle or hit rate not measured"))
+        else:
+            share = hit / ohit
+            out.append(
+                Verdict(
+                    workload,
+                    level,
+                    "hit rate >= 95% of oracle",
+                    share,
+                    HIT_OF_ORACLE,
+                    share >= HIT_OF_ORACLE,
+                    f"{hit:.1%} vs oracle {ohit:.1%} = {share:.0%}",
+                )
+            )
+        # 2. TTFT vs round-robin (prefix workloads) or least-loaded (control)
+        if control:
+            ll = runs.get(LOAD_AWARE)
+            for q in ("p50", "p90"):
+                r = _ratio(_get(cand, "ttft_ms", q), _get(ll, "ttft_ms", q))
+                name = f"TTFT {q} within 5% of {LOAD_AWARE}"
+                if r is None:
+                    out.append(na(name, f"{LOAD_AWARE} not run"))
+                else:
+                    out.append(
+                        Verdict(workload, level, name, r, CONTROL_TOLERANCE, r <= CONTROL_TOLERANCE, f"{r:.2f}x")
+                    )
+        else:
+            rr = runs.get(BASELINE)
+            if level == "moderate":
+                q, bound, name = "p50", P50_MODERATE_RATIO, "TTFT p50 <= 1/2 of round_robin"
+            elif level == "saturated":
+                q, bound, name = "p90", P90_SATURATED_RATIO, "TTFT p90 <= 1/10 of round_robin"
+            else:
+                q, bound, name = "", 0.0, ""
+            if q:
+                r = _ratio(_get(cand, "ttft_ms", q), _get(rr, "ttft_ms", q))
+                if r is None:
+                    out.append(na(name, f"{BASELINE} not run"))
+                else:
+                    out.append(Verdict(workload, level, name, r, bound, r <= bound, f"{r:.3f}x of {BASELINE}"))
+        # 3. the load bound: max in-flight <= 1.25 x mean + 1
+        share = _get(cand, "load", "bound_ok_share")
+        name = "max in-flight <= 1.25 x mean + 1"
+        if share is None or (isinstance(share, float) and math.isnan(share)):
+            out.append(na(name, "no load samples"))
+        else:
+            mm = _get(cand, "load", "max_over_mean")
+            worst = _get(cand, "load", "worst_excess")
+            out.append(
+                Verdict(
+                    workload,
+                    level,
+                    name,
+                    share,
+                    LOAD_BOUND_SHARE,
+                    share >= LOAD_BOUND_SHARE,
+                    f"held {share:.1%} of the time; avg max/mean {mm:.2f}; worst excess {worst:+.1f} req",
+                )
+            )
+    return out
+
+
+# -- tables -----------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, spec: str = ".0f", none: str = "-") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return none
+    return format(value, spec)
+
+
+def _row(name: str, run: Mapping[str, Any], oracle_hit: float | None, rr: Mapping[str, Any] | None) -> list[str]:
+    hit = run.get("hit_rate")
+    ttft = run.get("ttft_ms") or {}
+    load = run.get("load") or {}
+    censored = run.get("ttft_censored") or 0
+    mark = ">" if censored else ""  # percentiles include lower bounds for unfinished requests
+    rr_p50 = _ratio(ttft.get("p50"), _get(rr, "ttft_ms", "p50"))
+    rr_p90 = _ratio(ttft.get("p90"), _get(rr, "ttft_ms", "p90"))
+    rr_hit = _ratio(hit, _get(rr, "hit_rate"))
+    rr_rps = _ratio(run.get("throughput_rps"), _get(rr, "throughput_rps"))
+    return [
+        name,
+        _fmt(hit, ".1%"),
+        _fmt(_ratio(hit, oracle_hit), ".0%"),
+        mark + _fmt(ttft.get("p50")),
+        mark + _fmt(ttft.get("p90")),
+        mark + _fmt(ttft.get("p99")),
+        _fmt(run.get("throughput_rps"), ".1f"),
+        _fmt((run.get("throughput_tok_s") or 0) / 1000, ".0f") + "k",
+        _fmt(load.get("max_over_mean"), ".2f"),
+        _fmt(load.get("cv"), ".2f"),
+        _fmt(load.get("bound_ok_share"), ".0%"),
+        _fmt(rr_hit, ".2f") + "x",
+        _fmt(rr_p50, ".2f") + "x",
+        _fmt(rr_p90, ".2f") + "x",
+        _fmt(rr_rps, ".2f") + "x",
+        f"{run.get('ok', 0)}/{run.get('requests', 0)}"
+        + (f" ({run.get('unfinished')} cut)" if run.get("unfinished") else ""),
+    ]
+
+
+def _ok_sent(run: Mapping[str, Any]) -> str:
+    text = f"{run.get('ok', 0)}/{run.get('requests', 0)}"
+    return text + (f" ({run['unfinished']} cut)" if run.get("unfinished") else "")
+
+
+HEADERS = [
+    "policy",
+    "hit rate",
+    "% oracle",
+    "TTFT p50",
+    "p90",
+    "p99 ms",
+    "req/s",
+    "tok/s",
+    "max/mean",
+    "sd/mean",
+    "bound ok",
+    "hit/RR",
+    "p50/RR",
+    "p90/RR",
+    "rps/RR",
+    "ok/sent",
+]
+
+
+def _render(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
+    return "\n".join([line, sep, *body])
+
+
+def level_table(level_data: Mapping[str, Any]) -> str:
+    """Markdown table of one workload at one load level: every policy, then the oracle."""
+    runs = level_data.get("runs", {})
+    oracle = level_data.get(ORACLE)
+    oracle_hit = _get(oracle, "hit_rate")
+    rr = runs.get(BASELINE)
+    rows = [_row(name, run, oracle_hit, rr) for name, run in runs.items()]
+    if oracle:
+        rows.append(_row("oracle (pooled)", oracle, oracle_hit, rr))
+    return _render(rows, HEADERS)
+
+
+def verdict_table(verdicts: Sequence[Verdict]) -> str:
+    rows = [[v.level, v.target, v.label, v.detail] for v in verdicts]
+    return _render(rows, ["load", "target", "result", "measured"]) if rows else "(no targets)"
+
+
+def render_text(results: Mapping[str, Any]) -> str:
+    """The whole console/markdown report."""
+    meta = results.get("meta", {})
+    parts = []
+    sim = meta.get("sim", {})
+    if sim:
+        parts.append(
+            "Simulated fleet: {replicas} replicas x {num_gpu_blocks} KV blocks of {block_size} tokens, "
+            "prefill {prefill_tokens_per_s:.0f} tok/s, decode {decode_ms_per_token} ms/token, "
+            "max_num_seqs {max_num_seqs}, time_scale {time_scale} (wall = simulated x time_scale); "
+            "oracle: 1 replica with {oracle_blocks} blocks and the fleet's pooled compute.".format(
+                replicas=meta.get("replicas", "?"), oracle_blocks=meta.get("oracle_blocks", "?"), **sim
+            )
+        )
+    if results.get("missing_policies"):
+        parts.append("Policies not available in this checkout (skipped): " + ", ".join(results["missing_policies"]))
+    if meta.get("mode"):
+        parts.append(f"Mode: {meta['mode']}")
+    for name, wl in results.get("workloads", {}).items():
+        summary = wl.get("summary", {})
+        parts.append(f"\n## {name}: {wl.get('description', '')}")
+        parts.append(
+            f"{summary.get('requests')} requests, {summary.get('prompt_tokens_total', 0) / 1e6:.2f} M prompt tokens "
+            f"(mean {summary.get('prompt_tokens_mean', 0):.0f}), normalize={summary.get('normalize')}"
+            + (
+                f", hit ceiling (infinite cache) {summary['ceiling_hit_rate']:.1%}"
+                if "ceiling_hit_rate" in summary
+                else ""
+            )
+        )
+        for level, data in wl.get("levels", {}).items():
+            parts.append(
+                f"\n### {name} @ {level}: offered {data.get('utilization', 0):.2f}x fleet prefill capacity "
+                f"(cache-blind), {data.get('duration_s', 0):.1f} s of arrivals, "
+                f"{data.get('rate_rps', 0):.0f} req/s offered"
+            )
+            parts.append(level_table(data))
+        verdicts = [Verdict(**v) for v in wl.get("targets", [])]
+        if verdicts:
+            parts.append(f"\nTargets ({name}):")
+            parts.append(verdict_table(verdicts))
+    parts.append(
+        "\nTTFT in wall-clock ms, client-side (first streamed content). '>' = includes requests still waiting at "
+        "the deadline, counted at their wait so far. Load: per-replica in-flight sampled every 5 ms; "
+        "'bound ok' = share of time with max <= 1.25 x mean + 1."
+    )
+    return "\n".join(parts)
+
+
+# -- charts -----------------------------------------------------------------------------------
+
+
+def _grid(results: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    workloads = list(results.get("workloads", {}))
+    levels: list[str] = []
+    for wl in results.get("workloads", {}).values():
+        for level in wl.get("levels", {}):
+            if level not in levels:
+                levels.append(level)
+    return workloads, levels
+
+
+def _policy_colors(names: Sequence[str]) -> dict[str, Any]:
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab10"]
+    fixed = ["round_robin", "random", "least_loaded", "session", "prefix"]
+    order = fixed + [n for n in names if n not in fixed]
+    return {n: palette(i % 10) for i, n in enumerate(order)}
+
+
+def charts(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
+    """Write hit_rate.png, ttft.png and load.png; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workloads, levels = _grid(results)
+    if not workloads or not levels:
+        return []
+    all_policies: list[str] = []
+    for wl in results["workloads"].values():
+        for data in wl.get("levels", {}).values():
+            for p in data.get("runs", {}):
+                if p not in all_policies:
+                    all_policies.append(p)
+    colors = _policy_colors(all_policies)
+    paths = []
+
+    def grid_fig(title: str) -> tuple[Any, Any]:
+        fig, axes = plt.subplots(
+            len(workloads), len(levels), figsize=(5.2 * len(levels), 3.3 * len(workloads)), squeeze=False
+        )
+        fig.suptitle(title, fontsize=13)
+        return fig, axes
+
+    # 1. hit rate per policy, with the pooled oracle and the 95 % line
+    fig, axes = grid_fig("Prefix-cache hit rate (sum cached / sum prompt tokens)")
+    for i, wname in enumerate(workloads):
+        for j, level in enumerate(levels):
+            ax = axes[i][j]
+            data = results["workloads"][wname].get("levels", {}).get(level)
+            ax.set_title(f"{wname} @ {level}", fontsize=10)
+            if not data:
+                ax.axis("off")
+                continue
+            names = list(data.get("runs", {}))
+            vals = [(data["runs"][n].get("hit_rate") or 0) * 100 for n in names]
+            ax.bar(names, vals, color=[colors[n] for n in names])
+            ohit = _get(data.get(ORACLE), "hit_rate")
+            if ohit is not None:
+                ax.axhline(ohit * 100, color="black", lw=1.2, label=f"pooled oracle {ohit:.0%}")
+                ax.axhline(ohit * 100 * HIT_OF_ORACLE, color="black", lw=0.8, ls="--", label="95% of oracle")
+                ax.legend(fontsize=7, loc="upper left")
+            for k, v in enumerate(vals):
+                ax.text(k, v, f"{v:.0f}%", ha="center", va="bottom", fontsize=7)
+            ax.set_ylim(0, max([*vals, (ohit or 0) * 100, 1]) * 1.25)
+            ax.set_ylabel("hit rate %", fontsize=8)
+            ax.tick_params(axis="x", labelsize=7, rotation=20)
+    fig.tight_layout()
+    paths.append(out_dir / "hit_rate.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    # 2. TTFT percentiles per policy (log scale)
+    fig, axes = grid_fig("Time to first token, client-side (wall ms, log scale)")
+    for i, wname in enumerate(workloads):
+        for j, level in enumerate(levels):
+            ax = axes[i][j]
+            data = results["workloads"][wname].get("levels", {}).get(level)
+            ax.set_title(f"{wname} @ {level}", fontsize=10)
+            if not data:
+                ax.axis("off")
+                continue
+            runs = dict(data.get("runs", {}))
+            if data.get(ORACLE):
+                runs["oracle"] = data[ORACLE]
+            names = list(runs)
+            width = 0.27
+            for k, (q, alpha) in enumerate((("p50", 1.0), ("p90", 0.65), ("p99", 0.35))):
+                xs = [x + (k - 1) * width for x in range(len(names))]
+                vals = [max(_get(runs[n], "ttft_ms", q) or 0.0, 0.1) for n in names]
+                ax.bar(
+                    xs,
+                    vals,
+                    width,
+                    alpha=alpha,
+                    label=q,
+                    color=[colors.get(n, (0.3, 0.3, 0.3, 1)) for n in names],
+                    edgecolor="black",
+                    linewidth=0.3,
+                )
+            ax.set_xticks(range(len(names)), names, fontsize=7, rotation=20)
+            ax.set_yscale("log")
+            ax.set_ylabel("ms", fontsize=8)
+            ax.legend(fontsize=7, title="bars: p50 / p90 / p99", title_fontsize=7, loc="upper left")
+    fig.tight_layout()
+    paths.append(out_dir / "ttft.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    # 3. per-replica load: time-averaged in-flight per replica, per policy
+    fig, axes = grid_fig("Per-replica load: time-averaged in-flight requests (title: avg max/mean)")
+    for i, wname in enumerate(workloads):
+        for j, level in enumerate(levels):
+            ax = axes[i][j]
+            data = results["workloads"][wname].get("levels", {}).get(level)
+            ax.set_title(f"{wname} @ {level}", fontsize=10)
+            if not data:
+                ax.axis("off")
+                continue
+            names = list(data.get("runs", {}))
+            replicas: list[str] = []
+            for n in names:
+                for r in _get(data["runs"][n], "load", "replicas") or []:
+                    if r not in replicas:
+                        replicas.append(r)
+            width = 0.8 / max(len(replicas), 1)
+            for k, rep in enumerate(replicas):
+                xs = [x + (k - (len(replicas) - 1) / 2) * width for x in range(len(names))]
+                vals = [(_get(data["runs"][n], "load", "mean_in_flight") or {}).get(rep, 0.0) for n in names]
+                ax.bar(xs, vals, width, label=rep, color=plt.cm.Greys(0.35 + 0.5 * k / max(len(replicas), 1)))
+            labels = [f"{n}\n{_fmt(_get(data['runs'][n], 'load', 'max_over_mean'), '.2f')}" for n in names]
+            ax.set_xticks(range(len(names)), labels, fontsize=7)
+            ax.set_ylabel("in-flight (avg)", fontsize=8)
+            ax.legend(fontsize=6, ncol=len(replicas), loc="upper left")
+    fig.tight_layout()
+    paths.append(out_dir / "load.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def verdicts_to_json(verdicts: Sequence[Verdict]) -> list[dict[str, Any]]:
+    return [asdict(v) for v in verdicts]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="re-render the policy benchmark report from its JSON")
+    parser.add_argument("results", type=Path, help="benchmarks/results/bench_policies.json")
+    parser.add_argument("--charts", type=Path, default=None, help="also write PNG charts into this folder")
+    args = parser.parse_args(argv)
+    results = json.loads(args.results.read_text())
+    print(render_text(results))
+    if args.charts:
+        for path in charts(results, args.charts):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

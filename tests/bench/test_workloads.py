@@ -1,0 +1,147 @@
+"""The benchmark's workload generators: deterministic, shaped as documented, prefix structure intact."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from benchmarks.workloads import WORKLOAD_NAMES, builders
+from benchmarks.workloads.agent import AgentSpec, build_agent_workload
+from benchmarks.workloads.control import ControlSpec, build_control_workload
+from benchmarks.workloads.mooncake import (
+    BlockTokens,
+    MooncakeSpec,
+    build_mooncake,
+    ceiling_hit_rate,
+    sample_sessions,
+)
+from benchmarks.workloads.text import words
+from gateway.chat_template import chat_tokens
+from gateway.tokenizer import get_tokenizer
+
+SMALL_AGENT = AgentSpec(tenants=3, system_tokens=(200, 400), conversations=6, oneoffs=4, span_s=20.0)
+ISO = re.compile(r"^Current time: \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z\nRequest ID: [0-9a-f-]{36}\n\n")
+
+
+def test_registry_names_match_builders():
+    assert set(WORKLOAD_NAMES) == set(builders())
+
+
+def test_filler_words_are_exactly_one_token_each():
+    tok = get_tokenizer("cl100k_base")
+    text = words(random.Random(7), 300)
+    assert len(tok.encode(text)) == 300
+    assert text.startswith(" ")
+
+
+def test_agent_is_deterministic_and_seeded():
+    a = build_agent_workload(seed=3, spec=SMALL_AGENT)
+    b = build_agent_workload(seed=3, spec=SMALL_AGENT)
+    c = build_agent_workload(seed=4, spec=SMALL_AGENT)
+    dump = lambda w: json.dumps([(r.t, r.body, r.session) for r in w.requests])  # noqa: E731
+    assert dump(a) == dump(b)
+    assert dump(a) != dump(c)
+
+
+def test_agent_volatile_header_on_top_and_stable_rest():
+    wl = build_agent_workload(seed=1, spec=SMALL_AGENT)
+    assert wl.normalize == "relocate" and all(r.endpoint == "chat" for r in wl.requests)
+    by_session: dict[str, list] = {}
+    for r in wl.requests:
+        system = r.body["messages"][0]
+        assert system["role"] == "system"
+        assert ISO.match(system["content"]), system["content"][:120]
+        by_session.setdefault(r.session, []).append(r)
+    convs = [reqs for s, reqs in by_session.items() if "conv" in s and len(reqs) >= 2]
+    assert convs, "expected multi-turn conversations"
+    for reqs in convs:
+        first, second = reqs[0].body["messages"], reqs[1].body["messages"]
+        # the top differs every request, the rest of the system prompt never does
+        assert first[0]["content"] != second[0]["content"]
+        assert ISO.sub("", first[0]["content"]) == ISO.sub("", second[0]["content"])
+        # the history is resent: turn 1's messages are a prefix of turn 2's, plus the reply
+        assert second[1 : len(first)] == first[1:]
+        assert second[len(first)]["role"] == "assistant"
+        assert reqs[1].t >= reqs[0].t
+
+
+def test_agent_prompt_tokens_are_the_simulators_count_and_times_sorted():
+    wl = build_agent_workload(seed=2, spec=SMALL_AGENT)
+    tok = get_tokenizer("cl100k_base")
+    for r in wl.requests[:5]:
+        assert r.prompt_tokens == len(chat_tokens(tok, r.body["messages"]))
+    assert [r.t for r in wl.requests] == sorted(r.t for r in wl.requests)
+    kinds = {r.kind for r in wl.requests}
+    assert {"turn", "oneoff"} <= kinds | {"unique"}
+
+
+def _trace(tmp_path, rows):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+ROWS = [
+    {"timestamp": 0, "input_length": 1100, "output_length": 40, "hash_ids": [1, 2, 3]},
+    {"timestamp": 1000, "input_length": 600, "output_length": 5, "hash_ids": [7, 8]},
+    {"timestamp": 2000, "input_length": 1500, "output_length": 90, "hash_ids": [1, 2, 4]},
+    {"timestamp": 3000, "input_length": 300, "output_length": 9, "hash_ids": [9]},
+    {"timestamp": 9000, "input_length": 1024, "output_length": 9, "hash_ids": [1, 5]},
+]
+SPEC = MooncakeSpec(
+    name="t", file="trace.jsonl", namespace="ns", session_depth=0, session_fraction=1.0, window_s=(0.0, 5.0)
+)
+
+
+def test_block_tokens_are_fixed_per_id_and_namespaced():
+    a, b = BlockTokens("ns"), BlockTokens("ns")
+    assert a.block(5) == b.block(5) and len(a.block(5)) == 512
+    assert a.block(5) != a.block(6)
+    assert BlockTokens("other").block(5) != a.block(5)
+
+
+def test_trace_prompts_share_exactly_their_common_hash_prefix(tmp_path):
+    _trace(tmp_path, ROWS)
+    wl = build_mooncake(SPEC, directory=tmp_path)
+    assert [r.prompt_tokens for r in wl.requests] == [1100, 600, 1500, 300]  # 9 s row is outside the window
+    first, third = wl.requests[0].body["prompt"], wl.requests[2].body["prompt"]
+    assert len(first) == 1100 and len(third) == 1500
+    assert first[:1024] == third[:1024]  # hash ids 1, 2 shared
+    assert first[1024:1100] != third[1024:1100]  # id 3 vs id 4
+    assert all(r.endpoint == "completions" and r.max_tokens <= SPEC.max_output_tokens for r in wl.requests)
+    assert [r.t for r in wl.requests] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_session_sampling_keeps_whole_groups(tmp_path):
+    rows = [
+        {"timestamp": i * 10, "input_length": 600, "output_length": 1, "hash_ids": [i % 25, 1000 + i]}
+        for i in range(500)
+    ]
+    spec = MooncakeSpec(name="t", file="x", namespace="ns", session_depth=0, session_fraction=0.3, window_s=(0.0, 1e6))
+    kept = sample_sessions(rows, spec, 0.3, seed=0)
+    groups = {key for _, key in kept}
+    assert 0 < len(groups) < 25
+    # every request of a kept group is kept: sampling never splits a session
+    assert len(kept) == sum(1 for r in rows if f"h{r['hash_ids'][0]}" in groups)
+    assert sample_sessions(rows, spec, 0.3, seed=0) == kept
+
+
+def test_ceiling_hit_rate_counts_full_blocks_seen_before():
+    rows = [
+        {"input_length": 1100, "hash_ids": [1, 2, 3]},
+        {"input_length": 1500, "hash_ids": [1, 2, 4]},
+    ]
+    # second request hits blocks 1 and 2 (1024 tokens) out of 2600 total tokens
+    assert ceiling_hit_rate(rows) == pytest.approx(1024 / 2600)
+
+
+def test_control_prompts_share_nothing():
+    wl = build_control_workload(seed=0, spec=ControlSpec(requests=50, median_tokens=300, min_tokens=32))
+    firsts = [r.body["prompt"][0] for r in wl.requests]
+    assert len(set(firsts)) == len(firsts)
+    assert all(len(r.body["prompt"]) == r.prompt_tokens for r in wl.requests)
+    again = build_control_workload(seed=0, spec=ControlSpec(requests=50, median_tokens=300, min_tokens=32))
+    assert [r.body for r in again.requests] == [r.body for r in wl.requests]
