@@ -1,0 +1,5 @@
+"""``python -m gateway`` is ``prefix-gateway``."""
+
+from gateway.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""``/admin/*``: operator endpoints behind the admin key.
+
+Off (404, OpenAI-shaped) when no admin key is configured; 401 for a missing or wrong key.
+Endpoints get the ``Gateway`` through the :func:`require_admin` dependency and use only its
+public methods (``stats_snapshot``, ``plan``, ...).  More admin endpoints (e.g.
+``/admin/explain``) are added to :data:`router`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+
+from gateway.errors import NotFound, Unauthorized
+from gateway.service import Gateway
+
+
+def require_admin(request: Request) -> Gateway:
+    """FastAPI dependency: the gateway, once the caller proved the admin key."""
+    gateway: Gateway = request.app.state.gateway
+    if not gateway.admin_keys.enabled:
+        raise NotFound(
+            "The admin API is disabled: set admin.api_key_sha256 in the config "
+            f"or the {gateway.config.admin.api_key_env} environment variable.",
+            code="admin_disabled",
+        )
+    if not gateway.admin_keys.check_authorization(request.headers.get("authorization")):
+        raise Unauthorized("Incorrect or missing admin key: send 'Authorization: Bearer <admin key>'.")
+    return gateway
+
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+
+#: annotate an endpoint argument with this to require the admin key and get the gateway
+AdminGateway = Annotated[Gateway, Depends(require_admin)]
+
+
+@router.get("/stats")
+async def admin_stats(gateway: AdminGateway) -> dict[str, Any]:
+    """Per route and per replica: requests, tokens, hit rates (reported, predicted, engines), load, health."""
+    return gateway.stats_snapshot()

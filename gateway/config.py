@@ -1,0 +1,383 @@
+"""The whole configuration schema (pydantic) and its loading.
+
+Loading is two-phase, like uvicorn's ``Config``: :func:`load_config` / :func:`parse_config`
+*validate* everything (types, cross references between routes and replicas, policy names
+and each policy's own settings model) and raise one :class:`ConfigError` that names the
+file, the field path and what is wrong; only then does ``gateway.service.Gateway`` *build*
+components from the validated object.  Sub-configs are passed into constructors; nothing
+reads a global.
+
+Every field has a default and a description: ``docs/config.md`` is the reference.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from gateway.prefix.settings import NormalizeSettings, PrefixSettings
+
+ENDPOINTS = ("chat", "completions", "embeddings")
+DEFAULT_ADMIN_KEY_ENV = "PREFIX_GATEWAY_ADMIN_KEY"
+DEFAULT_API_KEYS_ENV = "PREFIX_GATEWAY_API_KEYS"
+
+
+class _Strict(BaseModel):
+    model_config = {"extra": "forbid"}
+
+
+def _is_sha256_hex(value: str) -> bool:
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value.lower())
+
+
+def sha256_hex(secret: str) -> str:
+    """How API keys are stored in config: ``prefix-gateway hash-key`` prints this."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class ServerSettings(_Strict):
+    """The listening socket and per-request limits."""
+
+    host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 in containers")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port (0 picks a free one)")
+    max_body_bytes: int = Field(
+        10 * 1024 * 1024, ge=1024, description="request bodies larger than this get 413 (default 10 MiB)"
+    )
+    response_headers: bool = Field(
+        True, description="add x-prefix-gateway-replica / x-prefix-gateway-route to responses"
+    )
+    request_id_header: str = Field(
+        "x-request-id", description="accepted from clients, generated if absent, sent upstream"
+    )
+    timeout_graceful_shutdown_s: float = Field(10.0, ge=0, description="how long in-flight requests get on shutdown")
+
+
+class UpstreamSettings(_Strict):
+    """How the gateway talks to replicas (one pooled keep-alive session per replica)."""
+
+    connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect timeout")
+    read_timeout_s: float = Field(
+        600.0, gt=0, description="longest silence while waiting for response bytes (also between stream chunks)"
+    )
+    max_connections_per_replica: int = Field(0, ge=0, description="connection pool size per replica (0 = unlimited)")
+    keepalive_timeout_s: float = Field(
+        4.0,
+        gt=0,
+        description="idle keep-alive connections are closed after this; keep it below the replicas' own "
+        "keep-alive (vLLM/uvicorn: 5 s) so the gateway never reuses a connection the replica is closing",
+    )
+    max_retries: int = Field(
+        2, ge=0, le=10, description="retries on another replica, only before any byte reached the client"
+    )
+    retry_on_status: list[int] = Field(
+        default_factory=lambda: [503], description="upstream statuses that are retried (besides connection failures)"
+    )
+    stream_usage: bool = Field(
+        True,
+        description="ask replicas for usage in streams (stream_options.include_usage) and strip it again "
+        "when the client did not ask, so token metrics cover streams too",
+    )
+    forward_client_authorization: bool = Field(
+        True,
+        description="pass the client's Authorization header upstream when the replica has no api_key "
+        "and gateway client keys are off",
+    )
+
+
+class HealthSettings(_Strict):
+    """Active (``GET /health``) and passive (errors on real traffic) health checking."""
+
+    interval_s: float = Field(5.0, gt=0, description="active check period per replica")
+    timeout_s: float = Field(2.0, gt=0, description="active check timeout")
+    path: str = Field("/health", description="path probed on each replica")
+    unhealthy_threshold: int = Field(2, ge=1, description="consecutive failed active checks that mark a replica down")
+    healthy_threshold: int = Field(1, ge=1, description="consecutive good active checks that bring it back")
+    passive_5xx_threshold: int = Field(
+        5, ge=1, description="consecutive 5xx responses on real traffic that mark a replica down"
+    )
+    eject_s: float = Field(5.0, ge=0, description="a replica marked down by real traffic stays out at least this long")
+
+
+class ScrapeSettings(_Strict):
+    """Periodic scrape of each replica's vLLM ``/metrics``."""
+
+    enabled: bool = Field(True, description="scrape engine metrics (KV usage, queue, prefix-cache counters)")
+    interval_s: float = Field(5.0, gt=0, description="scrape period")
+    timeout_s: float = Field(2.0, gt=0, description="scrape timeout")
+    path: str = Field("/metrics", description="path scraped on each replica")
+
+
+class LoggingSettings(_Strict):
+    """Logs: a quiet access log and a periodic summary line per route."""
+
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="root log level")
+    format: Literal["text", "json"] = Field("text", description="text lines or one JSON object per line")
+    access_log: bool = Field(True, description="one line per request")
+    access_log_probes: bool = Field(False, description="also log /health, /ready and /metrics requests")
+    summary_interval_s: float = Field(10.0, ge=0, description="period of the per-route summary line (0 = off)")
+    log_prompts: bool = Field(False, description="DEBUG ONLY: include prompt text in debug logs")
+
+
+class AdminSettings(_Strict):
+    """``/admin/*`` is off unless a key is configured (hash in the file, or the plain key in an env var)."""
+
+    api_key_sha256: str | None = Field(None, description="sha256 hex of the admin key (prefix-gateway hash-key)")
+    api_key_env: str = Field(DEFAULT_ADMIN_KEY_ENV, description="env var holding the plain admin key")
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _hex(cls, value: str | None) -> str | None:
+        if value is not None and not _is_sha256_hex(value):
+            raise ValueError("must be 64 hex characters (sha256 of the key); use `prefix-gateway hash-key`")
+        return value.lower() if value else value
+
+    def key_hashes(self, environ: Mapping[str, str] | None = None) -> list[str]:
+        env = os.environ if environ is None else environ
+        hashes = [self.api_key_sha256] if self.api_key_sha256 else []
+        if env.get(self.api_key_env):
+            hashes.append(sha256_hex(env[self.api_key_env]))
+        return hashes
+
+
+class AuthSettings(_Strict):
+    """Optional client API keys for ``/v1/*`` (off when none are configured)."""
+
+    api_keys_sha256: list[str] = Field(default_factory=list, description="sha256 hex of each accepted client key")
+    api_keys_env: str = Field(DEFAULT_API_KEYS_ENV, description="env var with comma-separated plain client keys")
+
+    @field_validator("api_keys_sha256")
+    @classmethod
+    def _hex(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not _is_sha256_hex(value):
+                raise ValueError("each entry must be 64 hex characters (sha256 of the key)")
+        return [v.lower() for v in values]
+
+    def key_hashes(self, environ: Mapping[str, str] | None = None) -> list[str]:
+        env = os.environ if environ is None else environ
+        plain = [k.strip() for k in env.get(self.api_keys_env, "").split(",") if k.strip()]
+        return list(self.api_keys_sha256) + [sha256_hex(k) for k in plain]
+
+
+class ReplicaConfig(_Strict):
+    """One upstream vLLM (or simulated) server."""
+
+    name: str = Field(..., min_length=1, max_length=64, description="unique; used in metrics and headers")
+    url: str = Field(..., description="base URL, e.g. http://10.0.0.5:8000 (no /v1)")
+    weight: float = Field(1.0, gt=0, description="relative capacity (policies that weigh replicas use it)")
+    api_key: str | None = Field(None, description="sent upstream as Bearer token (prefer api_key_env)")
+    api_key_env: str | None = Field(None, description="env var holding the upstream API key")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return value.rstrip("/")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not all(c.isalnum() or c in "-_." for c in value):
+            raise ValueError("use letters, digits, '-', '_' or '.' only")
+        return value
+
+    def resolved_api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
+        env = os.environ if environ is None else environ
+        if self.api_key_env and env.get(self.api_key_env):
+            return env[self.api_key_env]
+        return self.api_key
+
+
+class HeaderMatch(_Strict):
+    """Match on one request header (e.g. a tenant id)."""
+
+    name: str = Field(..., description="header name (case-insensitive)")
+    values: list[str] = Field(..., min_length=1, description="accepted values (fnmatch patterns)")
+
+
+class RouteMatch(_Strict):
+    """Which requests a route takes: first matching route wins, in file order."""
+
+    models: list[str] = Field(default_factory=lambda: ["*"], description="model names (fnmatch patterns)")
+    header: HeaderMatch | None = Field(None, description="optional header condition")
+
+    def matches(self, model: str, headers: Mapping[str, str]) -> bool:
+        if not any(p == model or p == "*" or fnmatch.fnmatchcase(model, p) for p in self.models):
+            return False
+        if self.header is not None:
+            value = headers.get(self.header.name.lower())
+            if value is None or not any(fnmatch.fnmatchcase(value, p) for p in self.header.values):
+                return False
+        return True
+
+
+class RouteConfig(_Strict):
+    """Binds matching requests to a pool of replicas with a policy and its settings."""
+
+    name: str = Field(..., min_length=1, max_length=64, description="unique; a metric label")
+    match: RouteMatch = Field(default_factory=RouteMatch, description="which requests this route takes")
+    endpoints: list[Literal["chat", "completions", "embeddings"]] = Field(
+        default_factory=lambda: list(ENDPOINTS), description="endpoints served by this route"
+    )
+    replicas: list[str] | None = Field(None, description="replica names in the pool (default: all)")
+    policy: str = Field("least_loaded", description="routing policy name (see the registry)")
+    policy_settings: dict[str, Any] = Field(default_factory=dict, description="validated by the policy's own model")
+    session_header: str = Field("x-session-id", description="header whose value becomes the request's session key")
+    normalize: NormalizeSettings = Field(default_factory=NormalizeSettings, description="volatile-span handling")
+    prefix: PrefixSettings = Field(default_factory=PrefixSettings, description="prefix tokenization and keying")
+
+
+class GatewayConfig(_Strict):
+    """The root of ``gateway.yaml``."""
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
+    health: HealthSettings = Field(default_factory=HealthSettings)
+    scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    admin: AdminSettings = Field(default_factory=AdminSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    replicas: list[ReplicaConfig] = Field(..., min_length=1)
+    routes: list[RouteConfig] = Field(
+        default_factory=lambda: [RouteConfig(name="default")],
+        description="default: one route taking every model to every replica with least_loaded",
+    )
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> GatewayConfig:
+        _unique([r.name for r in self.replicas], "replicas")
+        _unique([r.name for r in self.routes], "routes")
+        return self
+
+    def pool_of(self, route: RouteConfig) -> list[ReplicaConfig]:
+        if route.replicas is None:
+            return list(self.replicas)
+        by_name = {r.name: r for r in self.replicas}
+        return [by_name[n] for n in route.replicas]
+
+
+def _unique(names: Sequence[str], where: str) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"{where}: duplicate name {name!r}")
+        seen.add(name)
+
+
+class ConfigError(ValueError):
+    """Invalid configuration: every line names the source, the field path and the problem."""
+
+    def __init__(self, source: str, problems: Sequence[tuple[str, str]]) -> None:
+        self.source = source
+        self.problems = list(problems)
+        lines = [f"{source}: {path}: {msg}" if path else f"{source}: {msg}" for path, msg in self.problems]
+        super().__init__("\n".join(lines))
+
+
+def _loc(parts: Sequence[Any]) -> str:
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _pydantic_problems(exc: ValidationError, prefix: Sequence[Any] = ()) -> list[tuple[str, str]]:
+    problems = []
+    for err in exc.errors():
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see docs/config.md)"
+        problems.append((_loc([*prefix, *err["loc"]]), msg))
+    return problems
+
+
+def _check_routes(config: GatewayConfig) -> list[tuple[str, str]]:
+    """Cross-checks pydantic cannot express locally: pool names and policy settings."""
+    from gateway.routing import registry  # late import: the registry imports the policies
+
+    problems: list[tuple[str, str]] = []
+    names = {r.name for r in config.replicas}
+    for i, route in enumerate(config.routes):
+        for j, ref in enumerate(route.replicas or []):
+            if ref not in names:
+                problems.append((f"routes[{i}].replicas[{j}]", f"unknown replica {ref!r}; known: {sorted(names)}"))
+        if route.replicas is not None and not route.replicas:
+            problems.append((f"routes[{i}].replicas", "a route needs at least one replica"))
+        if route.policy not in registry.POLICIES:
+            valid = ", ".join(registry.policy_names())
+            problems.append((f"routes[{i}].policy", f"unknown policy {route.policy!r}; valid policies: {valid}"))
+            continue
+        try:
+            registry.validate_settings(route.policy, route.policy_settings)
+        except ValidationError as exc:
+            problems.extend(_pydantic_problems(exc, ("routes", i, "policy_settings")))
+    return problems
+
+
+def parse_config(data: Any, source: str = "<config>") -> GatewayConfig:
+    """Phase one from a mapping: validate everything or raise :class:`ConfigError`."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(source, [("", "the top level must be a mapping with at least `replicas:`")])
+    try:
+        config = GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, _pydantic_problems(exc)) from None
+    problems = _check_routes(config)
+    if problems:
+        raise ConfigError(source, problems)
+    return config
+
+
+def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
+    """Phase one from a YAML file."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(source, [("", f"cannot read file: {exc.strerror or exc}")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(source, [(where, f"invalid YAML: {problem}")]) from None
+    return parse_config(data, source)
+
+
+def quick_config(
+    replica_urls: Sequence[str],
+    policy: str = "least_loaded",
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    policy_settings: Mapping[str, Any] | None = None,
+) -> GatewayConfig:
+    """The config behind ``prefix-gateway serve --replica URL ... --policy NAME``."""
+    data = {
+        "server": {"host": host, "port": port},
+        "replicas": [{"name": f"r{i}", "url": url} for i, url in enumerate(replica_urls)],
+        "routes": [{"name": "default", "policy": policy, "policy_settings": dict(policy_settings or {})}],
+    }
+    return parse_config(data, "<command line>")
+
+
+def packaged_default_config() -> Path:
+    """``gateway/defaults/gateway.yaml``: the demo config, shipped inside the package."""
+    return Path(__file__).parent / "defaults" / "gateway.yaml"
+
+
+def default_config_path() -> Path:
+    """``./config/gateway.yaml`` when run from a checkout, else the packaged copy."""
+    local = Path.cwd() / "config" / "gateway.yaml"
+    return local if local.is_file() else packaged_default_config()

@@ -1,0 +1,136 @@
+"""One error hierarchy for the gateway, rendered in OpenAI's error format.
+
+Every failure a client can see is a :class:`GatewayError` with an HTTP status, an OpenAI
+``type`` and a machine-readable ``code``.  Upstream (HTTP client) exceptions are translated
+into these at the boundary (``raise ... from exc``) so the request path never leaks a
+library's exception, and one renderer turns them into ``{"error": {...}}`` bodies: clients
+never see a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class GatewayError(Exception):
+    """An error the gateway answers with; subclasses fix status, type and code."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str = "internal_error"
+    #: bounded metric label for ``prefix_gateway_errors_total{kind}``
+    kind: str = "internal"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.route: str | None = None  # set when the error is known to belong to a route
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+    kind = "bad_request"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+    kind = "unauthorized"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+    kind = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+    kind = "unknown_model"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+    kind = "too_large"
+
+
+class NoHealthyReplica(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_healthy_replica"
+    kind = "no_replica"
+
+
+class UpstreamUnavailable(GatewayError):
+    """Every attempt failed before a response started (connection refused, reset, ...)."""
+
+    status = 502
+    type = "server_error"
+    code = "upstream_unavailable"
+    kind = "upstream_connect"
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    type = "server_error"
+    code = "upstream_timeout"
+    kind = "upstream_timeout"
+
+
+class UpstreamError(Exception):
+    """A transport failure talking to one replica (raised by ``gateway.upstream`` clients).
+
+    ``before_send`` is True when the request provably never reached the replica
+    (connection refused, DNS failure), so retrying elsewhere cannot duplicate work.
+    """
+
+    kind = "upstream_error"
+
+    def __init__(self, message: str, *, before_send: bool = False) -> None:
+        super().__init__(message)
+        self.before_send = before_send
+
+
+class UpstreamConnectError(UpstreamError):
+    kind = "connect"
+
+
+class UpstreamReadTimeout(UpstreamError):
+    kind = "timeout"
+
+
+class UpstreamBroken(UpstreamError):
+    """The connection broke after the request was sent (reset, truncated response)."""
+
+    kind = "broken"
+
+
+class ClientDisconnected(Exception):
+    """The client went away; nothing can be answered (not a GatewayError on purpose)."""
+
+
+def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_bytes(status: int, message: str) -> bytes:
+    """Render an ad-hoc error (e.g. 404/405 from the router) in OpenAI's shape."""
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    return json.dumps(error_body(message, type_, status)).encode()

@@ -1,0 +1,198 @@
+"""Prometheus metrics (``prefix_gateway_*``) on a per-gateway registry.
+
+Labels are bounded: route, replica, endpoint, status class, policy, policy branch (reason),
+normalization rule and mode, error kind — never a prompt, a hash or a request id.
+Request counters are updated once per finished request from an ``Outcome``; live state
+(in-flight, health, scraped engine numbers) is read at scrape time by a collector, so the
+hot path pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.observe.outcome import Outcome
+from gateway.replicas.pool import Replica
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class GatewayMetrics:
+    """All gateway metrics; one instance per ``Gateway`` (tests run several in a process)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = "prefix_gateway_"
+        self.requests = Counter(
+            p + "requests", "Finished requests", ["route", "replica", "endpoint", "status_class"], registry=r
+        )
+        self.errors = Counter(p + "errors", "Requests that failed, by kind", ["route", "kind"], registry=r)
+        self.decisions = Counter(
+            p + "decisions", "Routing decisions by policy branch", ["route", "policy", "reason"], registry=r
+        )
+        self.retries = Counter(p + "retries", "Retries on another replica before any byte", ["route"], registry=r)
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "Prompt tokens from responses' usage", ["route", "replica"], registry=r
+        )
+        self.completion_tokens = Counter(
+            p + "completion_tokens", "Completion tokens from responses' usage", ["route", "replica"], registry=r
+        )
+        self.cached_tokens = Counter(
+            p + "cached_tokens",
+            "usage.prompt_tokens_details.cached_tokens reported by replicas",
+            ["route", "replica"],
+            registry=r,
+        )
+        self.cache_reported_prompt_tokens = Counter(
+            p + "cache_reported_prompt_tokens",
+            "Prompt tokens of responses that reported cached_tokens (the hit-rate denominator)",
+            ["route", "replica"],
+            registry=r,
+        )
+        self.predicted_cached_tokens = Counter(
+            p + "predicted_cached_tokens",
+            "Cached prompt tokens the routing policy predicted (prefix policy)",
+            ["route", "replica"],
+            registry=r,
+        )
+        self.normalize_spans = Counter(
+            p + "normalize_spans",
+            "Volatile spans found (report) or moved (relocate)",
+            ["route", "rule", "mode"],
+            registry=r,
+        )
+        self.added_latency = Histogram(
+            p + "added_latency_seconds",
+            "Time spent in the gateway itself (before the upstream call + after its answer)",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            p + "ttft_seconds",
+            "Time to first streamed byte, as the client sees it",
+            ["route"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            p + "request_duration_seconds",
+            "End-to-end request time",
+            ["route", "endpoint"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.route_info = Gauge(p + "route_info", "Configured routes", ["route", "policy"], registry=r)
+        ProcessCollector(registry=r)
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def record(self, o: Outcome) -> None:
+        """Update every per-request metric from one outcome."""
+        route = o.route
+        replica = o.replica or "none"
+        c = self._child
+        c(self.requests, route, replica, o.endpoint, o.status_class).inc()
+        c(self.duration, route, o.endpoint).observe(o.duration_s)
+        if o.error_kind:
+            c(self.errors, route, o.error_kind).inc()
+        if o.reason and o.policy:
+            c(self.decisions, route, o.policy, o.reason).inc()
+        if o.retries:
+            c(self.retries, route).inc(o.retries)
+        if o.added_s is not None:
+            c(self.added_latency, route).observe(o.added_s)
+        if o.ttft_s is not None:
+            c(self.ttft, route).observe(o.ttft_s)
+        if o.prompt_tokens:
+            c(self.prompt_tokens, route, replica).inc(o.prompt_tokens)
+            if o.cached_tokens is not None:
+                c(self.cache_reported_prompt_tokens, route, replica).inc(o.prompt_tokens)
+                c(self.cached_tokens, route, replica).inc(o.cached_tokens)
+        if o.completion_tokens:
+            c(self.completion_tokens, route, replica).inc(o.completion_tokens)
+        if o.predicted_cached_tokens is not None:
+            c(self.predicted_cached_tokens, route, replica).inc(o.predicted_cached_tokens)
+        if o.normalized and o.normalize_mode:
+            for rule, count in o.normalized.items():
+                c(self.normalize_spans, route, rule, o.normalize_mode).inc(count)
+
+
+class ReplicaCollector(Collector):
+    """Live per-replica state, read at scrape time (no hot-path cost)."""
+
+    def __init__(self, replicas: Callable[[], Sequence[Replica]]) -> None:
+        self._replicas = replicas
+
+    def collect(self) -> Iterable[Metric]:
+        p = "prefix_gateway_"
+        in_flight = GaugeMetricFamily(p + "replica_in_flight", "Requests in flight per replica", labels=["replica"])
+        healthy = GaugeMetricFamily(p + "replica_healthy", "1 if the replica takes traffic", labels=["replica"])
+        changes = CounterMetricFamily(p + "replica_health_changes", "Health state transitions", labels=["replica"])
+        gauges = {
+            "kv_cache_usage": GaugeMetricFamily(
+                p + "engine_kv_cache_usage", "Scraped vllm:kv_cache_usage_perc (0-1)", labels=["replica"]
+            ),
+            "running": GaugeMetricFamily(
+                p + "engine_requests_running", "Scraped vllm:num_requests_running", labels=["replica"]
+            ),
+            "waiting": GaugeMetricFamily(
+                p + "engine_requests_waiting", "Scraped vllm:num_requests_waiting", labels=["replica"]
+            ),
+        }
+        counters = {
+            "prefix_cache_queries": CounterMetricFamily(
+                p + "engine_prefix_cache_queries",
+                "Scraped vllm:prefix_cache_queries_total (tokens)",
+                labels=["replica"],
+            ),
+            "prefix_cache_hits": CounterMetricFamily(
+                p + "engine_prefix_cache_hits", "Scraped vllm:prefix_cache_hits_total (tokens)", labels=["replica"]
+            ),
+            "preemptions": CounterMetricFamily(
+                p + "engine_preemptions", "Scraped vllm:num_preemptions_total", labels=["replica"]
+            ),
+            "prompt_tokens": CounterMetricFamily(
+                p + "engine_prompt_tokens", "Scraped vllm:prompt_tokens_total", labels=["replica"]
+            ),
+            "generation_tokens": CounterMetricFamily(
+                p + "engine_generation_tokens", "Scraped vllm:generation_tokens_total", labels=["replica"]
+            ),
+        }
+        age = GaugeMetricFamily(
+            p + "engine_scrape_age_seconds", "Seconds since the last good scrape", labels=["replica"]
+        )
+        now = time.monotonic()
+        for replica in self._replicas():
+            name = [replica.name]
+            in_flight.add_metric(name, replica.in_flight)
+            healthy.add_metric(name, 1.0 if replica.healthy else 0.0)
+            changes.add_metric(name, replica.health_changes)
+            engine = replica.engine
+            if engine is None:
+                continue
+            age.add_metric(name, now - engine.scraped_at)
+            for field, family in (*gauges.items(), *counters.items()):
+                value = getattr(engine, field)
+                if value is not None:
+                    family.add_metric(name, value)
+        yield in_flight
+        yield healthy
+        yield changes
+        yield age
+        yield from gauges.values()
+        yield from counters.values()

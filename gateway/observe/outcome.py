@@ -1,0 +1,34 @@
+"""What one finished request leaves behind: a flat record the recorder turns into numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One request's result.  ``None`` means unknown (never 0 by default)."""
+
+    route: str  # "none" when no route matched
+    endpoint: str
+    status: int  # HTTP status sent to the client (499: client went away)
+    replica: str | None = None
+    policy: str | None = None
+    reason: str | None = None  # Decision.reason (policy branch)
+    error_kind: str | None = None  # GatewayError.kind / upstream failure kind
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, None if absent
+    predicted_cached_tokens: int | None = None  # Decision.detail["predicted_cached_tokens"]
+    normalize_mode: str | None = None
+    normalized: Mapping[str, int] = field(default_factory=dict)
+    retries: int = 0
+    stream: bool = False
+    duration_s: float = 0.0
+    ttft_s: float | None = None
+    added_s: float | None = None  # time the gateway itself spent (before + after the upstream call)
+
+    @property
+    def status_class(self) -> str:
+        return f"{self.status // 100}xx"

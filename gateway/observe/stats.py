@@ -1,0 +1,121 @@
+"""In-memory counters behind ``GET /admin/stats`` and the periodic summary line.
+
+Prometheus counters are for scraping; these are for the gateway to read back cheaply:
+cumulative per (route, replica), plus a per-route window that the summary line reads and
+resets.  Hit rates divide cached tokens by the prompt tokens of the responses that
+*reported* cached tokens, so a replica that omits the field reads as unknown, not as 0 %.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as _Counter
+from dataclasses import asdict, dataclass, field
+
+from gateway.observe.outcome import Outcome
+
+TTFT_SAMPLES = 4096  # per route and window: enough for p90 without unbounded memory
+
+
+@dataclass(slots=True)
+class Tally:
+    requests: int = 0
+    errors: int = 0  # status >= 400 or failed mid-stream
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    cache_reported_prompt_tokens: int = 0
+    cache_unreported_requests: int = 0
+    predicted_cached_tokens: int = 0
+    predicted_requests: int = 0
+
+    def add(self, o: Outcome) -> None:
+        self.requests += 1
+        if o.status >= 400 or o.error_kind:
+            self.errors += 1
+        if o.prompt_tokens:
+            self.prompt_tokens += o.prompt_tokens
+            if o.cached_tokens is not None:
+                self.cached_tokens += o.cached_tokens
+                self.cache_reported_prompt_tokens += o.prompt_tokens
+            else:
+                self.cache_unreported_requests += 1
+        if o.completion_tokens:
+            self.completion_tokens += o.completion_tokens
+        if o.predicted_cached_tokens is not None:
+            self.predicted_cached_tokens += o.predicted_cached_tokens
+            self.predicted_requests += 1
+
+    @property
+    def hit_rate_reported(self) -> float | None:
+        d = self.cache_reported_prompt_tokens
+        return self.cached_tokens / d if d else None
+
+    @property
+    def hit_rate_predicted(self) -> float | None:
+        return (
+            self.predicted_cached_tokens / self.prompt_tokens
+            if self.predicted_requests and self.prompt_tokens
+            else None
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["hit_rate_reported"] = _round(self.hit_rate_reported)
+        d["hit_rate_predicted"] = _round(self.hit_rate_predicted)
+        return d
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+@dataclass(slots=True)
+class Window:
+    """One route's numbers since the last summary line."""
+
+    tally: Tally = field(default_factory=Tally)
+    ttft: list[float] = field(default_factory=list)
+    reasons: _Counter[str] = field(default_factory=_Counter)
+
+
+class StatsBook:
+    def __init__(self) -> None:
+        self.by_route_replica: dict[tuple[str, str], Tally] = {}
+        self.by_route: dict[str, Tally] = {}
+        self.reasons: dict[str, _Counter[str]] = {}
+        self.windows: dict[str, Window] = {}
+
+    def record(self, o: Outcome) -> None:
+        route = o.route
+        tally = self.by_route.get(route)
+        if tally is None:
+            tally = self.by_route[route] = Tally()
+            self.reasons[route] = _Counter()
+        tally.add(o)
+        key = (route, o.replica or "none")
+        pair = self.by_route_replica.get(key)
+        if pair is None:
+            pair = self.by_route_replica[key] = Tally()
+        pair.add(o)
+        window = self.windows.get(route)
+        if window is None:
+            window = self.windows[route] = Window()
+        window.tally.add(o)
+        if o.reason:
+            self.reasons[route][o.reason] += 1
+            window.reasons[o.reason] += 1
+        if o.ttft_s is not None and len(window.ttft) < TTFT_SAMPLES:
+            window.ttft.append(o.ttft_s)
+
+    def take_window(self, route: str) -> Window:
+        """The route's window so far; a fresh one starts."""
+        return self.windows.pop(route, None) or Window()
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..100) or None for no data."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]

@@ -1,0 +1,380 @@
+"""The ``/v1/*`` request path as a plain ASGI app: parse → plan → forward → record.
+
+One :class:`Exchange` per request keeps the stages small and in order; it never reaches back
+into an earlier stage.  Raw ASGI (not a framework endpoint) because this is the hot path:
+the client's bytes are forwarded as they are unless preparation rewrote the body, responses
+are relayed chunk by chunk, and a task watching for ``http.disconnect`` cancels the work (and
+so drops the upstream connection, which makes vLLM abort the request) the moment the client
+goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from time import perf_counter
+from typing import Any
+
+from gateway.errors import (
+    ClientDisconnected,
+    GatewayError,
+    NoHealthyReplica,
+    Unauthorized,
+    UpstreamError,
+    UpstreamReadTimeout,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from gateway.observe.outcome import Outcome
+from gateway.proxy.parse import parse_body, read_body
+from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
+from gateway.replicas.pool import Replica
+from gateway.routing.base import Decision
+from gateway.service import ENDPOINT_PATHS, Gateway, Plan
+from gateway.upstream.client import UpstreamResponse
+
+log = logging.getLogger("prefix_gateway.proxy")
+
+#: keys this module reads from / writes to the ASGI scope (set by ``gateway.middleware``)
+REQUEST_ID_KEY = "prefix_gateway.request_id"
+LOG_INFO_KEY = "prefix_gateway.log"
+
+_JSON = b"application/json"
+_STREAM_USAGE = b',"stream_options":{"include_usage":true}'
+
+
+def dumps(body: Any) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def upstream_body(raw: bytes, body: dict[str, Any], plan: Plan, stream_usage: bool) -> tuple[bytes, bool]:
+    """The bytes to send upstream, and whether the gateway added ``include_usage`` (→ strip it)."""
+    rewritten = plan.body
+    want_usage = False
+    if stream_usage and plan.request.stream and plan.endpoint != "embeddings":
+        options = body.get("stream_options")
+        want_usage = not (isinstance(options, dict) and options.get("include_usage") is True)
+    if not want_usage:
+        return (raw if rewritten is None else dumps(rewritten)), False
+    if rewritten is None and "stream_options" not in body:
+        end = raw.rstrip().rfind(b"}")  # splice into the client's bytes: no re-serialization
+        return raw[:end] + _STREAM_USAGE + raw[end:], True
+    source = dict(rewritten if rewritten is not None else body)
+    options = source.get("stream_options")
+    source["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return dumps(source), True
+
+
+class ProxyEndpoint:
+    """ASGI app for one endpoint (chat, completions or embeddings)."""
+
+    def __init__(self, gateway: Gateway, endpoint: str) -> None:
+        self.gateway = gateway
+        self.endpoint = endpoint
+        self.path = ENDPOINT_PATHS[endpoint]
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await Exchange(self, scope, receive, send).run()
+
+
+class Exchange:
+    """One request's journey.  Attributes are the state the stages hand forward."""
+
+    def __init__(self, endpoint: ProxyEndpoint, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        self.gw = endpoint.gateway
+        self.endpoint = endpoint.endpoint
+        self.path = endpoint.path
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.t0 = perf_counter()
+        self.request_id: str = scope.get(REQUEST_ID_KEY) or os.urandom(16).hex()
+        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        self.outcome = Outcome(route="none", endpoint=self.endpoint, status=0)
+        self.plan: Plan | None = None
+        self.replica: Replica | None = None  # holds an in-flight slot while set
+        self.decision: Decision | None = None
+        self.response: UpstreamResponse | None = None
+        self.usage: Usage | None = None
+        self.started = False  # response headers sent to the client
+        self.done = False  # final body message is being sent: a disconnect now is harmless
+        self.client_gone = False
+        self.t_upstream = 0.0
+        self.added = 0.0
+        self._watcher: asyncio.Task[None] | None = None
+
+    # -- driver ------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            await self._run()
+        except GatewayError as exc:
+            if exc.route and self.outcome.route == "none":
+                self.outcome.route = exc.route
+            self.outcome.status = exc.status
+            self.outcome.error_kind = exc.kind
+            if not self.started:
+                await self._send_error(exc)
+        except ClientDisconnected:
+            self._client_went_away()
+        except asyncio.CancelledError:
+            if not self.client_gone:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            self._client_went_away()
+        finally:
+            if self._watcher is not None:
+                self._watcher.cancel()
+            self._finish()
+
+    def _client_went_away(self) -> None:
+        self.outcome.status = 499
+        self.outcome.error_kind = "client_disconnect"
+        if self.response is not None:
+            self.response.abort()
+
+    async def _run(self) -> None:
+        gw = self.gw
+        if gw.client_keys.enabled and not gw.client_keys.check_authorization(self.headers.get("authorization")):
+            raise Unauthorized("Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
+        raw = await read_body(self.receive, gw.config.server.max_body_bytes, self.headers.get("content-length"))
+        body = parse_body(raw, self.endpoint)
+        if gw.config.logging.log_prompts and log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s body: %s", self.request_id, raw[:8192].decode("utf-8", "replace"))
+        plan = self.plan = gw.plan(self.endpoint, body, self.headers, self.request_id)
+        o = self.outcome
+        o.route, o.policy, o.stream = plan.route.name, plan.route.policy, plan.request.stream
+        if plan.prepared is not None and plan.prepared.normalized:
+            o.normalize_mode, o.normalized = plan.route.normalize_mode, plan.prepared.normalized
+        payload, strip = upstream_body(raw, body, plan, gw.config.upstream.stream_usage)
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
+        response = await self._send_upstream(plan, payload)
+        if plan.request.stream and response.status == 200 and "event-stream" in (response.content_type or ""):
+            await self._relay_stream(response, strip)
+        else:
+            await self._relay_whole(response)
+
+    async def _watch_disconnect(self, task: asyncio.Task[Any] | None) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                if not self.done and task is not None:
+                    self.client_gone = True
+                    task.cancel()
+                return
+
+    # -- upstream with retries ---------------------------------------------------------
+    def _hold(self, decision: Decision, replica: Replica) -> None:
+        self.decision, self.replica = decision, replica
+        replica.in_flight += 1
+
+    def _let_go(self, completed: bool) -> None:
+        replica, plan = self.replica, self.plan
+        if replica is None or plan is None or self.decision is None:
+            return
+        self.replica = None
+        cached = self.usage.cached_tokens if self.usage is not None else None
+        plan.route.runner.release(replica, plan.request, self.decision, cached, completed)
+
+    def _upstream_headers(self, replica: Replica) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
+        if replica.auth_header:
+            headers["Authorization"] = replica.auth_header
+        elif self.gw.config.upstream.forward_client_authorization and not self.gw.client_keys.enabled:
+            auth = self.headers.get("authorization")
+            if auth:
+                headers["Authorization"] = auth
+        return headers
+
+    def _next_replica(self, plan: Plan, tried: list[str]) -> tuple[Decision, Replica] | None:
+        try:
+            return plan.route.runner.decide(plan.request, exclude=tried)
+        except NoHealthyReplica:
+            return None
+
+    async def _send_upstream(self, plan: Plan, payload: bytes) -> UpstreamResponse:
+        settings = self.gw.config.upstream
+        decision, replica = plan.decision, plan.replica
+        tried: list[str] = []
+        while True:
+            self._hold(decision, replica)
+            self.t_upstream = perf_counter()
+            try:
+                response = await replica.client.post(self.path, payload, self._upstream_headers(replica))
+            except UpstreamError as exc:
+                self._let_go(completed=False)
+                if exc.before_send:
+                    replica.report_transport_error(str(exc))
+                tried.append(replica.name)
+                following = (
+                    self._next_replica(plan, tried) if exc.before_send and len(tried) <= settings.max_retries else None
+                )
+                if following is not None:
+                    decision, replica = following
+                    self.outcome.retries += 1
+                    continue
+                self._note_decision()
+                raise self._translate(exc, plan, tried) from exc
+            if response.status in settings.retry_on_status and len(tried) < settings.max_retries:
+                following = self._next_replica(plan, [*tried, replica.name])
+                if following is not None:
+                    if response.status >= 500:
+                        replica.report_5xx(response.status)
+                    try:
+                        await response.read()
+                        response.release()
+                    except UpstreamError:
+                        response.abort()
+                    self._let_go(completed=False)
+                    tried.append(replica.name)
+                    decision, replica = following
+                    self.outcome.retries += 1
+                    continue
+            self.response = response
+            self._note_decision()
+            return response
+
+    def _note_decision(self) -> None:
+        o, decision = self.outcome, self.decision
+        if decision is not None:
+            o.reason = decision.reason
+            o.replica = decision.replica
+        if self.plan is not None and decision is self.plan.decision:
+            o.predicted_cached_tokens = self.plan.predicted_cached_tokens
+
+    def _translate(self, exc: UpstreamError, plan: Plan, tried: list[str]) -> GatewayError:
+        if isinstance(exc, UpstreamReadTimeout):
+            return UpstreamTimeout(f"replica {tried[-1]!r} did not answer in time")
+        if plan.route.runner.healthy_count() == 0:
+            return NoHealthyReplica(
+                f"no healthy replica for route {plan.route.name!r}: every attempt failed ({', '.join(tried)}: {exc})"
+            )
+        return UpstreamUnavailable(f"could not get an answer from {', '.join(tried)}: {exc}")
+
+    # -- relaying ----------------------------------------------------------------------
+    def _response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
+        headers = [(b"content-type", content_type)]
+        plan = self.plan
+        if plan is not None:
+            if self.gw.config.server.response_headers:
+                headers.append((b"x-prefix-gateway-route", plan.route.name.encode()))
+                if self.decision is not None:
+                    headers.append((b"x-prefix-gateway-replica", self.decision.replica.encode()))
+            prepared = plan.prepared
+            if prepared is not None and prepared.relocated and prepared.normalized:
+                value = ",".join(f"{rule}={count}" for rule, count in prepared.normalized.items())
+                headers.append((b"x-prefix-gateway-normalized", value.encode()))
+        return headers
+
+    async def _relay_whole(self, response: UpstreamResponse) -> None:
+        replica = self.replica
+        try:
+            data = await response.read()
+        except UpstreamError as exc:
+            response.abort()
+            raise (UpstreamTimeout if isinstance(exc, UpstreamReadTimeout) else UpstreamUnavailable)(
+                f"replica {self.outcome.replica!r} failed while answering: {exc}"
+            ) from exc
+        response.release()
+        status = response.status
+        t_back = perf_counter()
+        if replica is not None:
+            if status >= 500:
+                replica.report_5xx(status)
+            else:
+                replica.report_ok()
+        if status == 200:
+            self.usage = sniff_json_usage(data)
+        else:
+            self.outcome.error_kind = "upstream_status"
+        content_type = (response.content_type or "application/json").encode("latin-1")
+        headers = self._response_headers(content_type)
+        headers.append((b"content-length", str(len(data)).encode()))
+        self.outcome.status = status
+        self.started = True
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        self.done = True
+        await self.send({"type": "http.response.body", "body": data, "more_body": False})
+        self.added = (self.t_upstream - self.t0) + (perf_counter() - t_back)
+
+    async def _relay_stream(self, response: UpstreamResponse, strip: bool) -> None:
+        relay = StreamRelay(strip)
+        send = self.send
+        content_type = (response.content_type or "text/event-stream").encode("latin-1")
+        self.outcome.status = 200
+        self.started = True
+        await send({"type": "http.response.start", "status": 200, "headers": self._response_headers(content_type)})
+        first = True
+        try:
+            async for data in response.chunks():
+                out = relay.feed(data)
+                if out:
+                    if first:
+                        t_in = perf_counter()
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                    if first:
+                        now = perf_counter()
+                        self.outcome.ttft_s = now - self.t0
+                        self.added = (self.t_upstream - self.t0) + (now - t_in)
+                        first = False
+        except UpstreamError as exc:
+            response.abort()
+            self.usage = relay.usage
+            self.outcome.error_kind = f"upstream_{exc.kind}"
+            if self.replica is not None and not isinstance(exc, UpstreamReadTimeout):
+                self.replica.report_5xx(502)
+            error = {"error": {"message": f"upstream stream failed: {exc}", "type": "server_error", "code": 502}}
+            self.done = True
+            await send({"type": "http.response.body", "body": b"data: " + dumps(error) + b"\n\n", "more_body": False})
+            return
+        self.usage = relay.usage
+        tail = relay.finish()
+        response.release()
+        if self.replica is not None:
+            self.replica.report_ok()
+        self.done = True
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _send_error(self, exc: GatewayError) -> None:
+        body = exc.to_bytes()
+        headers = self._response_headers(_JSON)
+        headers.append((b"content-length", str(len(body)).encode()))
+        self.started = True
+        self.done = True
+        await self.send({"type": "http.response.start", "status": exc.status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    # -- bookkeeping -------------------------------------------------------------------
+    def _finish(self) -> None:
+        o = self.outcome
+        completed = o.status == 200 and o.error_kind is None
+        self._let_go(completed)
+        if o.status == 0:
+            o.status = 500
+        usage = self.usage
+        if usage is not None:
+            o.prompt_tokens, o.completion_tokens, o.cached_tokens = (
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                usage.cached_tokens,
+            )
+        if self.added:
+            o.added_s = self.added
+        o.duration_s = perf_counter() - self.t0
+        self.gw.record(o)
+        info = self.scope.get(LOG_INFO_KEY)
+        if info is not None:
+            info["route"] = o.route
+            info["replica"] = o.replica
+            if o.reason:
+                info["reason"] = o.reason
+            if o.prompt_tokens is not None:
+                info["prompt_tokens"] = o.prompt_tokens
+                info["cached_tokens"] = o.cached_tokens
+            if o.retries:
+                info["retries"] = o.retries
+            if o.error_kind:
+                info["error"] = o.error_kind

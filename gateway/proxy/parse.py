@@ -1,0 +1,123 @@
+"""Read and check a request body: only what routing needs, everything else passes through.
+
+Full pydantic models of OpenAI bodies would cost more than the rest of the hot path and
+would reject vLLM's extra sampling parameters; we check the handful of fields the gateway
+reads (and the commonest wrong types), and forward the client's bytes untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.errors import BadRequest, ClientDisconnected, PayloadTooLarge
+
+
+async def read_body(receive: Any, limit: int, content_length: str | None) -> bytes:
+    """The whole request body, or 413 as soon as it is known to exceed ``limit``."""
+    if content_length is not None:
+        try:
+            declared = int(content_length)
+        except ValueError:
+            raise BadRequest("invalid Content-Length header") from None
+        if declared > limit:
+            raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _is_prompt(value: Any) -> bool:
+    """str | list[str] | list[int] | list[list[int]] (OpenAI's prompt / input shapes)."""
+    if isinstance(value, str):
+        return True
+    if not isinstance(value, list) or not value:
+        return False
+    first = value[0]
+    if isinstance(first, str):
+        return all(isinstance(v, str) for v in value)
+    if isinstance(first, int):
+        return _is_int_list(value)
+    if isinstance(first, list):
+        return all(_is_int_list(v) for v in value)
+    return False
+
+
+_NUMBER_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n")
+
+
+def _type_error(field: str, expected: str) -> BadRequest:
+    return BadRequest(f"'{field}' must be {expected}", param=field, code="invalid_type")
+
+
+def parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
+    """Parse JSON and check the fields routing reads.  Raises :class:`BadRequest` (400)."""
+    if not raw:
+        raise BadRequest("request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise (
+            _type_error("model", "a non-empty string")
+            if "model" in body
+            else BadRequest("'model' is required", param="model", code="missing_required_parameter")
+        )
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _type_error("stream", "a boolean")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _type_error("stream_options", "an object")
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if messages is None:
+            raise BadRequest("'messages' is required", param="messages", code="missing_required_parameter")
+        if not isinstance(messages, list) or not messages:
+            raise _type_error("messages", "a non-empty array of message objects")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise _type_error(f"messages[{i}]", "an object with a string 'role'")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise _type_error("tools", "an array")
+    elif endpoint == "completions":
+        if "prompt" not in body:
+            raise BadRequest("'prompt' is required", param="prompt", code="missing_required_parameter")
+        if not _is_prompt(body["prompt"]):
+            raise _type_error("prompt", "a string, an array of strings, or an array of token ids")
+    elif endpoint == "embeddings":
+        if "input" not in body:
+            raise BadRequest("'input' is required", param="input", code="missing_required_parameter")
+        if not _is_prompt(body["input"]):
+            raise _type_error("input", "a string, an array of strings, or an array of token ids")
+    for field in _NUMBER_FIELDS:
+        value = body.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise _type_error(field, "a number")
+    for field in _INT_FIELDS:
+        value = body.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise _type_error(field, "an integer")
+    return body

@@ -1,0 +1,148 @@
+"""Usage sniffing and the stream relay.
+
+Non-streaming: the usage object sits at the end of the response; we decode just that
+object instead of the whole (possibly large, e.g. embeddings) body.
+
+Streaming: bytes go to the client as they arrive.  When the gateway itself added
+``stream_options.include_usage`` (the client did not ask), the relay works per SSE event so
+it can drop the extra usage-only chunk and the ``"usage":null`` fields the option adds —
+the client then receives exactly what the replica would have sent it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_DECODER = json.JSONDecoder()
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+_USAGE_NULLS = (b',"usage":null', b', "usage": null', b'"usage":null,', b'"usage": null, ')
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None  # None: the replica did not report it ("unknown", not 0)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def usage_from_obj(usage: Any) -> Usage | None:
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), cached)
+
+
+def sniff_json_usage(body: bytes) -> Usage | None:
+    """The last top-level-looking ``"usage": {...}`` object of a JSON response."""
+    at = body.rfind(b'"usage"')
+    if at < 0:
+        return None
+    try:
+        text = body[at:].decode("utf-8")
+        colon = text.index(":") + 1
+        while colon < len(text) and text[colon] in " \t\r\n":
+            colon += 1
+        obj, _ = _DECODER.raw_decode(text, colon)
+    except ValueError:
+        return None
+    return usage_from_obj(obj)
+
+
+def _event_payload(event: bytes) -> Any:
+    for line in event.splitlines():
+        if line.startswith(b"data:"):
+            data = line[5:].strip()
+            if data and data != b"[DONE]":
+                try:
+                    return json.loads(data)
+                except ValueError:
+                    return None
+    return None
+
+
+class StreamRelay:
+    """Feeds upstream bytes through; records usage; optionally strips gateway-added usage."""
+
+    __slots__ = ("_pending", "strip", "usage")
+
+    def __init__(self, strip_usage: bool) -> None:
+        self.strip = strip_usage
+        self.usage: Usage | None = None
+        self._pending = b""
+
+    def _complete_events(self, data: bytes) -> bytes:
+        """Append ``data``; return the complete events (through the last boundary), keep the rest."""
+        pending = self._pending + data if self._pending else data
+        ends = list(_EVENT_END.finditer(pending))
+        if not ends:
+            self._pending = pending
+            return b""
+        cut = ends[-1].end()
+        self._pending = pending[cut:]
+        return pending[:cut]
+
+    def feed(self, data: bytes) -> bytes:
+        """Bytes to send to the client now."""
+        if not self.strip:
+            complete = self._complete_events(data)
+            if complete and b'"usage"' in complete:
+                self._sniff(complete)
+            return data
+        complete = self._complete_events(data)
+        if not complete or b'"usage"' not in complete:
+            return complete
+        out: list[bytes] = []
+        pos = 0
+        for match in _EVENT_END.finditer(complete):
+            event = complete[pos : match.start()]
+            sep = complete[match.start() : match.end()]
+            pos = match.end()
+            if b'"usage"' in event:
+                event = self._strip_event(event)
+                if event is None:
+                    continue
+            out.append(event + sep)
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """Whatever is left at the end of the stream (an unterminated last event)."""
+        rest, self._pending = self._pending, b""
+        if not self.strip:
+            if rest and b'"usage"' in rest:
+                self._sniff(rest + b"\n\n")
+            return b""
+        return rest
+
+    def _sniff(self, complete: bytes) -> None:
+        for event in _EVENT_END.split(complete):
+            if b'"usage"' in event:
+                obj = _event_payload(event)
+                if isinstance(obj, dict):
+                    usage = usage_from_obj(obj.get("usage"))
+                    if usage is not None:
+                        self.usage = usage
+
+    def _strip_event(self, event: bytes) -> bytes | None:
+        obj = _event_payload(event)
+        if not isinstance(obj, dict) or "usage" not in obj:
+            return event
+        usage = obj.get("usage")
+        if usage is None:
+            for pattern in _USAGE_NULLS:
+                if pattern in event:
+                    return event.replace(pattern, b"", 1)
+            return event
+        parsed = usage_from_obj(usage)
+        if parsed is not None:
+            self.usage = parsed
+        if obj.get("choices") == []:
+            return None  # the usage-only chunk the gateway asked for
+        return event

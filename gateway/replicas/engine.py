@@ -1,0 +1,85 @@
+"""Parse a replica's vLLM ``/metrics`` into the few engine numbers the gateway uses.
+
+Current (v1 engine) names first, the deprecated ``gpu_*`` names as a fallback (hidden since
+vLLM 0.9, but older fleets still export them).  Series are summed over their label sets
+(``model_name``, ``engine``), so a replica with several engines reads as one.  Absent
+series stay ``None``: "unknown", never 0.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# field -> sample names, preferred first
+_SERIES: dict[str, tuple[str, ...]] = {
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "running": ("vllm:num_requests_running",),
+    "waiting": ("vllm:num_requests_waiting",),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    "preemptions": ("vllm:num_preemptions_total",),
+    "prompt_tokens": ("vllm:prompt_tokens_total",),
+    "generation_tokens": ("vllm:generation_tokens_total",),
+}
+_WANTED = {name: field for field, names in _SERIES.items() for name in names}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """One scrape of one replica."""
+
+    scraped_at: float  # time.monotonic()
+    kv_cache_usage: float | None = None  # 0..1
+    running: float | None = None
+    waiting: float | None = None
+    prefix_cache_queries: float | None = None  # tokens, counter
+    prefix_cache_hits: float | None = None  # tokens, counter
+    preemptions: float | None = None
+    prompt_tokens: float | None = None
+    generation_tokens: float | None = None
+    block_size: int | None = None  # from vllm:cache_config_info
+    num_gpu_blocks: int | None = None
+
+    @property
+    def hit_rate(self) -> float | None:
+        if self.prefix_cache_queries and self.prefix_cache_hits is not None:
+            return self.prefix_cache_hits / self.prefix_cache_queries
+        return None
+
+
+def parse_engine_metrics(text: str, now: float | None = None) -> EngineStats:
+    """Extract :class:`EngineStats` from Prometheus text exposition (tolerates anything missing)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    info: dict[str, str] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name in _WANTED:
+                sums[name] = sums.get(name, 0.0) + sample.value
+                counts[name] = counts.get(name, 0) + 1
+            elif name == "vllm:cache_config_info" and not info:
+                info = dict(sample.labels)
+    values: dict[str, float | None] = {}
+    for field, names in _SERIES.items():
+        name = next((n for n in names if n in sums), None)
+        value = None if name is None else sums[name]
+        if field == "kv_cache_usage" and name is not None and counts[name] > 1:
+            value = sums[name] / counts[name]  # a fraction: average over engines
+        values[field] = value
+    return EngineStats(
+        scraped_at=time.monotonic() if now is None else now,
+        block_size=_int(info.get("block_size")),
+        num_gpu_blocks=_int(info.get("num_gpu_blocks")),
+        **values,
+    )
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(float(value)) if value not in (None, "", "None") else None
+    except ValueError:
+        return None

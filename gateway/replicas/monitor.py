@@ -1,0 +1,108 @@
+"""Background loops: active health checks, engine-metric scrapes, and the models list.
+
+They run beside the request path and only write fields on :class:`Replica`; the request
+path never waits for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.config import HealthSettings, ScrapeSettings
+from gateway.errors import UpstreamError
+from gateway.replicas.engine import parse_engine_metrics
+from gateway.replicas.pool import Replica
+
+log = logging.getLogger("prefix_gateway.replicas")
+
+
+class ReplicaMonitor:
+    """Owns the replicas' clients and background loops."""
+
+    def __init__(self, replicas: Sequence[Replica], health: HealthSettings, scrape: ScrapeSettings) -> None:
+        self.replicas = list(replicas)
+        self.health = health
+        self.scrape = scrape
+        self._tasks: list[asyncio.Task[None]] = []
+        self._models_cache: tuple[float, list[tuple[Replica, list[dict[str, Any]]]]] | None = None
+
+    async def start(self) -> None:
+        for replica in self.replicas:
+            await replica.client.start()
+        await self.probe_all()  # so /ready and routing reflect reality from the first request
+        self._tasks.append(asyncio.create_task(self._loop(self.probe_all, self.health.interval_s), name="health"))
+        if self.scrape.enabled:
+            self._tasks.append(asyncio.create_task(self._loop(self.scrape_all, self.scrape.interval_s), name="scrape"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        for replica in self.replicas:
+            await replica.client.close()
+
+    async def _loop(self, step: Any, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await step()
+            except Exception:  # a bug here must never stop health checking
+                log.exception("background step %s failed", getattr(step, "__name__", step))
+
+    # -- active health -------------------------------------------------------------------
+    async def probe(self, replica: Replica) -> None:
+        try:
+            status, _ = await replica.client.get(self.health.path, self.health.timeout_s)
+        except UpstreamError as exc:
+            replica.record_probe(False, str(exc))
+            return
+        replica.record_probe(status == 200, f"HTTP {status}")
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(r) for r in self.replicas))
+
+    # -- engine scrape -----------------------------------------------------------------
+    async def scrape_one(self, replica: Replica) -> None:
+        try:
+            status, body = await replica.client.get(self.scrape.path, self.scrape.timeout_s)
+            if status != 200:
+                raise UpstreamError(f"HTTP {status}")
+            replica.engine = parse_engine_metrics(body.decode("utf-8", "replace"))
+            replica.engine_error = None
+        except (UpstreamError, ValueError) as exc:
+            replica.engine_error = str(exc) or type(exc).__name__
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self.scrape_one(r) for r in self.replicas))
+
+    # -- models ------------------------------------------------------------------------
+    async def models(self, ttl_s: float = 5.0) -> list[tuple[Replica, list[dict[str, Any]]]]:
+        """``(replica, its /v1/models entries)`` for healthy replicas, cached for ``ttl_s``."""
+        now = time.monotonic()
+        if self._models_cache and now - self._models_cache[0] < ttl_s:
+            return self._models_cache[1]
+
+        async def one(replica: Replica) -> tuple[Replica, list[dict[str, Any]]] | None:
+            try:
+                status, body = await replica.client.get("/v1/models", self.health.timeout_s)
+                data = json.loads(body) if status == 200 else None
+            except (UpstreamError, ValueError):
+                return None
+            entries = data.get("data") if isinstance(data, dict) else None
+            if not isinstance(entries, list):
+                return None
+            return replica, [e for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)]
+
+        results = await asyncio.gather(*(one(r) for r in self.replicas if r.healthy))
+        listing = [r for r in results if r is not None]
+        self._models_cache = (now, listing)
+        return listing

@@ -1,0 +1,86 @@
+"""Routes: which requests go to which pool, under which policy and prefix settings.
+
+A :class:`Route` bundles what the request path needs for one configured route: its matcher,
+its :class:`PolicyRunner`, and — for policies that need prefix keys — its
+:class:`PrefixPipeline`.  Routes are matched in config order; the first match wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from gateway.config import RouteConfig
+from gateway.prefix.pipeline import PrefixPipeline
+from gateway.replicas.pool import Replica
+from gateway.routing import registry
+from gateway.routing.runner import PolicyRunner
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    name: str
+    config: RouteConfig
+    runner: PolicyRunner
+    pipeline: PrefixPipeline | None  # set when the policy needs prefix keys
+    endpoints: frozenset[str]
+    session_header: str  # lower-case
+
+    @property
+    def policy(self) -> str:
+        return self.runner.policy_name
+
+    @property
+    def normalize_mode(self) -> str:
+        return self.config.normalize.mode
+
+    def needs_keys(self, endpoint: str) -> bool:
+        return self.pipeline is not None and endpoint in ("chat", "completions")
+
+
+def build_route(config: RouteConfig, pool: Sequence[Replica]) -> Route:
+    """Phase two for one route: build its policy (from the registry) and pipeline."""
+    entry = registry.entry(config.policy)
+    members = [r.view() for r in pool]
+    policy = registry.build_policy(config.policy, config.policy_settings, members)
+    pipeline = PrefixPipeline(config.normalize, config.prefix) if entry.needs_prefix_keys else None
+    return Route(
+        name=config.name,
+        config=config,
+        runner=PolicyRunner(config.name, config.policy, policy, pool),
+        pipeline=pipeline,
+        endpoints=frozenset(config.endpoints),
+        session_header=config.session_header.lower(),
+    )
+
+
+class RouteTable:
+    """First-match lookup by model name, optional header, and endpoint."""
+
+    def __init__(self, routes: Sequence[Route]) -> None:
+        self.routes = list(routes)
+        self._by_name = {r.name: r for r in self.routes}
+        # Fast path: a model listed by name in routes that come before any pattern/header route.
+        self._exact: dict[str, list[Route]] = {}
+        for route in self.routes:
+            m = route.config.match
+            if m.header is not None or any(any(ch in p for ch in "*?[") for p in m.models):
+                break
+            for model in m.models:
+                self._exact.setdefault(model, []).append(route)
+
+    def get(self, name: str) -> Route | None:
+        return self._by_name.get(name)
+
+    def match(self, model: str, headers: Mapping[str, str], endpoint: str) -> Route | None:
+        for route in self._exact.get(model, ()):
+            if endpoint in route.endpoints:
+                return route
+        for route in self.routes:
+            if endpoint in route.endpoints and route.config.match.matches(model, headers):
+                return route
+        return None
+
+    def serves_model(self, model: str, headers: Mapping[str, str]) -> bool:
+        """Does any route take this model (on any endpoint)?"""
+        return any(route.config.match.matches(model, headers) for route in self.routes)

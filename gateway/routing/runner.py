@@ -1,0 +1,88 @@
+"""Runs one route's policy under the rules every policy shares.
+
+The runner — not each policy — skips unhealthy (or already tried) replicas, builds the
+``ReplicaView``s with in-flight counts taken at decision time, checks the policy's answer,
+counts the request in flight on the chosen replica, and after the response feeds the
+outcome back through ``policy.observe``.  Policies stay pure functions of their inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+
+from gateway.errors import NoHealthyReplica
+from gateway.replicas.pool import Replica
+from gateway.routing.base import Decision, Policy, ReplicaView, RequestView
+from gateway.routing.policies.least_loaded import least_loaded
+
+log = logging.getLogger("prefix_gateway.routing")
+
+
+class PolicyRunner:
+    """One route's policy bound to its pool of replicas."""
+
+    def __init__(self, route: str, policy_name: str, policy: Policy, replicas: Sequence[Replica]) -> None:
+        self.route = route
+        self.policy_name = policy_name
+        self.policy = policy
+        self.replicas = list(replicas)
+        self._by_name = {r.name: r for r in self.replicas}
+        self._turn = 0
+        self._warned_invalid = False
+
+    def members(self) -> list[ReplicaView]:
+        """Every configured replica (healthy or not): what hash-based policies build rings from."""
+        return [r.view() for r in self.replicas]
+
+    def healthy_count(self) -> int:
+        return sum(1 for r in self.replicas if r.healthy)
+
+    def decide(self, request: RequestView, exclude: Collection[str] = ()) -> tuple[Decision, Replica]:
+        """Pick a replica for ``request`` among healthy ones not in ``exclude``.
+
+        Raises :class:`NoHealthyReplica` (503) when none is left.
+        """
+        eligible = [r for r in self.replicas if r.healthy and r.name not in exclude]
+        if not eligible:
+            healthy = self.healthy_count()
+            if exclude and healthy:
+                msg = f"no other healthy replica left for route {self.route!r} after {len(exclude)} failed attempt(s)"
+            else:
+                msg = f"no healthy replica for route {self.route!r} ({healthy} of {len(self.replicas)} healthy)"
+            error = NoHealthyReplica(msg)
+            error.route = self.route
+            raise error
+        views = [r.view() for r in eligible]
+        decision = self.policy.choose(request, views)
+        replica = self._by_name.get(decision.replica)
+        if replica is None or replica not in eligible:
+            # A policy bug must not fail the request: fall back and say so (once) in the log.
+            if not self._warned_invalid:
+                log.error("policy %s returned ineligible replica %r; using least loaded", self.policy_name, decision)
+                self._warned_invalid = True
+            self._turn += 1
+            pick = least_loaded(views, self._turn)
+            decision = Decision(pick.name, "fallback", {"invalid_choice": decision.replica})
+            replica = self._by_name[pick.name]
+        return decision, replica
+
+    @staticmethod
+    def acquire(replica: Replica) -> None:
+        replica.in_flight += 1
+
+    def release(
+        self,
+        replica: Replica,
+        request: RequestView,
+        decision: Decision,
+        cached_tokens: int | None,
+        completed: bool,
+    ) -> None:
+        """The request left ``replica``; a completed one teaches the policy (e.g. affinity)."""
+        replica.in_flight -= 1
+        if completed:
+            try:
+                self.policy.observe(request, decision, cached_tokens)
+            except Exception:  # a policy bug must not fail a finished request
+                log.exception("policy %s observe() failed", self.policy_name)

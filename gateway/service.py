@@ -1,0 +1,214 @@
+"""The assembled gateway: phase two of configuration, and the one planning code path.
+
+:class:`Gateway` builds every component from a validated ``GatewayConfig`` (replicas and
+their upstream clients, routes with their policies and prefix pipelines, metrics, stats,
+auth) and owns their lifecycle.  :meth:`Gateway.plan` turns a parsed body into a routing
+decision — the request handler and ``/admin/explain`` both call it, so what explain shows
+is what the handler does.  Nothing here knows about ASGI.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.auth import KeyChecker
+from gateway.config import GatewayConfig
+from gateway.errors import ModelNotFound
+from gateway.observe.logs import AccessLog
+from gateway.observe.metrics import GatewayMetrics, ReplicaCollector
+from gateway.observe.outcome import Outcome
+from gateway.observe.stats import StatsBook
+from gateway.observe.summary import SummaryReporter
+from gateway.prefix.pipeline import PreparedPrompt
+from gateway.replicas.monitor import ReplicaMonitor
+from gateway.replicas.pool import Replica
+from gateway.routing.base import Decision, RequestView
+from gateway.routing.routes import Route, RouteTable, build_route
+from gateway.upstream.aiohttp_client import aiohttp_factory
+from gateway.upstream.client import ClientFactory
+
+log = logging.getLogger("prefix_gateway")
+
+ENDPOINT_PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything decided about a request before it is sent."""
+
+    route: Route
+    endpoint: str
+    prepared: PreparedPrompt | None  # None when the route's policy needs no prefix keys
+    request: RequestView
+    decision: Decision
+    replica: Replica
+
+    @property
+    def body(self) -> dict[str, Any] | None:
+        """The body to forward when preparation rewrote it, else None (forward the client's bytes)."""
+        return self.prepared.body if self.prepared is not None and self.prepared.relocated else None
+
+    @property
+    def predicted_cached_tokens(self) -> int | None:
+        value = self.decision.detail.get("predicted_cached_tokens") if self.decision.detail else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class Gateway:
+    """Components built from one config; start/stop around serving."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        client_factory: ClientFactory = aiohttp_factory,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        self.config = config
+        self.replicas: dict[str, Replica] = {}
+        for rc in config.replicas:
+            client = client_factory(rc, config.upstream)
+            self.replicas[rc.name] = Replica(rc, client, config.health, rc.resolved_api_key(env))
+        self.routes = RouteTable(
+            [build_route(rc, [self.replicas[r.name] for r in config.pool_of(rc)]) for rc in config.routes]
+        )
+        self.monitor = ReplicaMonitor(list(self.replicas.values()), config.health, config.scrape)
+        self.metrics = GatewayMetrics()
+        self.metrics.registry.register(ReplicaCollector(lambda: list(self.replicas.values())))
+        for route in self.routes.routes:
+            self.metrics.route_info.labels(route.name, route.policy).set(1)
+        self.stats = StatsBook()
+        self.summary = SummaryReporter(
+            self.stats,
+            lambda: [(r.name, r.runner.replicas) for r in self.routes.routes],
+            config.logging.summary_interval_s,
+        )
+        self.access_log = AccessLog(config.logging)
+        self.admin_keys = KeyChecker(config.admin.key_hashes(env))
+        self.client_keys = KeyChecker(config.auth.key_hashes(env))
+        self.started_at = time.time()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.monitor.start()
+        self.summary.start()
+
+    async def stop(self) -> None:
+        await self.summary.stop()
+        await self.monitor.stop()
+
+    # -- planning ----------------------------------------------------------------------
+    def route_for(self, endpoint: str, model: str, headers: Mapping[str, str]) -> Route:
+        route = self.routes.match(model, headers, endpoint)
+        if route is None:
+            if self.routes.serves_model(model, headers):
+                raise ModelNotFound(
+                    f"The model `{model}` is not served on {ENDPOINT_PATHS.get(endpoint, endpoint)} by this gateway.",
+                    param="model",
+                )
+            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+        return route
+
+    def plan(self, endpoint: str, body: dict[str, Any], headers: Mapping[str, str], request_id: str = "") -> Plan:
+        """Route, prepare (normalize/tokenize/hash when the policy needs keys) and decide.
+
+        ``body`` must have passed ``gateway.proxy.parse.parse_body``; ``headers`` have
+        lower-case names.  Raises ``ModelNotFound`` (404) or ``NoHealthyReplica`` (503).
+        Calls the policy's ``choose`` — stateful policies (round robin) advance.
+        """
+        model = body["model"]
+        route = self.route_for(endpoint, model, headers)
+        prepared = route.pipeline.prepare(endpoint, body) if route.needs_keys(endpoint) else None  # type: ignore[union-attr]
+        if prepared is None:
+            request = RequestView(
+                request_id,
+                route.name,
+                model,
+                endpoint,
+                session_key=headers.get(route.session_header),
+                stream=body.get("stream") is True,
+            )
+        else:
+            request = RequestView(
+                request_id,
+                route.name,
+                model,
+                endpoint,
+                session_key=headers.get(route.session_header),
+                block_keys=prepared.block_keys,
+                block_size=prepared.block_size,
+                prompt_tokens=prepared.window_tokens,
+                stream=body.get("stream") is True,
+            )
+        decision, replica = route.runner.decide(request)
+        return Plan(route, endpoint, prepared, request, decision, replica)
+
+    # -- recording ---------------------------------------------------------------------
+    def record(self, outcome: Outcome) -> None:
+        self.metrics.record(outcome)
+        self.stats.record(outcome)
+
+    # -- read-only views ---------------------------------------------------------------
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready when every route has at least one healthy replica."""
+        routes = {r.name: r.runner.healthy_count() for r in self.routes.routes}
+        return all(routes.values()), {"routes": {k: {"healthy_replicas": v} for k, v in routes.items()}}
+
+    async def models(self) -> list[dict[str, Any]]:
+        """Union of the models healthy replicas serve, restricted to what some route accepts."""
+        seen: dict[str, dict[str, Any]] = {}
+        for replica, entries in await self.monitor.models():
+            for entry in entries:
+                model_id = entry["id"]
+                if model_id in seen:
+                    continue
+                for route in self.routes.routes:
+                    if replica in route.runner.replicas and route.config.match.matches(model_id, {}):
+                        seen[model_id] = entry
+                        break
+        return list(seen.values())
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """``GET /admin/stats``: per route and per replica, cumulative since start."""
+        routes: dict[str, Any] = {}
+        for route in self.routes.routes:
+            tally = self.stats.by_route.get(route.name)
+            hits = queries = 0.0
+            for replica in route.runner.replicas:
+                engine = replica.engine
+                if engine and engine.prefix_cache_hits is not None and engine.prefix_cache_queries:
+                    hits += engine.prefix_cache_hits
+                    queries += engine.prefix_cache_queries
+            per_replica = {}
+            for replica in route.runner.replicas:
+                pair = self.stats.by_route_replica.get((route.name, replica.name))
+                per_replica[replica.name] = {
+                    **(pair.as_dict() if pair else {"requests": 0}),
+                    "in_flight": replica.in_flight,
+                    "healthy": replica.healthy,
+                    "engine_hit_rate": None if replica.engine is None else replica.engine.hit_rate,
+                }
+            routes[route.name] = {
+                "policy": route.policy,
+                "normalize": route.normalize_mode,
+                "healthy_replicas": route.runner.healthy_count(),
+                "replicas": per_replica,
+                **(tally.as_dict() if tally else {"requests": 0}),
+                "engine_hit_rate": round(hits / queries, 4) if queries else None,
+                "reasons": dict(self.stats.reasons.get(route.name, {})),
+            }
+        return {
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "routes": routes,
+            "replicas": {name: replica.snapshot() for name, replica in self.replicas.items()},
+        }

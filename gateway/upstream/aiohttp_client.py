@@ -1,0 +1,118 @@
+"""aiohttp behind our :class:`UpstreamClient` interface: one pooled session per replica.
+
+aiohttp's own exceptions never leave this module; they become ``gateway.errors.Upstream*``
+with ``before_send`` telling the proxy whether retrying elsewhere is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+
+import aiohttp
+
+from gateway.config import ReplicaConfig, UpstreamSettings
+from gateway.errors import UpstreamBroken, UpstreamConnectError, UpstreamError, UpstreamReadTimeout
+
+
+def _translate(exc: BaseException, *, started: bool) -> UpstreamError:
+    """Map an aiohttp/asyncio exception to ours.  ``started``: response headers were received."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return UpstreamConnectError(f"cannot connect: {exc.os_error or exc}", before_send=True)
+    if isinstance(exc, aiohttp.ServerDisconnectedError) and not started:
+        # The server closed the (pooled) connection without answering: either an idle
+        # keep-alive race or a crash; in both cases no work is left running there.
+        return UpstreamConnectError("server closed the connection before answering", before_send=True)
+    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return UpstreamReadTimeout("upstream read timed out")
+    return UpstreamBroken(f"{type(exc).__name__}: {exc}")
+
+
+class AiohttpResponse:
+    __slots__ = ("_resp", "content_type", "status")
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+        self.status = resp.status
+        self.content_type = resp.headers.get("Content-Type")
+
+    async def read(self) -> bytes:
+        try:
+            return await self._resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self._resp.close()
+            raise _translate(exc, started=True) from exc
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        content = self._resp.content
+        try:
+            while True:
+                data = await content.readany()
+                if not data:
+                    return
+                yield data
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self._resp.close()
+            raise _translate(exc, started=True) from exc
+
+    def release(self) -> None:
+        self._resp.release()
+
+    def abort(self) -> None:
+        self._resp.close()
+
+
+class AiohttpUpstream:
+    """Pooled keep-alive connections to one replica."""
+
+    def __init__(self, replica: ReplicaConfig, settings: UpstreamSettings) -> None:
+        self.base_url = replica.url
+        self._settings = settings
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        if self._session is not None:
+            return
+        s = self._settings
+        connector = aiohttp.TCPConnector(
+            limit=s.max_connections_per_replica,
+            limit_per_host=0,
+            keepalive_timeout=s.keepalive_timeout_s,
+            ttl_dns_cache=60,
+        )
+        self._session = aiohttp.ClientSession(
+            base_url=None,
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s, sock_read=s.read_timeout_s),
+            skip_auto_headers=("User-Agent",),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _require(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise UpstreamConnectError("upstream client is not started", before_send=True)
+        return self._session
+
+    async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> AiohttpResponse:
+        session = self._require()
+        try:
+            resp = await session.post(self.base_url + path, data=body, headers=headers)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _translate(exc, started=False) from exc
+        return AiohttpResponse(resp)
+
+    async def get(self, path: str, timeout_s: float) -> tuple[int, bytes]:
+        session = self._require()
+        try:
+            async with session.get(self.base_url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status, await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _translate(exc, started=False) from exc
+
+
+def aiohttp_factory(replica: ReplicaConfig, settings: UpstreamSettings) -> AiohttpUpstream:
+    return AiohttpUpstream(replica, settings)
