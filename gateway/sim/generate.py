@@ -1,0 +1,349 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``, streaming or not.
+
+The path of a request: parse → tokenize (the project's chat template) → plan the output
+length → engine request(s) with their block keys → wait (or not, at time_scale 0) →
+render the OpenAI/vLLM response.  Usage reports what the engine really did:
+``cached_tokens`` is the prefix-cache hit found when the request was first admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gateway.chat_template import chat_tokens
+from gateway.sim.asgi import Receive, Send, start_stream, watch_disconnect
+from gateway.sim.engine import EngineError, EngineRequest
+from gateway.sim.faults import FaultSettings
+from gateway.sim.protocol import (
+    SSE_DONE,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    check_messages,
+    check_token_ids,
+    parse,
+    sse,
+    usage,
+)
+from gateway.sim.replica import Replica
+
+logger = logging.getLogger("gateway.sim.api")
+
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
+class _Job:
+    """One HTTP generation request: its prompts, its engine requests, how to render it."""
+
+    __slots__ = ("chat", "created", "echo", "model", "n", "prompts", "reqs", "rid", "stream_usage", "texts")
+
+    def __init__(self, chat: bool, model: str, rid: str, prompts: list[list[int]], n: int) -> None:
+        self.chat = chat
+        self.model = model
+        self.rid = rid
+        self.prompts = prompts
+        self.n = n
+        self.reqs: list[EngineRequest] = []
+        self.created = int(time.time())
+        self.echo: list[str] | None = None
+        self.stream_usage: tuple[bool, bool] = (False, False)  # include_usage, continuous
+
+
+async def chat_completions(replica: Replica, body: bytes, receive: Receive, send: Send) -> tuple[int, bytes] | None:
+    req: ChatRequest = parse(ChatRequest, body)
+    model, lora = replica.resolve_model(req.model)
+    seed = replica.block_seed(lora, req.cache_salt)
+    check_messages(req.messages)
+    prompt = chat_tokens(replica.tokenizer, req.messages, req.tools, req.add_generation_prompt)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    job = _Job(True, model, "chatcmpl-" + replica.new_id(), [prompt], req.n)
+    return await _generate(replica, job, req, requested, seed, "messages", receive, send)
+
+
+async def completions(replica: Replica, body: bytes, receive: Receive, send: Send) -> tuple[int, bytes] | None:
+    req: CompletionRequest = parse(CompletionRequest, body)
+    model, lora = replica.resolve_model(req.model)
+    seed = replica.block_seed(lora, req.cache_salt)
+    raw = req.prompt
+    prompts: list[list[int]]
+    texts: list[str] | None = None
+    if isinstance(raw, str):
+        texts = [raw]
+        prompts = [replica.tokenizer.encode(raw)]
+    elif not raw:
+        raise APIError(400, "Prompt cannot be empty.", param="prompt")
+    elif isinstance(raw[0], int):
+        prompts = [list(raw)]  # type: ignore[arg-type]
+    elif isinstance(raw[0], str):
+        texts = list(raw)  # type: ignore[arg-type]
+        prompts = [replica.tokenizer.encode(t) for t in texts]
+    else:
+        prompts = [list(p) for p in raw]  # type: ignore[union-attr]
+    for ids in prompts:
+        if not ids:
+            raise APIError(400, "Prompt cannot be empty.", param="prompt")
+        check_token_ids(ids, "prompt")
+    job = _Job(False, model, "cmpl-" + replica.new_id(), prompts, req.n)
+    if req.echo:
+        job.echo = texts if texts is not None else [replica.tokenizer.decode(p) for p in prompts]
+    return await _generate(replica, job, req, req.max_tokens, seed, "prompt", receive, send)
+
+
+async def _generate(
+    replica: Replica,
+    job: _Job,
+    req: ChatRequest | CompletionRequest,
+    requested: int | None,
+    seed: int,
+    what: str,
+    receive: Receive,
+    send: Send,
+) -> tuple[int, bytes] | None:
+    arrival = time.monotonic()
+    for prompt in job.prompts:
+        out_len, reason = replica.output_plan(len(prompt), requested, what)
+        job.reqs.extend(replica.engine_requests(prompt, out_len, reason, job.n, seed, arrival))
+    engine = replica.engine
+    if req.stream:
+        opts = req.stream_options
+        job.stream_usage = (bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
+        return await _stream(replica, job, receive, send)
+    if engine.instant:
+        try:
+            replica.run(job.reqs)
+        except EngineError as exc:
+            raise APIError(503, str(exc)) from None
+    else:
+        waiter = asyncio.Event()
+        for r in job.reqs:
+            r.waiter = waiter
+        replica.run(job.reqs)
+        if not await _wait_all(replica, job.reqs, waiter, receive):
+            return None  # client gone: nothing to send
+        for r in job.reqs:
+            if r.error:
+                raise APIError(503, r.error)
+    return 200, _dumps(_response(replica, job)).encode()
+
+
+async def _wait_all(replica: Replica, reqs: list[EngineRequest], waiter: asyncio.Event, receive: Receive) -> bool:
+    """Wait until every request finished; abort them all (and say False) if the client leaves."""
+    gone = watch_disconnect(receive)
+    try:
+        while not all(r.finished for r in reqs):
+            wait = asyncio.ensure_future(waiter.wait())
+            await asyncio.wait((wait, gone), return_when=asyncio.FIRST_COMPLETED)
+            if gone.done():
+                wait.cancel()
+                for r in reqs:
+                    replica.engine.abort(r)
+                return False
+            waiter.clear()
+        return True
+    finally:
+        gone.cancel()
+
+
+def _usage(replica: Replica, job: _Job, completion: int | None = None) -> dict[str, Any]:
+    reqs = job.reqs
+    n = job.n
+    prompt_tokens = sum(len(p) for p in job.prompts)
+    if completion is None:
+        completion = sum(r.num_output for r in reqs)
+    cached: int | None = None
+    if replica.options.enable_prompt_tokens_details:
+        cached = sum(max(reqs[i * n].cached_tokens, 0) for i in range(len(job.prompts)))
+    return usage(prompt_tokens, completion, cached)
+
+
+def _response(replica: Replica, job: _Job) -> dict[str, Any]:
+    render = replica.textgen.render
+    choices: list[dict[str, Any]] = []
+    for index, r in enumerate(job.reqs):
+        text = render(r.output)
+        if job.chat:
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": text, "tool_calls": []},
+                    "logprobs": None,
+                    "finish_reason": r.finish_reason,
+                    "stop_reason": None,
+                }
+            )
+        else:
+            if job.echo is not None:
+                text = job.echo[index // job.n] + text
+            choices.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": r.finish_reason,
+                    "stop_reason": None,
+                }
+            )
+    return {
+        "id": job.rid,
+        "object": "chat.completion" if job.chat else "text_completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+        "usage": _usage(replica, job),
+    }
+
+
+# -- streaming --------------------------------------------------------------------------------
+
+
+class _Dropped(Exception):
+    """Fault injection: lose the connection now."""
+
+
+class _Stalled(Exception):
+    """Fault injection: stop sending, keep the connection open."""
+
+
+class _ChunkSink:
+    """Counts SSE events and applies the stall/drop faults at the configured chunk."""
+
+    def __init__(self, send: Send, faults: FaultSettings, batch: bool) -> None:
+        self.send = send
+        self.count = 0
+        self.stall_at = faults.stall_after_chunks
+        self.drop_at = faults.drop_after_chunks
+        # At time_scale 0 everything is ready at once: one write instead of one per event.
+        self.batch = batch and self.stall_at is None and self.drop_at is None
+        self.pending: list[bytes] = []
+
+    def _check(self) -> None:
+        if self.drop_at is not None and self.count >= self.drop_at:
+            raise _Dropped
+        if self.stall_at is not None and self.count >= self.stall_at:
+            raise _Stalled
+
+    async def emit(self, event: bytes) -> None:
+        self._check()
+        self.count += 1
+        if self.batch:
+            self.pending.append(event)
+        else:
+            await self.send({"type": "http.response.body", "body": event, "more_body": True})
+
+    async def close(self) -> None:
+        self._check()
+        self.pending.append(SSE_DONE)
+        await self.send({"type": "http.response.body", "body": b"".join(self.pending), "more_body": False})
+
+
+async def _stream(replica: Replica, job: _Job, receive: Receive, send: Send) -> None:
+    engine = replica.engine
+    faults = replica.faults.settings
+    waiter = asyncio.Event()
+    for r in job.reqs:
+        r.waiter = waiter
+    if engine.instant:
+        try:
+            replica.run(job.reqs)
+        except EngineError as exc:
+            raise APIError(503, str(exc)) from None
+    else:
+        replica.run(job.reqs)
+    await start_stream(send)  # from here on errors go into the stream, not the status
+    sink = _ChunkSink(send, faults, batch=engine.instant)
+    gone = None if engine.instant and faults.stall_after_chunks is None else watch_disconnect(receive)
+    try:
+        await _emit_events(replica, job, sink, waiter, gone)
+        await sink.close()
+    except _Stalled:
+        logger.warning("fault injection: stalling stream %s after %d chunks", job.rid, sink.count)
+        if gone is not None:
+            await asyncio.shield(gone)  # hold the connection until the client gives up
+        _abort_all(replica, job)
+    except _Dropped:
+        logger.warning("fault injection: dropping the connection of %s after %d chunks", job.rid, sink.count)
+        _abort_all(replica, job)
+        # Returning without finishing the response makes uvicorn close the socket mid-stream.
+    except _ClientLeft:
+        _abort_all(replica, job)
+    finally:
+        if gone is not None:
+            gone.cancel()
+
+
+class _ClientLeft(Exception):
+    pass
+
+
+def _abort_all(replica: Replica, job: _Job) -> None:
+    for r in job.reqs:
+        replica.engine.abort(r)
+
+
+async def _emit_events(
+    replica: Replica, job: _Job, sink: _ChunkSink, waiter: asyncio.Event, gone: asyncio.Future[Any] | None
+) -> None:
+    reqs = job.reqs
+    text = replica.textgen.text
+    base: dict[str, Any] = {
+        "id": job.rid,
+        "object": "chat.completion.chunk" if job.chat else "text_completion",
+        "created": job.created,
+        "model": job.model,
+    }
+    include_usage, continuous = job.stream_usage
+    make: Callable[[int, str, str | None], dict[str, Any]]
+    if job.chat:
+        for index in range(len(reqs)):
+            delta = {"role": "assistant", "content": ""}
+            role = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            await sink.emit(sse({**base, "choices": [role]}))
+
+        def make(index: int, piece: str, finish: str | None) -> dict[str, Any]:
+            choice = {"index": index, "delta": {"content": piece}, "logprobs": None, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = None
+            return choice
+
+    else:
+
+        def make(index: int, piece: str, finish: str | None) -> dict[str, Any]:
+            return {"index": index, "text": piece, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+
+    sent = [0] * len(reqs)
+    generated = 0
+    while True:
+        for index, r in enumerate(reqs):
+            if r.error is not None:
+                err = APIError(503, r.error)
+                await sink.emit(b"data: " + err.body() + b"\n\n")
+                return
+            while sent[index] < r.num_output:
+                k = sent[index]
+                piece = text[r.output[k]]
+                if k == 0 and job.echo is not None:
+                    piece = job.echo[index // job.n] + piece
+                last = k + 1 == r.max_tokens
+                payload = {**base, "choices": [make(index, piece, r.stop_reason if last else None)]}
+                sent[index] = k + 1
+                generated += 1
+                if continuous:
+                    payload["usage"] = _usage(replica, job, generated)
+                await sink.emit(sse(payload))
+        if all(r.finished for r in reqs):
+            break
+        if gone is None:  # pragma: no cover - instant mode finishes before streaming starts
+            break
+        wait = asyncio.ensure_future(waiter.wait())
+        await asyncio.wait((wait, gone), return_when=asyncio.FIRST_COMPLETED)
+        if gone.done():
+            wait.cancel()
+            raise _ClientLeft
+        waiter.clear()
+    if include_usage:
+        await sink.emit(sse({**base, "choices": [], "usage": _usage(replica, job)}))

@@ -1,0 +1,152 @@
+"""The simulated GPU KV cache: a fixed pool of blocks with vLLM's prefix-caching rules.
+
+Mirrors vLLM v1's ``BlockPool`` / ``KVCacheManager`` where it matters for routing:
+
+- capacity is ``num_gpu_blocks`` blocks of ``block_size`` tokens;
+- a block is *cached* once it is full and computed; its key is the chained block hash
+  (:func:`gateway.prefix.blocks.chain_block_keys`), so a key names a whole prefix;
+- blocks referenced by running requests are pinned; every other block sits in one free
+  queue in LRU order, cached or not, and allocation takes from the head, evicting the
+  cached key of the block it takes;
+- a finished request frees its blocks tail-first, so the tail of a prompt is evicted
+  before its (more shareable) head;
+- a lookup returns the longest run of cached leading blocks, capped below the prompt's
+  last token (see :func:`hit_block_limit`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def hit_block_limit(num_tokens: int, block_size: int) -> int:
+    """How many leading blocks may count as a hit for a sequence of ``num_tokens`` tokens.
+
+    vLLM must compute at least the last token to get logits, so it caps the hit at
+    ``num_tokens - 1`` tokens, and hits are whole blocks.  Hence a fully cached prompt
+    recomputes its last *block* when its length is a multiple of ``block_size``, and its
+    partial tail otherwise (``KVCacheManager.get_computed_blocks``).
+    """
+    return max(num_tokens - 1, 0) // block_size
+
+
+class Block:
+    """One KV block.  ``key`` is set while the block holds a cached, full, computed block."""
+
+    __slots__ = ("block_id", "key", "ref")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref = 0
+        self.key: int | None = None
+
+
+class PrefixCache:
+    """Block pool + key index.  Not thread-safe: one engine (one event loop) owns it."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self._blocks)
+        self._cached: dict[int, Block] = {}
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks not referenced by any request (cached ones included: they can be evicted)."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """vLLM's ``kv_cache_usage_perc``: the share of blocks pinned by requests (0..1)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def contains(self, key: int) -> bool:
+        return key in self._cached
+
+    def lookup(self, keys: Sequence[int], num_tokens: int) -> list[Block]:
+        """The cached blocks of the longest cached prefix of ``keys`` (hit cap applied)."""
+        limit = min(len(keys), hit_block_limit(num_tokens, self.block_size))
+        cached = self._cached
+        hit: list[Block] = []
+        for i in range(limit):
+            block = cached.get(keys[i])
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def can_allocate(self, hit: Sequence[Block], num_new: int) -> bool:
+        """Whether ``hit`` can be pinned and ``num_new`` fresh blocks taken right now."""
+        if num_new <= 0:
+            return True
+        reclaimed = 0
+        for block in hit:
+            if block.ref == 0:
+                reclaimed += 1
+        return num_new <= len(self._free) - reclaimed
+
+    # -- mutations -------------------------------------------------------------------------
+    def touch(self, hit: Sequence[Block]) -> None:
+        """Pin hit blocks for a request (removing free ones from the eviction queue)."""
+        free = self._free
+        for block in hit:
+            if block.ref == 0:
+                del free[block.block_id]
+            block.ref += 1
+
+    def allocate(self, num: int) -> list[Block]:
+        """Take ``num`` blocks from the LRU head (caller checked :meth:`can_allocate`)."""
+        out: list[Block] = []
+        free = self._free
+        cached = self._cached
+        for _ in range(num):
+            _, block = free.popitem(last=False)
+            key = block.key
+            if key is not None:
+                if cached.get(key) is block:
+                    del cached[key]
+                block.key = None
+            block.ref = 1
+            out.append(block)
+        return out
+
+    def commit(self, blocks: Sequence[Block], keys: Sequence[int], start: int, end: int) -> None:
+        """Mark ``blocks[start:end]`` as computed full blocks holding ``keys[start:end]``.
+
+        If another block already holds the same key (two identical prompts computed
+        concurrently), the first stays the one lookups find, as in vLLM.
+        """
+        cached = self._cached
+        for i in range(start, end):
+            block = blocks[i]
+            if block.key is None:
+                key = keys[i]
+                if key not in cached:
+                    cached[key] = block
+                    block.key = key
+
+    def free(self, blocks: Sequence[Block]) -> None:
+        """Unpin a request's blocks; unreferenced ones join the LRU tail, tail block first."""
+        free = self._free
+        for block in reversed(blocks):
+            block.ref -= 1
+            if block.ref == 0:
+                free[block.block_id] = block
+
+    def reset(self) -> None:
+        """Forget every cached block (a restart).  Only valid when no request holds blocks."""
+        if len(self._free) != self.num_blocks:
+            raise RuntimeError("cannot reset the prefix cache while requests hold blocks")
+        for block in self._blocks:
+            block.key = None
+        self._cached.clear()
+        self._free = OrderedDict((b.block_id, b) for b in self._blocks)

@@ -1,0 +1,108 @@
+"""The state of one simulated replica and the HTTP-free steps every request shares.
+
+Model resolution, prompt limits and turning token ids into engine requests live here so
+the endpoint modules only parse, call, and render.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+from gateway.prefix.blocks import chain_block_keys, first_block_seed
+from gateway.sim.engine import Engine, EngineRequest
+from gateway.sim.faults import FaultState
+from gateway.sim.metrics import SimMetrics
+from gateway.sim.options import SimOptions
+from gateway.sim.protocol import APIError
+from gateway.sim.textgen import TextGenerator
+from gateway.tokenizer import get_tokenizer
+
+
+class Replica:
+    """Everything one replica owns: tokenizer, engine + KV cache, metrics, faults."""
+
+    def __init__(self, options: SimOptions) -> None:
+        self.options = options
+        self.tokenizer = get_tokenizer(options.tokenizer)
+        self.metrics = SimMetrics(options)
+        self.engine = Engine(options, self.metrics)
+        self.textgen = TextGenerator(self.tokenizer, options.seed)
+        self.faults = FaultState(options.faults(), options.seed)
+        self.max_model_len = options.effective_max_model_len
+        self.block_size = options.block_size
+        self.created = int(time.time())
+        self._ids = itertools.count(1)
+        self._id_prefix = os.urandom(6).hex()
+        self._loras = frozenset(options.lora_modules)
+
+    def new_id(self) -> str:
+        return f"{self._id_prefix}{next(self._ids):020x}"
+
+    def resolve_model(self, requested: str | None) -> tuple[str, str | None]:
+        """(served name, LoRA name or None); unknown names are vLLM's 404."""
+        if requested is None or requested == self.options.model:
+            return self.options.model, None
+        if requested in self._loras:
+            return requested, requested
+        raise APIError(404, f"The model `{requested}` does not exist.", param="model")
+
+    def block_seed(self, lora: str | None, cache_salt: str | None) -> int:
+        if cache_salt is not None and not cache_salt:
+            raise APIError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+        return first_block_seed(self.options.model, lora=lora, cache_salt=cache_salt)
+
+    def check_prompt_len(self, num_tokens: int, what: str = "messages") -> None:
+        if num_tokens >= self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"request has {num_tokens} input tokens. Please reduce the length of the input {what}.",
+                param="input_tokens",
+            )
+
+    def output_plan(self, num_prompt: int, requested: int | None, what: str = "messages") -> tuple[int, str]:
+        """(output length, finish_reason) for a prompt, with vLLM's length errors.
+
+        With ``max_tokens`` the sequence always runs to it (``finish_reason`` "length");
+        without, the "model" stops by itself after ``--max-output-tokens`` ("stop").
+        """
+        self.check_prompt_len(num_tokens=num_prompt, what=what)
+        room = self.max_model_len - num_prompt
+        if requested is None:
+            default = self.options.max_output_tokens
+            return (default, "stop") if default <= room else (room, "length")
+        if requested < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {requested}.", param="max_tokens")
+        if requested > room:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_prompt + requested} tokens ({num_prompt} in the {what}, {requested} in "
+                f"the completion). Please reduce the length of the {what} or completion.",
+                param="max_tokens",
+            )
+        return requested, "length"
+
+    def engine_requests(
+        self, prompt: list[int], out_len: int, reason: str, n: int, seed: int, arrival: float
+    ) -> list[EngineRequest]:
+        """One engine request per choice; each carries its output tokens and block keys."""
+        digest = self.textgen.prompt_digest(prompt)
+        out: list[EngineRequest] = []
+        for choice in range(n):
+            tokens = self.textgen.token_ids(digest, choice, out_len)
+            keys = chain_block_keys(prompt + tokens[:-1], self.block_size, seed)
+            out.append(EngineRequest(len(prompt), tokens, keys, reason, arrival))
+        return out
+
+    def run(self, reqs: list[EngineRequest]) -> None:
+        """Start requests: synchronously at time_scale 0, else queue them in the engine."""
+        engine = self.engine
+        if engine.instant:
+            for req in reqs:
+                engine.run_instant(req)
+        else:
+            for req in reqs:
+                engine.add_request(req)
