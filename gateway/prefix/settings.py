@@ -1,13 +1,71 @@
 """Per-route settings of the prefix engine (normalization and prefix keying).
 
-Imported by the config schema; every field has a documented default.
+Imported by the config schema; every field has a documented default.  Validation happens
+here (regexes compile, rule names are metric-label safe, assistant/tool messages can never
+be put in scope), so a bad route fails at config load, never on a request.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+#: Built-in detectors, in priority order (an earlier one wins when two match at the same place).
+DETECTORS: tuple[str, ...] = (
+    "rfc2822_datetime",
+    "iso_datetime",
+    "uuid",
+    "unix_timestamp",
+    "date",
+    "time",
+    "hex_id",
+    "base64_id",
+)
+
+DetectorName = Literal[
+    "rfc2822_datetime",
+    "iso_datetime",
+    "uuid",
+    "unix_timestamp",
+    "date",
+    "time",
+    "hex_id",
+    "base64_id",
+]
+
+_RULE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+class RegexRule(BaseModel):
+    """A route's own volatile-span rule: every match of ``pattern`` is treated like a timestamp."""
+
+    model_config = {"extra": "forbid"}
+
+    name: str = Field(description="metric label and placeholder name: [a-z][a-z0-9_]{0,31}")
+    pattern: str = Field(description="Python regular expression; each match (group 0) is one volatile span")
+    ignore_case: bool = Field(False, description="compile with re.IGNORECASE")
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, value: str) -> str:
+        if not _RULE_NAME.match(value):
+            raise ValueError("rule name must match [a-z][a-z0-9_]{0,31} (it becomes a metric label)")
+        if value in DETECTORS:
+            raise ValueError(f"rule name {value!r} is a built-in detector; pick another name")
+        return value
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern_ok(cls, value: str) -> str:
+        try:
+            compiled = re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"invalid regular expression: {exc}") from None
+        if compiled.match(""):
+            raise ValueError("pattern must not match the empty string")
+        return value
 
 
 class NormalizeSettings(BaseModel):
@@ -18,6 +76,50 @@ class NormalizeSettings(BaseModel):
     mode: Literal["off", "report", "relocate"] = Field(
         "report", description="off: do nothing; report: count what was found; relocate: move it after the stable prefix"
     )
+    detectors: list[DetectorName] = Field(
+        default_factory=lambda: list(DETECTORS), description="built-in detectors to run (default: all)"
+    )
+    rules: list[RegexRule] = Field(default_factory=list, description="extra named regex rules for this route")
+    roles: list[Literal["system", "developer", "user"]] = Field(
+        default_factory=lambda: ["system", "developer"],
+        description="chat message roles whose content is scanned (assistant and tool messages never are)",
+    )
+    tools: bool = Field(True, description="scan the 'description' strings of tool definitions")
+    max_scan_chars: int = Field(
+        32768, ge=0, description="chat: scan at most this many characters of in-scope text per request, in order"
+    )
+    completion_prefix_chars: int = Field(
+        2048, ge=0, description="/v1/completions: scan only this many leading characters of a string prompt"
+    )
+    placement: Literal["last_user", "system_before_last_user", "trailing_system"] = Field(
+        "last_user",
+        description="chat: where the relocated values go: appended to the last user message's content, "
+        "a system message inserted right before the last user message, or a system message after the last message",
+    )
+    completion_placement: Literal["after_span_line", "end"] = Field(
+        "after_span_line",
+        description="completions: insert the values block after the line holding the last moved span, "
+        "or at the very end of the prompt",
+    )
+    values_note: str = Field(
+        "Current values of the {{volatile:...}} placeholders above:",
+        description="first line inside the appended values block (may be empty)",
+    )
+    canonicalize_tools: bool = Field(
+        False, description="rewrite tool JSON schemas with sorted keys so key order never splits the cache"
+    )
+
+    @field_validator("detectors")
+    @classmethod
+    def _unique_detectors(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
+
+    @model_validator(mode="after")
+    def _unique_rules(self) -> NormalizeSettings:
+        names = [r.name for r in self.rules]
+        if len(names) != len(set(names)):
+            raise ValueError("rule names must be unique")
+        return self
 
 
 class PrefixSettings(BaseModel):
@@ -28,3 +130,15 @@ class PrefixSettings(BaseModel):
     tokenizer: str = Field("cl100k_base", description="cl100k_base, o200k_base, or a path to a tokenizer.json")
     window_tokens: int = Field(4096, ge=16, description="only this many leading tokens are tokenized and hashed")
     block_size: int = Field(16, ge=1, description="tokens per hashed block (vLLM's default is 16)")
+    lora_from_model: bool = Field(
+        False,
+        description="the request's model name is a LoRA adapter: it goes into the first block's seed as the LoRA",
+    )
+    base_model: str | None = Field(
+        None, description="with lora_from_model: the base model name for the seed (default: the request's model)"
+    )
+    token_cache_tokens: int = Field(
+        2_000_000,
+        ge=0,
+        description="bound of the per-route LRU of segment text -> token ids (about 4 bytes per token); 0 disables",
+    )

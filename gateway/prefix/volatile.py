@@ -1,0 +1,269 @@
+"""Find volatile spans (timestamps, dates, ids) in text, fast.
+
+A volatile value early in a prompt (``Current time: 2025-03-04T05:06:07Z`` at the top of a
+system prompt) makes every request's prefix different, so no replica ever gets a cache hit.
+This module only *finds* such spans; :mod:`gateway.prefix.normalize` decides what to do.
+
+Speed matters: this runs on every request, before routing.  Python's ``re`` costs about
+150 ns per character for an alternation of eight detectors, far too slow for a 32 KB
+system prompt.  Every built-in detector's match contains a *strong digit run*: four or more
+digits, or a digit next to a letter or one of ``: / - . + _ = ,``.  So the scan is:
+
+1. translate the text to a class string (digit → ``0``, letter → ``a``, id punctuation →
+   ``:``, anything else ASCII → space) with ``str.translate`` (≈0.4 ns/char);
+2. find strong digit runs in it with a regex that starts with a literal (C fast path);
+3. run the detectors only on small windows around those runs.
+
+Text without a strong digit run costs a few microseconds per 10 KB.  User regex rules run
+over the whole scanned text (their cost is theirs).
+
+Placeholders written by relocation (``{{volatile:rule:n}}``) and the values block it
+appends are never reported as spans, which is what makes relocation idempotent.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.prefix.settings import DETECTORS, RegexRule
+
+# --- placeholders and the values block (their syntax lives here so the scanner can skip them)
+PLACEHOLDER_PREFIX = "{{volatile:"
+PLACEHOLDER_RE = re.compile(r"\{\{volatile:([a-z][a-z0-9_]{0,31}):(\d{1,6})\}\}")
+BLOCK_OPEN = "<volatile_values>"
+BLOCK_CLOSE = "</volatile_values>"
+
+
+def placeholder(rule: str, index: int) -> str:
+    """The stable text that replaces the ``index``-th (1-based) span of ``rule``."""
+    return f"{{{{volatile:{rule}:{index}}}}}"
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One volatile span ``text[start:end]`` found by ``rule``."""
+
+    start: int
+    end: int
+    rule: str
+
+
+# --- built-in detectors ---------------------------------------------------------------
+_MONTH = (
+    r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?"
+    r"|Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)"
+)
+_WDAY = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)"
+_WEEKDAY = r"(?:(?:Mon|Tues|Wednes|Thurs|Fri|Satur|Sun)day|Mon|Tue|Tues|Wed|Thu|Thur|Thurs|Fri|Sat|Sun)\.?"
+_TZ = r"(?:[+-]\d{4}|UT|UTC|GMT|Z|[ECMP][SD]T)"
+_HMS = r"(?:[01]?\d|2[0-3]):[0-5]\d(?::[0-5]\d)?"
+
+_PATTERNS: dict[str, str] = {
+    # "Tue, 04 Mar 2025 05:06:07 +0000", "4 Mar 2025 05:06 GMT", and ctime/`date` style
+    # "Tue Mar  4 05:06:07 UTC 2025" / "Tue Mar  4 05:06:07 2025".
+    "rfc2822_datetime": (
+        rf"(?<![\w])(?:(?:{_WDAY},?\s+)?\d{{1,2}}\s+{_MONTH}\s+\d{{4}}\s+{_HMS}(?:\s*{_TZ})?"
+        rf"|{_WDAY}\s+{_MONTH}\s+\d{{1,2}}\s+{_HMS}(?:\s+[A-Z]{{2,5}})?\s+\d{{4}})(?!\w)"
+    ),
+    # "2025-03-04T05:06:07Z", "2025-03-04 05:06:07.123+01:00", "2025-03-04T05:06"
+    "iso_datetime": (
+        r"(?<![\w.])\d{4}-[01]\d-[0-3]\d[T ][0-2]\d:[0-5]\d(?::[0-5]\d(?:[.,]\d{1,9})?)?"
+        r"(?:\s?(?:Z|UTC|[+-][0-2]\d(?::?[0-5]\d)?))?(?![\w])"
+    ),
+    "uuid": (
+        r"(?<![0-9A-Za-z-])[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}(?![0-9A-Za-z-])"
+    ),
+    # seconds (10 digits) or milliseconds (13) since the epoch, 2001-09-09 .. 2096
+    "unix_timestamp": r"(?<![\w.])[1-3]\d{9}(?:\d{3}|\.\d{1,6})?(?!\w|\.\d)",
+    # "2025-03-04", "2025/03/04", "04/03/2025", "4.3.2025", "March 4, 2025", "4 March 2025",
+    # "Tuesday, March 4th, 2025"
+    "date": (
+        r"(?<![\w.])(?:(?:19|20)\d{2}(?P<_ds1>[-/.])(?:0?[1-9]|1[0-2])(?P=_ds1)(?:0?[1-9]|[12]\d|3[01])"
+        r"|(?:[0-3]?\d)(?P<_ds2>[/-])(?:[0-3]?\d)(?P=_ds2)(?:\d{4}|\d{2})"
+        r"|[0-3]?\d\.[01]?\d\.(?:19|20)\d{2}"
+        rf"|(?:{_WEEKDAY},?\s+)?{_MONTH}\.?\s+[0-3]?\d(?:st|nd|rd|th)?,?\s+(?:19|20)\d{{2}}"
+        rf"|(?:{_WEEKDAY},?\s+)?[0-3]?\d(?:st|nd|rd|th)?\s+(?:of\s+)?{_MONTH}\.?,?\s+(?:19|20)\d{{2}})(?![\w])"
+    ),
+    # "05:06", "05:06:07.123", "5:06 PM", "17:30 UTC"
+    "time": (
+        rf"(?<![\w:.]){_HMS}(?:[.,]\d{{1,6}})?(?:\s?[AaPp]\.?[Mm]\.?)?(?:\s?(?:UTC|GMT|Z|[+-][0-2]\d:?[0-5]\d))?"
+        r"(?![\w:]|\.\d)"
+    ),
+    # 16..128 hex digits (sha1/sha256, trace ids, long decimal ids); at least one digit
+    "hex_id": r"(?<![0-9A-Za-z_])(?=[0-9a-fA-F]*[0-9])[0-9a-fA-F]{16,128}(?![0-9A-Za-z_])",
+    # 20..200 chars of base64/base64url/ULID-ish text with a digit and a letter; see _looks_random
+    "base64_id": (
+        r"(?<![A-Za-z0-9+/_=-])(?=[A-Za-z0-9+/_-]*[0-9])(?=[A-Za-z0-9+/_-]*[A-Za-z])"
+        r"[A-Za-z0-9+/_-]{20,200}={0,2}(?![A-Za-z0-9+/_=-])"
+    ),
+}
+assert tuple(_PATTERNS) == DETECTORS
+
+# Class string for the prefilter (ASCII only; other characters are left as they are).
+_CLASS_TABLE = "".join(
+    "0" if chr(c).isdigit() else "a" if chr(c).isalpha() else ":" if chr(c) in ":/-.+_=," else " " for c in range(128)
+)
+# A strong digit run: a digit preceded by a letter/punct, four digits, or digits then a letter/punct.
+_STRONG = re.compile(r"0(?:(?<=[:a]0)|000|0{0,3}[:a])")
+_NON_ID = re.compile(r"[^0a:]")
+_CONTEXT = 96  # characters around a strong run that a detector match can reach (dates with names)
+_ID_REACH = 512  # how far an id-like run is followed past the context window
+_SPILL = 256  # a span may start before the scan limit and end after it
+
+
+def _looks_random(value: str) -> bool:
+    """Tell an opaque id (``Zx81kQ0pLm...``) from a long identifier (``fetchWeatherForecastV2``).
+
+    Random base64 changes character class (upper/lower/digit) at ~60 % of positions and
+    base36/ULID text at ~40 %; camelCase or snake_case words change at word boundaries only
+    and rarely hold two digits.  A heuristic: disable ``base64_id`` or add a rule if it errs.
+    """
+    last = 0
+    changes = digits = counted = 0
+    seen = 0
+    for ch in value:
+        if "0" <= ch <= "9":
+            cls = 1
+            digits += 1
+        elif "A" <= ch <= "Z":
+            cls = 2
+        elif "a" <= ch <= "z":
+            cls = 4
+        else:
+            continue
+        if last and cls != last:
+            changes += 1
+        last = cls
+        seen |= cls
+        counted += 1
+    if seen & 6 == 6:  # mixed case: base64 changes class at ~60 % of positions
+        return changes >= max(4, counted * 2 // 5)
+    return digits >= 2 and changes >= max(4, counted // 4)
+
+
+class VolatileScanner:
+    """Compiled detectors and rules for one route; :meth:`scan` is pure and thread-safe."""
+
+    def __init__(self, detectors: Sequence[str] = DETECTORS, rules: Sequence[RegexRule] = ()) -> None:
+        enabled = [d for d in DETECTORS if d in set(detectors)]
+        if enabled:
+            self._builtin: re.Pattern[str] | None = re.compile(
+                "|".join(f"(?:{_PATTERNS[name]})(?P<{name}>)" for name in enabled)
+            )
+        else:
+            self._builtin = None
+        self._rules = [(r.name, re.compile(r.pattern, re.IGNORECASE if r.ignore_case else 0)) for r in rules]
+        # A span of a user rule wins over a built-in one at the same start (rules are explicit).
+        self._priority = {r.name: i for i, r in enumerate(rules)}
+        self._priority.update({name: len(rules) + i for i, name in enumerate(enabled)})
+
+    @property
+    def empty(self) -> bool:
+        return self._builtin is None and not self._rules
+
+    def scan(self, text: str, limit: int | None = None) -> list[Span]:
+        """Non-overlapping volatile spans starting before ``limit`` (default: whole text), in order.
+
+        Placeholders and values blocks written by relocation are skipped.
+        """
+        n = len(text)
+        stop = n if limit is None else min(n, limit)
+        if stop <= 0:
+            return []
+        end = min(n, stop + _SPILL)
+        protected = _protected_ranges(text, end)
+        found: list[tuple[int, int, int, str]] = []
+        if self._builtin is not None:
+            self._scan_builtin(text, stop, end, found)
+        for name, rx in self._rules:
+            prio = self._priority[name]
+            for m in rx.finditer(text, 0, end):
+                if m.start() < stop and m.end() > m.start():
+                    found.append((m.start(), -(m.end() - m.start()), prio, name))
+        if not found:
+            return []
+        found.sort()
+        spans: list[Span] = []
+        cursor = 0
+        for start, neg_len, _prio, name in found:
+            stop_at = start - neg_len
+            if start < cursor or _overlaps(protected, start, stop_at):
+                continue
+            spans.append(Span(start, stop_at, name))
+            cursor = stop_at
+        return spans
+
+    def _scan_builtin(self, text: str, stop: int, end: int, found: list[tuple[int, int, int, str]]) -> None:
+        cls = text[:end].translate(_CLASS_TABLE)
+        regions: list[list[int]] = []
+        for m in _STRONG.finditer(cls, 0, stop + _CONTEXT):
+            p = m.start()
+            lo = max(0, p - _CONTEXT)
+            hi = min(end, p + _CONTEXT)
+            if regions and lo <= regions[-1][1]:
+                if hi > regions[-1][1]:
+                    regions[-1][1] = hi
+            else:
+                regions.append([lo, hi])
+        if not regions:
+            return
+        rx = self._builtin
+        assert rx is not None
+        priority = self._priority
+        for lo, hi in regions:
+            # Widen to id boundaries so an id crossing the window edge is seen whole (bounded).
+            if hi < end:
+                nxt = _NON_ID.search(cls, hi, min(end, hi + _ID_REACH))
+                hi = nxt.start() if nxt else min(end, hi + _ID_REACH)
+            if lo > 0:
+                back = max(0, lo - _ID_REACH)
+                cut = cls.rfind(" ", back, lo)
+                lo = cut + 1 if cut >= 0 else back
+            for m in rx.finditer(text, lo, hi):
+                start = m.start()
+                if start >= stop:
+                    break
+                name = m.lastgroup
+                assert name is not None
+                if name == "base64_id" and not _looks_random(m.group()):
+                    continue
+                found.append((start, start - m.end(), priority[name], name))
+        # Regions are disjoint only before widening; duplicates are removed by the caller's sweep.
+
+
+def _protected_ranges(text: str, end: int) -> list[tuple[int, int]]:
+    """Placeholders and values blocks already in ``text``: never spans themselves."""
+    ranges: list[tuple[int, int]] = []
+    if PLACEHOLDER_PREFIX in text:
+        ranges.extend(m.span() for m in PLACEHOLDER_RE.finditer(text, 0, end))
+    start = text.find(BLOCK_OPEN)
+    while start != -1 and start < end:
+        close = text.find(BLOCK_CLOSE, start)
+        stop = len(text) if close == -1 else close + len(BLOCK_CLOSE)
+        ranges.append((start, stop))
+        start = text.find(BLOCK_OPEN, stop)
+    ranges.sort()
+    return ranges
+
+
+def _overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    for lo, hi in ranges:
+        if lo >= end:
+            return False
+        if hi > start:
+            return True
+    return False
+
+
+def existing_placeholder_max(text: str) -> dict[str, int]:
+    """Highest placeholder index per rule already present (so new ones never collide)."""
+    if PLACEHOLDER_PREFIX not in text:
+        return {}
+    best: dict[str, int] = {}
+    for m in PLACEHOLDER_RE.finditer(text):
+        idx = int(m.group(2))
+        if idx > best.get(m.group(1), 0):
+            best[m.group(1)] = idx
+    return best
