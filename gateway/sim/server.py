@@ -47,8 +47,21 @@ def logging_config() -> dict[str, Any]:
     return config
 
 
-def uvicorn_config(app: SimApp, *, host: str = "127.0.0.1", port: int = 0, **extra: Any) -> uvicorn.Config:
+def uvicorn_config(
+    app: SimApp, *, host: str = "127.0.0.1", port: int = 0, own_process: bool = True, **extra: Any
+) -> uvicorn.Config:
+    """uvicorn settings for a replica.
+
+    uvicorn's logging switches are process-global (``access_log=False`` silences the
+    ``uvicorn.access`` logger for every server in the process), so only a replica that owns
+    its process configures logging; an in-thread replica leaves logging to its host.
+    """
     options = app.options
+    logging_kwargs: dict[str, Any] = (
+        {"log_config": logging_config(), "access_log": not options.disable_uvicorn_access_log}
+        if own_process
+        else {"log_config": None, "log_level": None, "access_log": True}
+    )
     return uvicorn.Config(
         app,
         host=host,
@@ -56,10 +69,10 @@ def uvicorn_config(app: SimApp, *, host: str = "127.0.0.1", port: int = 0, **ext
         loop="uvloop" if _has("uvloop") else "asyncio",
         http="httptools" if _has("httptools") else "h11",
         lifespan="on",
-        access_log=not options.disable_uvicorn_access_log,
         timeout_keep_alive=30,
         timeout_graceful_shutdown=2,
         backlog=4096,
+        **logging_kwargs,
         **extra,
     )
 
@@ -74,7 +87,7 @@ def serve(
 ) -> None:
     """Run one replica until SIGINT/SIGTERM (blocking).  ``sock``: an already bound socket."""
     app = create_app(build_options(options))
-    config = uvicorn_config(app, host=host, port=port, log_config=logging_config())
+    config = uvicorn_config(app, host=host, port=port)
     server = uvicorn.Server(config)
     if server_hook is not None:
         server_hook(server)
@@ -92,14 +105,15 @@ def serve_in_thread(
     """Run one replica in a background thread of this process; yield its base URL.
 
     Cheap (no process start, no re-import), for unit tests.  Logging is left to the
-    host process (records propagate to the root logger, where pytest captures them).
+    host process: records (access log included) propagate to the root logger, and
+    ``disable_uvicorn_access_log`` only takes effect in a replica process.
     """
     app = create_app(build_options(options, **overrides))
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    config = uvicorn_config(app, host=host, port=port, log_config=None)
+    config = uvicorn_config(app, host=host, port=port, own_process=False)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"sim-{port}", daemon=True)
     thread.start()

@@ -1,0 +1,259 @@
+"""The OpenAI-compatible API as vLLM serves it, driven by the official openai SDK."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from sim_helpers import client
+
+from gateway.chat_template import chat_tokens
+from gateway.sim import DEFAULT_MODEL
+from gateway.tokenizer import get_tokenizer
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+
+
+def test_chat_non_streaming_parses_with_exact_usage(oai: openai.OpenAI) -> None:
+    resp = oai.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=7)
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    assert resp.model == DEFAULT_MODEL
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    prompt = chat_tokens(get_tokenizer(), MESSAGES)
+    assert resp.usage is not None
+    assert resp.usage.prompt_tokens == len(prompt)
+    assert resp.usage.completion_tokens == 7
+    assert resp.usage.total_tokens == len(prompt) + 7
+    assert resp.usage.prompt_tokens_details is not None
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0
+    # the reply is exactly 7 tokens of the same tokenizer
+    assert len(get_tokenizer().encode(choice.message.content)) == 7
+
+
+def test_chat_streaming_chunks_usage_and_done(oai: openai.OpenAI, sim: str) -> None:
+    stream = oai.chat.completions.create(
+        model=DEFAULT_MODEL,
+        messages=MESSAGES,
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content_chunks) == 5
+    assert content_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.id == chunks[0].id for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 5
+    text = "".join(c.choices[0].delta.content for c in content_chunks)
+    full = oai.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=5)
+    assert text == full.choices[0].message.content  # same seed + prompt = same text
+    # the raw SSE ends with [DONE]; without include_usage there is no usage chunk
+    raw = httpx.post(
+        sim + "/v1/chat/completions",
+        json={"model": DEFAULT_MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": True},
+    )
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in raw.text.split("\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    assert all('"usage"' not in e for e in events)
+
+
+def test_completions_prompt_forms(oai: openai.OpenAI) -> None:
+    tok = get_tokenizer()
+    one = oai.completions.create(model=DEFAULT_MODEL, prompt="The capital of France is", max_tokens=4)
+    assert one.object == "text_completion" and len(one.choices) == 1
+    assert one.usage is not None and one.usage.prompt_tokens == len(tok.encode("The capital of France is"))
+
+    ids = tok.encode("The capital of France is")
+    by_ids = oai.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=4)
+    assert by_ids.choices[0].text == one.choices[0].text
+    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == len(ids)
+
+    many = oai.completions.create(model=DEFAULT_MODEL, prompt=["alpha beta", "gamma"], max_tokens=3)
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.usage is not None
+    assert many.usage.prompt_tokens == len(tok.encode("alpha beta")) + len(tok.encode("gamma"))
+    assert many.usage.completion_tokens == 6
+
+    lists = oai.completions.create(model=DEFAULT_MODEL, prompt=[ids, ids[:2]], max_tokens=2)
+    assert len(lists.choices) == 2
+
+    echoed = oai.completions.create(model=DEFAULT_MODEL, prompt="Echo me", max_tokens=2, echo=True)
+    assert echoed.choices[0].text.startswith("Echo me")
+
+
+def test_completions_streaming(oai: openai.OpenAI) -> None:
+    chunks = list(
+        oai.completions.create(
+            model=DEFAULT_MODEL, prompt="Once", max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len(texts) == 4
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+
+
+def test_n_choices_and_default_length(oai: openai.OpenAI, make_sim) -> None:
+    resp = oai.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, n=3, max_tokens=4)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert len({c.message.content for c in resp.choices}) > 1  # choices differ, like sampling
+    assert resp.usage is not None and resp.usage.completion_tokens == 12
+    # without max_tokens the "model" stops by itself after --max-output-tokens
+    url = make_sim(max_output_tokens=9)
+    resp = client(url).chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES)
+    assert resp.usage is not None and resp.usage.completion_tokens == 9
+    assert resp.choices[0].finish_reason == "stop"
+
+
+def test_output_is_deterministic_per_seed(make_sim) -> None:
+    a1, a2, b = (client(make_sim(seed=s)) for s in (1, 1, 2))
+
+    def reply(c: openai.OpenAI) -> str:
+        r = c.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=12)
+        return r.choices[0].message.content or ""
+
+    assert reply(a1) == reply(a2)
+    assert reply(a1) != reply(b)
+
+
+def test_unknown_fields_max_completion_tokens_and_vllm_extensions(oai: openai.OpenAI) -> None:
+    resp = oai.chat.completions.create(
+        model=DEFAULT_MODEL,
+        messages=MESSAGES,
+        max_completion_tokens=3,
+        temperature=0.2,
+        top_p=0.9,
+        extra_body={"top_k": 5, "ignore_eos": True, "repetition_penalty": 1.1, "min_tokens": 1, "whatever": [1]},
+    )
+    assert resp.usage is not None and resp.usage.completion_tokens == 3
+
+
+def test_models_health_version(sim: str, oai: openai.OpenAI) -> None:
+    models = oai.models.list()
+    (card,) = models.data
+    assert card.id == DEFAULT_MODEL and card.owned_by == "vllm"
+    raw = httpx.get(sim + "/v1/models").json()
+    assert raw["data"][0]["max_model_len"] == 32768
+    health = httpx.get(sim + "/health")
+    assert health.status_code == 200 and health.content == b""
+    assert "version" in httpx.get(sim + "/version").json()
+
+
+def test_lora_modules_are_served_models(make_sim) -> None:
+    url = make_sim(lora_modules=["sql-adapter"])
+    c = client(url)
+    assert [m.id for m in c.models.list().data] == [DEFAULT_MODEL, "sql-adapter"]
+    resp = c.completions.create(model="sql-adapter", prompt="SELECT", max_tokens=2)
+    assert resp.model == "sql-adapter"
+
+
+def test_tokenize_and_detokenize(sim: str) -> None:
+    tok = get_tokenizer()
+    out = httpx.post(sim + "/tokenize", json={"model": DEFAULT_MODEL, "prompt": "Hello world"}).json()
+    assert out["tokens"] == tok.encode("Hello world") and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == 32768
+    chat = httpx.post(sim + "/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == chat_tokens(tok, MESSAGES)
+    back = httpx.post(sim + "/detokenize", json={"tokens": out["tokens"]}).json()
+    assert back["prompt"] == "Hello world"
+
+
+def test_embeddings_float_and_base64(oai: openai.OpenAI, sim: str) -> None:
+    # the SDK asks for base64 by default and decodes it
+    resp = oai.embeddings.create(model=DEFAULT_MODEL, input=["hello world", "hello world", "something else"])
+    vectors = [d.embedding for d in resp.data]
+    assert len(vectors) == 3 and len(vectors[0]) == 32
+    assert vectors[0] == pytest.approx(vectors[1]) and vectors[0] != pytest.approx(vectors[2])
+    assert sum(v * v for v in vectors[0]) == pytest.approx(1.0, rel=1e-4)
+    tok = get_tokenizer()
+    assert resp.usage.prompt_tokens == 2 * len(tok.encode("hello world")) + len(tok.encode("something else"))
+    raw = httpx.post(
+        sim + "/v1/embeddings", json={"input": tok.encode("hello world"), "encoding_format": "float", "dimensions": 8}
+    ).json()
+    assert raw["object"] == "list" and len(raw["data"][0]["embedding"]) == 8
+
+
+def test_usage_details_absent_when_disabled(make_sim) -> None:
+    url = make_sim(enable_prompt_tokens_details=False)
+    resp = client(url).chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=1)
+    assert resp.usage is not None and resp.usage.prompt_tokens_details is None
+    raw = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).json()
+    assert "prompt_tokens_details" not in raw["usage"]
+
+
+# -- errors: vLLM's shape and status, never a crash or a hang ----------------------------------
+
+
+def _error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()["error"]
+    assert set(body) >= {"message", "type", "code"} and body["code"] == status
+    return body
+
+
+def test_unknown_model_is_404(oai: openai.OpenAI, sim: str) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.chat.completions.create(model="nope", messages=MESSAGES)
+    assert "nope" in str(info.value)
+    body = _error(httpx.post(sim + "/v1/completions", json={"model": "nope", "prompt": "x"}), 404)
+    assert body["type"] == "NotFoundError"
+
+
+def test_prompt_longer_than_max_model_len_is_400(make_sim) -> None:
+    url = make_sim(max_model_len=64)
+    c = client(url)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model=DEFAULT_MODEL, prompt="word " * 100)
+    assert "maximum context length is 64 tokens" in str(info.value)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=DEFAULT_MODEL, prompt="word " * 10, max_tokens=60)
+    # a KV cache smaller than max_model_len clamps it (vLLM would refuse to start)
+    small = make_sim(num_gpu_blocks=4, block_size=16)
+    assert httpx.get(small + "/v1/models").json()["data"][0]["max_model_len"] == 64
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", b"{not json"),
+        ("/v1/chat/completions", b""),
+        ("/v1/chat/completions", b"[]"),
+        ("/v1/chat/completions", b'{"model": "demo-model"}'),
+        ("/v1/chat/completions", b'{"messages": "hello"}'),
+        ("/v1/chat/completions", b'{"messages": [{"content": "no role"}]}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 0}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": "maybe"}'),
+        ("/v1/completions", b'{"prompt": ""}'),
+        ("/v1/completions", b'{"prompt": []}'),
+        ("/v1/completions", b'{"prompt": [-1, 5]}'),
+        ("/v1/completions", b'{"prompt": [1, "a"]}'),
+        ("/v1/completions", b'{"prompt": {"a": 1}}'),
+        ("/v1/embeddings", b'{"input": ""}'),
+        ("/v1/embeddings", b'{"input": "x", "encoding_format": "hex"}'),
+        ("/tokenize", b"{}"),
+        ("/detokenize", b'{"tokens": [99999999]}'),
+    ],
+)
+def test_bad_input_gets_a_400(sim: str, path: str, body: bytes) -> None:
+    resp = httpx.post(sim + path, content=body, headers={"content-type": "application/json"})
+    err = _error(resp, 400)
+    assert err["type"] == "BadRequestError" and err["message"]
+
+
+def test_unknown_route_and_method(sim: str) -> None:
+    assert httpx.get(sim + "/v1/nothing").status_code == 404
+    assert httpx.get(sim + "/v1/chat/completions").status_code == 405
+
+
+def test_server_keeps_serving_after_bad_input(oai: openai.OpenAI, sim: str) -> None:
+    for body in (b"\xff\xfe", b'{"messages": null}', b"1" * 10000):
+        assert httpx.post(sim + "/v1/chat/completions", content=body).status_code == 400
+    resp = oai.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=1)
+    assert resp.usage is not None

@@ -1,0 +1,181 @@
+"""The prefix cache counts hits exactly like vLLM: whole blocks, chained keys, LRU, capacity."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import openai
+import pytest
+from sim_helpers import client
+
+from gateway.chat_template import chat_tokens
+from gateway.prefix.blocks import chain_block_keys, first_block_seed
+from gateway.sim import DEFAULT_MODEL
+from gateway.sim.kvcache import PrefixCache, hit_block_limit
+from gateway.tokenizer import get_tokenizer
+
+BLOCK = 16
+
+
+def _words(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    vocab = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "zeta",
+        "theta",
+        "kappa",
+        "lambda",
+        "sigma",
+        "omega",
+        "river",
+        "stone",
+        "cloud",
+    ]
+    return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+def _cached(resp: openai.types.Completion | openai.types.chat.ChatCompletion) -> int:
+    assert resp.usage is not None and resp.usage.prompt_tokens_details is not None
+    return resp.usage.prompt_tokens_details.cached_tokens or 0
+
+
+def test_same_2000_token_prompt_twice(oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": _words(1860, seed=1)}]
+    first = oai.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=2)
+    second = oai.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=2)
+    assert first.usage is not None
+    prompt_len = first.usage.prompt_tokens
+    assert 1950 <= prompt_len <= 2050
+    assert _cached(first) == 0
+    hit = _cached(second)
+    assert hit % BLOCK == 0
+    assert hit == (prompt_len - 1) // BLOCK * BLOCK  # every full block but the one holding the last token
+    assert prompt_len - hit <= BLOCK
+
+
+def test_hit_cap_when_prompt_is_a_whole_number_of_blocks(oai: openai.OpenAI) -> None:
+    """vLLM caps the hit at prompt_len - 1 tokens: a block-aligned prompt recomputes its last block."""
+    ids = list(range(1000, 1000 + 4 * BLOCK))
+    oai.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=1)
+    again = oai.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=1)
+    assert _cached(again) == 3 * BLOCK
+    longer = oai.completions.create(model=DEFAULT_MODEL, prompt=[*ids, 7], max_tokens=1)
+    assert _cached(longer) == 4 * BLOCK
+    assert hit_block_limit(64, 16) == 3 and hit_block_limit(65, 16) == 4 and hit_block_limit(1, 16) == 0
+
+
+def test_shared_system_prompt_hits_exactly_the_shared_whole_blocks(oai: openai.OpenAI) -> None:
+    system = {"role": "system", "content": _words(500, seed=2)}
+    a = [system, {"role": "user", "content": "What is the weather like today in Paris?"}]
+    b = [system, {"role": "user", "content": "Summarize the history of Rome in one line."}]
+    oai.chat.completions.create(model=DEFAULT_MODEL, messages=a, max_tokens=1)
+    resp = oai.chat.completions.create(model=DEFAULT_MODEL, messages=b, max_tokens=1)
+    tok = get_tokenizer()
+    ta, tb = chat_tokens(tok, a), chat_tokens(tok, b)
+    common = next(i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y)
+    assert common >= len(chat_tokens(tok, [system], add_generation_prompt=False))
+    assert _cached(resp) == common // BLOCK * BLOCK
+    assert _cached(resp) > 0
+
+
+def test_cache_salt_and_lora_separate_tenants(make_sim) -> None:
+    c = client(make_sim(lora_modules=["adapter"]))
+    ids = list(range(5000, 5000 + 10 * BLOCK))
+    c.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=1)
+    salted = c.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=1, extra_body={"cache_salt": "t1"})
+    assert _cached(salted) == 0
+    salted_again = c.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=1, extra_body={"cache_salt": "t1"})
+    assert _cached(salted_again) == 9 * BLOCK
+    lora = c.completions.create(model="adapter", prompt=ids, max_tokens=1)
+    assert _cached(lora) == 0
+
+
+def test_next_chat_turn_hits_the_previous_reply(oai: openai.OpenAI) -> None:
+    """Output tokens are cached too, and re-tokenize identically when sent back."""
+    history = [
+        {"role": "system", "content": _words(200, seed=3)},
+        {"role": "user", "content": "Tell me a story."},
+    ]
+    first = oai.chat.completions.create(model=DEFAULT_MODEL, messages=history, max_tokens=64)
+    assert first.usage is not None
+    reply = first.choices[0].message.content
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+    second = oai.chat.completions.create(model=DEFAULT_MODEL, messages=history, max_tokens=4)
+    # everything before the reply's last token was computed and cached in full blocks
+    computed = first.usage.prompt_tokens + 64 - 1
+    assert _cached(second) == computed // BLOCK * BLOCK
+    assert _cached(second) > first.usage.prompt_tokens
+
+
+def test_small_kv_cache_evicts_older_prefixes(make_sim) -> None:
+    url = make_sim(num_gpu_blocks=40, block_size=BLOCK, max_model_len=640, enable_admin=True)
+    c = client(url)
+    prompts = [[10_000 * (k + 1) + i for i in range(10 * BLOCK)] for k in range(6)]  # 10 blocks each
+    for p in prompts:
+        c.completions.create(model=DEFAULT_MODEL, prompt=p, max_tokens=1)
+    # capacity 40 blocks: the two newest prompts (plus part of older ones) survive, the oldest is gone
+    assert _cached(c.completions.create(model=DEFAULT_MODEL, prompt=prompts[0], max_tokens=1)) == 0
+    state = httpx.get(url + "/sim/state").json()
+    assert state["num_cached_blocks"] <= 40 and state["kv_cache_usage"] == 0.0
+    assert _cached(c.completions.create(model=DEFAULT_MODEL, prompt=prompts[5], max_tokens=1)) == 9 * BLOCK
+    # re-use refreshes LRU order: prompt 5 was just used, so it survives two more new prompts
+    for k in (6, 7):
+        c.completions.create(
+            model=DEFAULT_MODEL, prompt=[10_000 * (k + 1) + i for i in range(10 * BLOCK)], max_tokens=1
+        )
+    assert _cached(c.completions.create(model=DEFAULT_MODEL, prompt=prompts[5], max_tokens=1)) == 9 * BLOCK
+    assert _cached(c.completions.create(model=DEFAULT_MODEL, prompt=prompts[2], max_tokens=1)) == 0
+
+
+# -- the block pool itself ----------------------------------------------------------------------
+
+
+def _keys(tokens: list[int]) -> list[int]:
+    return chain_block_keys(tokens, 4, first_block_seed("m"))
+
+
+def _serve(cache: PrefixCache, tokens: list[int]) -> int:
+    """Admit, compute and finish one sequence (as run_instant does); return its hit in tokens."""
+    keys = _keys(tokens)
+    hit = cache.lookup(keys, len(tokens))
+    need = -(-len(tokens) // 4) - len(hit)
+    assert cache.can_allocate(hit, need)
+    cache.touch(hit)
+    blocks = hit + cache.allocate(need)
+    cache.commit(blocks, keys, len(hit), len(tokens) // 4)
+    cache.free(blocks)
+    return len(hit) * 4
+
+
+def test_pool_lru_evicts_tail_blocks_first_and_keeps_prefix_heads() -> None:
+    cache = PrefixCache(num_blocks=4, block_size=4)
+    a = list(range(100, 109))  # 2 full blocks + 1 partial -> 3 blocks
+    assert _serve(cache, a) == 0
+    assert cache.num_cached == 2 and cache.usage == 0.0
+    # b needs 3 blocks: the never-used one, then a's partial tail, then a's second full block
+    b = list(range(200, 209))
+    _serve(cache, b)
+    assert _serve(cache, a) == 4  # a's first block survived, its second was evicted
+
+
+def test_pool_pinned_blocks_are_never_evicted() -> None:
+    cache = PrefixCache(num_blocks=4, block_size=4)
+    tokens = list(range(12))
+    keys = _keys(tokens)
+    blocks = cache.allocate(3)
+    cache.commit(blocks, keys, 0, 3)  # a running request holds 3 computed blocks
+    assert cache.usage == pytest.approx(0.75)
+    assert not cache.can_allocate([], 2)
+    other = cache.allocate(1)
+    assert cache.lookup(keys, 13) == blocks  # nothing of the running request was evicted
+    cache.free(other)
+    cache.free(blocks)
+    assert cache.usage == 0.0 and cache.num_cached == 3
+    with pytest.raises(RuntimeError):
+        cache.touch(cache.lookup(keys, 13))
+        cache.reset()
