@@ -74,7 +74,9 @@ def build_serve_config(args: argparse.Namespace) -> GatewayConfig:
 def run_serve(args: argparse.Namespace) -> int:
     from gateway.server import serve
 
-    serve(build_serve_config(args))
+    config = build_serve_config(args)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C after a graceful shutdown
+        serve(config)
     return 0
 
 

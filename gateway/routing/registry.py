@@ -17,6 +17,7 @@ from typing import Any
 
 from gateway.routing.base import Policy, PolicyFactory, PolicySettings, ReplicaView
 from gateway.routing.policies.least_loaded import LeastLoadedPolicy, LeastLoadedSettings
+from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings
 from gateway.routing.policies.random import RandomPolicy, RandomSettings
 from gateway.routing.policies.round_robin import RoundRobinPolicy, RoundRobinSettings
 from gateway.routing.policies.session import SessionPolicy, SessionSettings
@@ -37,6 +38,7 @@ POLICIES: dict[str, PolicyEntry] = {
     "random": PolicyEntry(RandomPolicy, RandomSettings),
     "least_loaded": PolicyEntry(LeastLoadedPolicy, LeastLoadedSettings),
     "session": PolicyEntry(SessionPolicy, SessionSettings),
+    "prefix": PolicyEntry(PrefixPolicy, PrefixPolicySettings, needs_prefix_keys=True),
 }
 
 

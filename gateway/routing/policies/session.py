@@ -36,7 +36,7 @@ def rendezvous_order(key: str, replicas: Sequence[ReplicaView]) -> list[ReplicaV
     """Replicas from most to least preferred for ``key`` (ties broken by name)."""
     scored = []
     for replica in replicas:
-        h = xxhash.xxh3_64_intdigest(f"{replica.name}\x00{key}")
+        h = xxhash.xxh3_64_intdigest(f"{replica.name}\x00{key}".encode())
         u = (h + 0.5) / _TWO_64
         scored.append((replica.weight / -math.log(u), replica.name, replica))
     scored.sort(key=lambda t: (-t[0], t[1]))

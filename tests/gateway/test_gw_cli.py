@@ -1,0 +1,121 @@
+"""The CLI: serve (file or quick start), demo, hash-key, and dispatch to the simulator's CLI."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from gw_helpers import MODEL, chat
+from openai import OpenAI
+
+from gateway.cli import build_parser, build_serve_config, main
+from gateway.config import sha256_hex
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_hash_key(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hash-key", "s3cret"]) == 0
+    assert capsys.readouterr().out.strip() == sha256_hex("s3cret")
+
+
+def test_sim_is_dispatched_verbatim(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["sim", "--help"])
+    assert info.value.code == 0
+    assert "prefix-gateway sim" in capsys.readouterr().out
+
+
+def test_serve_builds_quick_start_and_file_configs() -> None:
+    args = build_parser().parse_args(["serve", "--replica", "http://a:1", "--replica", "http://b:2", "--policy",
+                                      "round_robin", "--port", "9999"])  # fmt: skip
+    config = build_serve_config(args)
+    assert [r.url for r in config.replicas] == ["http://a:1", "http://b:2"]
+    assert config.routes[0].policy == "round_robin" and config.server.port == 9999
+    args = build_parser().parse_args(["serve", "--config", str(ROOT / "config" / "gateway.yaml"), "--port", "0"])
+    config = build_serve_config(args)
+    assert config.server.port == 0 and len(config.replicas) == 4 and config.routes[0].name == "demo"
+
+
+@pytest.fixture
+def popen_cli() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def start_cli(procs: list[subprocess.Popen[str]], *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    procs.append(proc)
+    return proc
+
+
+def read_until(proc: subprocess.Popen[str], pattern: str, timeout: float = 60.0) -> tuple[re.Match[str], str]:
+    """Read the process output line by line until ``pattern`` matches (bounded by a deadline)."""
+    seen: list[str] = []
+    found: list[re.Match[str]] = []
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            match = re.search(pattern, line)
+            if match:
+                found.append(match)
+                return
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not found:
+        raise AssertionError(f"{pattern!r} not printed in {timeout}s; output:\n{''.join(seen)}")
+    return found[0], "".join(seen)
+
+
+def test_serve_quick_start(sim_urls: list[str], popen_cli: list[subprocess.Popen[str]]) -> None:
+    proc = start_cli(popen_cli, "serve", "--replica", sim_urls[0], "--replica", sim_urls[1], "--port", "0")
+    match, _ = read_until(proc, r"listening on (http://127\.0\.0\.1:\d+)")
+    reply = OpenAI(base_url=match.group(1) + "/v1", api_key="x").chat.completions.create(
+        model=MODEL, messages=chat("hi"), max_tokens=2
+    )
+    assert reply.usage.completion_tokens == 2
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(20) == 0
+
+
+def test_demo_starts_replicas_and_gateway(popen_cli: list[subprocess.Popen[str]]) -> None:
+    proc = start_cli(popen_cli, "demo", "--port", "0", "--time-scale", "0")
+    match, _ = read_until(proc, r"4 simulated vLLM replicas behind (http://127\.0\.0\.1:\d+/v1)")
+    base = match.group(1)
+    _, banner = read_until(proc, r"Ctrl-C stops everything")
+    assert f'OpenAI(base_url="{base}"' in banner and f"curl -s {base}/chat/completions" in banner
+    client = OpenAI(base_url=base, api_key="unused")
+    replies = {client.chat.completions.with_raw_response.create(model=MODEL, messages=chat("hi"), max_tokens=2)
+               .headers["x-prefix-gateway-replica"] for _ in range(8)}  # fmt: skip
+    assert len(replies) > 1  # several simulated replicas behind it
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0
+    assert time.monotonic() - started < 30

@@ -1,0 +1,113 @@
+"""The runner enforces the shared rules: healthy-only, in-flight at decision time, observe, fallback."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import pytest
+
+from gateway.config import HealthSettings, ReplicaConfig
+from gateway.errors import NoHealthyReplica
+from gateway.replicas.pool import Replica
+from gateway.routing.base import Decision, ReplicaView, RequestView
+from gateway.routing.runner import PolicyRunner
+
+
+class NullClient:
+    base_url = "http://unused"
+
+
+def replicas(n: int, **health: Any) -> list[Replica]:
+    settings = HealthSettings(**health)
+    return [Replica(ReplicaConfig(name=f"r{i}", url=f"http://h:{i + 1}"), NullClient(), settings) for i in range(n)]
+
+
+class Recording:
+    """A policy that records what it saw and picks the last eligible replica."""
+
+    name: ClassVar[str] = "recording"
+
+    def __init__(self, pick: str | None = None) -> None:
+        self.seen: list[list[ReplicaView]] = []
+        self.observed: list[tuple[str, int | None]] = []
+        self.pick = pick
+
+    def choose(self, request: RequestView, views: Sequence[ReplicaView]) -> Decision:
+        self.seen.append(list(views))
+        return Decision(self.pick or views[-1].name, "test")
+
+    def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
+        self.observed.append((decision.replica, cached_tokens))
+
+
+REQ = RequestView("id", "route", "m", "chat")
+
+
+def test_only_healthy_and_not_excluded_replicas_are_offered() -> None:
+    pool = replicas(3)
+    policy = Recording()
+    runner = PolicyRunner("route", "recording", policy, pool)
+    pool[1].healthy = False
+    decision, replica = runner.decide(REQ, exclude=["r2"])
+    assert [v.name for v in policy.seen[-1]] == ["r0"]
+    assert replica is pool[0] and decision.reason == "test"
+
+
+def test_in_flight_is_counted_at_decision_time_and_observe_gets_cached_tokens() -> None:
+    pool = replicas(2)
+    policy = Recording()
+    runner = PolicyRunner("route", "recording", policy, pool)
+    decision, replica = runner.decide(REQ)
+    runner.acquire(replica)
+    runner.decide(REQ)
+    assert {v.name: v.in_flight for v in policy.seen[-1]} == {"r0": 0, "r1": 1}
+    runner.release(replica, REQ, decision, 48, completed=True)
+    assert replica.in_flight == 0
+    assert policy.observed == [("r1", 48)]
+    runner.acquire(replica)
+    runner.release(replica, REQ, decision, None, completed=False)
+    assert policy.observed == [("r1", 48)]  # failed requests teach nothing
+
+
+def test_no_healthy_replica_is_a_503_naming_the_route() -> None:
+    pool = replicas(2)
+    runner = PolicyRunner("chat", "recording", Recording(), pool)
+    for r in pool:
+        r.healthy = False
+    with pytest.raises(NoHealthyReplica, match=r"no healthy replica for route 'chat' \(0 of 2 healthy\)") as info:
+        runner.decide(REQ)
+    assert info.value.status == 503
+
+
+def test_a_policy_returning_an_ineligible_replica_falls_back() -> None:
+    pool = replicas(2)
+    pool[0].healthy = False
+    runner = PolicyRunner("route", "recording", Recording(pick="r0"), pool)
+    decision, replica = runner.decide(REQ)
+    assert replica is pool[1] and decision.reason == "fallback"
+
+
+def test_health_state_machine() -> None:
+    (replica,) = replicas(1, unhealthy_threshold=2, healthy_threshold=2, passive_5xx_threshold=2, eject_s=10)
+    replica.record_probe(False, "HTTP 503", now=1.0)
+    assert replica.healthy  # one failure is below the threshold
+    replica.record_probe(False, "HTTP 503", now=2.0)
+    assert not replica.healthy
+    replica.record_probe(True, now=3.0)
+    assert not replica.healthy
+    replica.record_probe(True, now=4.0)
+    assert replica.healthy
+    replica.report_5xx(500, now=5.0)
+    replica.report_ok()
+    replica.report_5xx(500, now=5.5)
+    assert replica.healthy  # not consecutive
+    replica.report_5xx(500, now=6.0)
+    assert not replica.healthy
+    replica.record_probe(True, now=7.0)
+    replica.record_probe(True, now=8.0)
+    assert not replica.healthy  # ejected until 16.0 even though /health is fine
+    replica.record_probe(True, now=16.5)
+    assert replica.healthy
+    replica.report_transport_error("connection refused", now=20.0)
+    assert not replica.healthy and "connection refused" in (replica.last_error or "")
