@@ -1,0 +1,169 @@
+"""Which replicas recently served which prefix: a bounded, LRU prefix-affinity index.
+
+Keys are chained block hashes (:func:`gateway.prefix.blocks.chain_block_keys`): the key of
+block *i* names the whole prefix ``tokens[: (i + 1) * block_size]``.  So "the deepest key of a
+request that some replica has served" is the longest prefix that replica has computed, and
+a growing conversation finds the replica holding its history by looking its keys up from the
+deepest down.
+
+Memory is bounded: each replica keeps an LRU of at most ``capacity`` keys (the index's
+``max_entries`` shared among replicas, optionally lower to mimic a replica's KV capacity).
+Recording a request touches its keys on the replica that serves it, shallow keys last, so —
+like vLLM, which frees a finished request's blocks tail first — a replica "forgets" the
+tails of old prompts before their shared heads.  Only every ``stride``-th key (and the
+deepest) is stored; lookups still probe every key, so a request that extends an earlier one
+always finds the earlier one's deepest key.
+
+Not thread-safe; the gateway runs it on one event loop.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+class AffinityIndex:
+    """Prefix block key → replicas predicted to hold it (a bit mask), with per-replica LRUs."""
+
+    def __init__(self, max_entries: int, stride: int = 1, replica_capacity: int | None = None) -> None:
+        if max_entries < 1 or stride < 1:
+            raise ValueError("max_entries and stride must be >= 1")
+        self.max_entries = max_entries
+        self.stride = stride
+        self.replica_capacity = replica_capacity
+        self._holders: dict[int, int] = {}
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._slot: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+
+    # -- membership --------------------------------------------------------------------
+    def set_members(self, names: Iterable[str]) -> None:
+        """Track exactly ``names``: forget replicas that left, make room for new ones."""
+        wanted = list(dict.fromkeys(names))
+        for name in [n for n in self._lru if n not in set(wanted)]:
+            self.forget(name)
+        for name in wanted:
+            self._ensure(name)
+        self._trim_all()
+
+    def forget(self, name: str) -> None:
+        """Drop everything recorded for ``name`` (it left the pool)."""
+        lru = self._lru.pop(name, None)
+        slot = self._slot.pop(name, None)
+        if lru is None or slot is None:
+            return
+        bit = 1 << slot
+        holders = self._holders
+        for key in lru:
+            mask = holders.get(key, 0) & ~bit
+            if mask:
+                holders[key] = mask
+            else:
+                holders.pop(key, None)
+        del self._names[slot]
+
+    def _ensure(self, name: str) -> int:
+        slot = self._slot.get(name)
+        if slot is None:
+            slot = next(i for i in range(len(self._names) + 1) if i not in self._names)
+            self._slot[name] = slot
+            self._names[slot] = name
+            self._lru[name] = OrderedDict()
+        return slot
+
+    def capacity(self) -> int:
+        """Keys each replica may hold."""
+        share = max(1, self.max_entries // max(1, len(self._lru)))
+        return share if self.replica_capacity is None else max(1, min(share, self.replica_capacity))
+
+    def _trim_all(self) -> None:
+        cap = self.capacity()
+        for name in list(self._lru):
+            self._trim(name, cap)
+
+    def _trim(self, name: str, cap: int) -> None:
+        lru = self._lru[name]
+        if len(lru) <= cap:
+            return
+        bit = 1 << self._slot[name]
+        holders = self._holders
+        while len(lru) > cap:
+            key, _ = lru.popitem(last=False)
+            mask = holders.get(key, 0) & ~bit
+            if mask:
+                holders[key] = mask
+            else:
+                holders.pop(key, None)
+
+    # -- the hot path ------------------------------------------------------------------
+    def match(self, keys: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        """For each of ``replicas`` with a match: the number of leading blocks it holds (>= 1)."""
+        want = 0
+        slot_of = self._slot
+        for name in replicas:
+            slot = slot_of.get(name)
+            if slot is not None:
+                want |= 1 << slot
+        depth: dict[str, int] = {}
+        if not want or not keys:
+            return depth
+        found = 0
+        holders = self._holders
+        names = self._names
+        for i in range(len(keys) - 1, -1, -1):
+            mask = holders.get(keys[i])
+            if mask is None:
+                continue
+            new = mask & want & ~found
+            if not new:
+                continue
+            found |= new
+            while new:
+                low = new & -new
+                depth[names[low.bit_length() - 1]] = i + 1
+                new ^= low
+            if found == want:
+                break
+        return depth
+
+    def record(self, name: str, keys: Sequence[int]) -> None:
+        """``name`` is serving a prompt with these keys: it will hold them (most recent)."""
+        if not keys:
+            return
+        is_new = name not in self._slot
+        bit = 1 << self._ensure(name)
+        lru = self._lru[name]
+        holders = self._holders
+        stride = self.stride
+        last = len(keys) - 1
+        # Deepest first, so the shared head of the prompt ends up most recently used.
+        for i in range(last, -1, -1):
+            if i != last and (i + 1) % stride:
+                continue
+            key = keys[i]
+            if key in lru:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None
+                holders[key] = holders.get(key, 0) | bit
+        if is_new:
+            self._trim_all()
+        else:
+            self._trim(name, self.capacity())
+
+    # -- introspection -----------------------------------------------------------------
+    def __len__(self) -> int:
+        """Distinct keys indexed."""
+        return len(self._holders)
+
+    def entries(self, name: str | None = None) -> int:
+        """(key, replica) pairs held, for one replica or all."""
+        if name is not None:
+            lru = self._lru.get(name)
+            return 0 if lru is None else len(lru)
+        return sum(len(lru) for lru in self._lru.values())
+
+    def holders(self, key: int) -> list[str]:
+        mask = self._holders.get(key, 0)
+        return [self._names[s] for s in sorted(self._names) if mask >> s & 1]

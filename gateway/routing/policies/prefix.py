@@ -1,0 +1,246 @@
+"""The ``prefix`` policy: send a request where its prefix is cached, without hot spots.
+
+Inputs are the request's chained block keys (leading window, see :mod:`gateway.prefix`) and
+each eligible replica's in-flight count.  The decision, in order:
+
+1. **Load bound (CHWBL).**  Replica *r* may take the request only while
+   ``in_flight_r < ceil(c x (total_in_flight + 1) x w_r / W)`` (c = ``load_factor``).  Some
+   replica is always under its bound, so the bound is never exceeded.
+2. **Affinity.**  The affinity index gives each replica the depth (in blocks) of the longest
+   prefix of this request it recently served.  If an under-bound replica has a match, pick
+   the under-bound replica with the best ``matched_tokens - load_cost_tokens x load``
+   (load = in-flight per unit of weight): the deepest match wins unless it is much busier.
+   A prefix shared by *every* request (the Mooncake conversation trace's common 512-token
+   head) is matched equally everywhere, so it adds nothing to any score and the load term
+   spreads those requests; a conversation's own history is matched on one replica only and
+   keeps it there.  Reason ``affinity`` (the chosen replica has the deepest match overall) or
+   ``spill`` (a deeper match sits on a replica that was over its bound or too busy).
+3. **Ring.**  No under-bound replica has a match: walk the consistent-hash ring from the
+   request's key (the chain key at ``key_depth_tokens``, or the session key) and take the
+   first under-bound replica whose load is at most the least load + ``ring_slack``.  With the
+   default slack 0 a request that shares nothing is placed exactly like ``least_loaded``
+   (only ties follow the ring, so idle fleets still agree across gateway processes); a larger
+   slack, or ``null`` (pure CHWBL), trades load balance for placement that several gateway
+   processes agree on without sharing state.  Reason ``ring`` (the key's home) or ``spill``.
+4. **Fallback.**  No keys at all (prompt shorter than one block, embeddings): least loaded.
+
+Every choice is recorded in the affinity index *at decision time* (a burst of requests with a
+new shared prefix follows the first one instead of scattering), and every tie is broken by
+the ring order of a request-specific key — never by list position — so gateway processes
+with the same membership and state choose the same replica.
+
+``Decision.detail`` carries ``predicted_cached_tokens`` and everything ``/admin/explain``
+shows.  No HTTP, metrics or logging here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import xxhash
+from pydantic import Field
+
+from gateway.routing.affinity import AffinityIndex
+from gateway.routing.base import Decision, PolicySettings, ReplicaView, RequestView
+from gateway.routing.policies.least_loaded import least_loaded
+from gateway.routing.ring import HashRing, load_bounds
+
+REASONS = ("affinity", "ring", "spill", "fallback")
+
+
+class PrefixPolicySettings(PolicySettings):
+    """Settings of the ``prefix`` policy (all optional)."""
+
+    load_factor: float = Field(
+        1.25, ge=1.0, le=100.0, description="CHWBL bound c: in-flight must stay below ceil(c x mean load)"
+    )
+    key_depth_tokens: int = Field(
+        256, ge=1, description="ring key = chain key of the block at this depth (or the deepest full block)"
+    )
+    virtual_nodes: int = Field(160, ge=1, le=10_000, description="ring points per replica per unit of weight")
+    affinity_max_entries: int = Field(
+        262_144, ge=1, description="bound of the affinity index: (prefix key, replica) pairs, shared by replicas"
+    )
+    affinity_stride_blocks: int = Field(
+        4, ge=1, description="index every n-th block key (and the deepest): memory / n, match depth granularity x n"
+    )
+    replica_cache_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="model each replica's prefix cache as an LRU of this many (window) tokens, e.g. "
+        "num_gpu_blocks x block_size; default: bounded by affinity_max_entries only",
+    )
+    load_cost_tokens: float = Field(
+        64.0,
+        ge=0.0,
+        description="affinity score: one more in-flight request (per unit of weight) costs as much as "
+        "this many uncached prompt tokens",
+    )
+    ring_slack: int | None = Field(
+        0,
+        ge=0,
+        description="no affinity: the ring's choice may have this many more in-flight requests than the least "
+        "loaded replica (0: least loaded, ties by ring order; null: pure CHWBL, only the load bound)",
+    )
+    bound_extra: int = Field(
+        0,
+        ge=0,
+        description="in-flight requests a replica may hold above its CHWBL bound (0: the textbook bound, "
+        "max/mean load <= c plus one request of rounding)",
+    )
+    use_session_key: bool = Field(True, description="use the route's session header value as the ring key if present")
+
+
+class PrefixPolicy:
+    """Consistent hashing with bounded loads plus a prefix-affinity index."""
+
+    name: ClassVar[str] = "prefix"
+    settings_model: ClassVar[type[PrefixPolicySettings]] = PrefixPolicySettings
+
+    def __init__(self, settings: PrefixPolicySettings, members: Sequence[ReplicaView]) -> None:
+        self.settings = settings
+        self._weights: dict[str, float] = {}
+        self.ring = HashRing({}, settings.virtual_nodes)
+        self.index = AffinityIndex(
+            settings.affinity_max_entries,
+            settings.affinity_stride_blocks,
+            None,  # set per block size on first use (the capacity is in blocks)
+        )
+        self._capacity_block_size = 0
+        self._turn = 0
+        self.set_members(members)
+
+    # -- membership --------------------------------------------------------------------
+    def set_members(self, members: Sequence[ReplicaView]) -> None:
+        """Rebuild the ring only when names or weights changed; forget replicas that left."""
+        weights = {m.name: float(m.weight) for m in members}
+        if weights != self._weights:
+            self._weights = weights
+            self.ring = HashRing(weights, self.settings.virtual_nodes)
+        self.index.set_members(weights)
+
+    def _admit(self, replicas: Sequence[ReplicaView]) -> None:
+        """A replica the runner offers but ``set_members`` never named joins the ring."""
+        missing = {r.name: float(r.weight) for r in replicas if r.name not in self._weights}
+        if missing:
+            weights = {**self._weights, **missing}
+            self._weights = weights
+            self.ring = HashRing(weights, self.settings.virtual_nodes)
+            self.index.set_members(weights)
+
+    # -- the decision ------------------------------------------------------------------
+    def choose(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
+        self._admit(replicas)
+        settings = self.settings
+        keys = request.block_keys
+        block_size = request.block_size or 1
+        ring_key, key_source, key_depth = self._ring_key(request)
+        if ring_key is None:
+            self._turn += 1
+            pick = least_loaded(replicas, self._turn)
+            return Decision(pick.name, "fallback", {"predicted_cached_tokens": 0, "key_source": "none"})
+        self._sync_capacity(block_size)
+
+        in_flight = {r.name: r.in_flight for r in replicas}
+        weights = {r.name: float(r.weight) for r in replicas}
+        bounds = load_bounds(in_flight, weights, settings.load_factor)
+        if settings.bound_extra:
+            bounds = {name: b + settings.bound_extra for name, b in bounds.items()}
+        mean_weight = sum(weights.values()) / len(weights) or 1.0
+        load = {
+            name: (in_flight[name] * mean_weight / weights[name]) if weights[name] > 0 else float("inf")
+            for name in in_flight
+        }
+        under = [r.name for r in replicas if in_flight[r.name] < bounds[r.name]]
+        if not under:  # impossible with load_factor >= 1; stay total anyway
+            under = [r.name for r in replicas]
+        depth = self.index.match(keys, in_flight) if keys else {}
+        best_any = max(depth.values(), default=0)
+        tie_key = keys[-1] if keys else ring_key
+
+        scores: dict[str, float] = {}
+        if any(depth.get(name, 0) for name in under):
+            cost = settings.load_cost_tokens
+            for name in under:
+                scores[name] = depth.get(name, 0) * block_size - cost * load[name]
+            top = max(scores.values())
+            tied = [name for name in under if scores[name] == top]
+            pick = tied[0] if len(tied) == 1 else next(self.ring.walk(tie_key, tied))
+            reason = "affinity" if depth.get(pick, 0) == best_any else "spill"
+        else:
+            home = next(self.ring.walk(ring_key, in_flight))
+            slack = settings.ring_slack
+            limit = float("inf") if slack is None else min(load[name] for name in under) + slack
+            pick = next(name for name in self.ring.walk(ring_key, under) if load[name] <= limit)
+            reason = "ring" if pick == home and best_any == 0 else "spill"
+
+        self.index.record(pick, keys)
+        matched = depth.get(pick, 0)
+        predicted = matched * block_size
+        if request.prompt_tokens:
+            # vLLM always recomputes a prompt's last token, so a full hit stops one block short.
+            predicted = min(predicted, (request.prompt_tokens - 1) // block_size * block_size)
+        detail: dict[str, Any] = {
+            "predicted_cached_tokens": max(0, predicted),
+            "matched_blocks": matched,
+            "best_matched_blocks": best_any,
+            "key": f"{ring_key:016x}",
+            "key_source": key_source,
+            "key_depth_blocks": key_depth,
+            "blocks": len(keys),
+            "block_size": block_size,
+            "load_factor": settings.load_factor,
+            "total_in_flight": sum(in_flight.values()),
+            "candidates": self._candidates(ring_key, replicas, bounds, depth, scores),
+        }
+        return Decision(pick, reason, detail)
+
+    def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
+        """Nothing to learn: the index was updated when the request was placed."""
+        return None
+
+    # -- helpers -----------------------------------------------------------------------
+    def _ring_key(self, request: RequestView) -> tuple[int | None, str, int]:
+        keys = request.block_keys
+        if self.settings.use_session_key and request.session_key:
+            return xxhash.xxh3_64_intdigest(request.session_key.encode()), "session", 0
+        if keys:
+            depth = max(1, min(len(keys), self.settings.key_depth_tokens // (request.block_size or 1)))
+            return keys[depth - 1], "block", depth
+        return None, "none", 0
+
+    def _sync_capacity(self, block_size: int) -> None:
+        """Translate ``replica_cache_tokens`` into index entries once the block size is known."""
+        tokens = self.settings.replica_cache_tokens
+        if tokens is None or block_size == self._capacity_block_size:
+            return
+        self._capacity_block_size = block_size
+        self.index.replica_capacity = max(1, tokens // (block_size * self.settings.affinity_stride_blocks))
+        self.index.set_members(self._weights)
+
+    def _candidates(
+        self,
+        ring_key: int,
+        replicas: Sequence[ReplicaView],
+        bounds: dict[str, int],
+        depth: dict[str, int],
+        scores: dict[str, float],
+    ) -> list[dict[str, Any]]:
+        by_name = {r.name: r for r in replicas}
+        out = []
+        for rank, name in enumerate(self.ring.walk(ring_key, by_name)):
+            r = by_name[name]
+            entry: dict[str, Any] = {
+                "replica": name,
+                "ring_rank": rank,
+                "weight": r.weight,
+                "in_flight": r.in_flight,
+                "bound": bounds[name],
+                "under_bound": r.in_flight < bounds[name],
+                "matched_blocks": depth.get(name, 0),
+            }
+            if name in scores:
+                entry["score"] = scores[name]
+            out.append(entry)
+        return out

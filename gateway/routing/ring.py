@@ -1,0 +1,107 @@
+"""A consistent-hash ring with virtual nodes, and the bounded-load rule (CHWBL).
+
+Each member gets ``round(virtual_nodes x weight)`` points (at least one) at
+``xxh3_64("name#i")``; a key (a 64-bit chained block hash) is owned by the first point
+clockwise from it.  Walking on from there yields every member once, in a key-specific order
+that is the same in every gateway process with the same membership — so several gateways
+agree without sharing state, and removing or adding one of N members moves only the keys
+that member owned or takes (≈1/N).
+
+The ring is immutable: build a new one when membership or weights change, never per request.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator, Mapping
+
+import xxhash
+
+
+def point(name: str, index: int) -> int:
+    """Position of ``name``'s ``index``-th virtual node."""
+    return xxhash.xxh3_64_intdigest(f"{name}#{index}".encode())
+
+
+class HashRing:
+    """Immutable ring over named, weighted members."""
+
+    def __init__(self, members: Mapping[str, float], virtual_nodes: int = 160) -> None:
+        if virtual_nodes < 1:
+            raise ValueError("virtual_nodes must be >= 1")
+        self.weights: dict[str, float] = dict(sorted(members.items()))
+        self.virtual_nodes = virtual_nodes
+        names = list(self.weights)
+        pairs: list[tuple[int, int]] = []
+        for idx, name in enumerate(names):
+            weight = self.weights[name]
+            if weight < 0 or not math.isfinite(weight):
+                raise ValueError(f"weight of {name!r} must be a finite number >= 0")
+            count = max(1, round(virtual_nodes * weight))
+            pairs.extend((point(name, i), idx) for i in range(count))
+        pairs.sort()  # ties (astronomically rare) resolve by member name order: deterministic
+        self._names = names
+        self._index_of = {n: i for i, n in enumerate(names)}
+        self._points = [p for p, _ in pairs]
+        self._owners = [o for _, o in pairs]
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weights
+
+    @property
+    def members(self) -> list[str]:
+        return list(self._names)
+
+    def walk(self, key: int, only: Iterable[str] | None = None) -> Iterator[str]:
+        """Members in ring order starting at ``key``'s position, each once.
+
+        ``only`` restricts the walk to a subset (e.g. the eligible replicas); members not on
+        the ring are never yielded.
+        """
+        if not self._points:
+            return
+        wanted: set[int] | None = None
+        if only is not None:
+            index_of = self._index_of
+            wanted = {index_of[n] for n in only if n in index_of}
+            if not wanted:
+                return
+        remaining = len(self._names) if wanted is None else len(wanted)
+        seen: set[int] = set()
+        points, owners, names = self._points, self._owners, self._names
+        n = len(points)
+        start = bisect_left(points, key & 0xFFFFFFFFFFFFFFFF)
+        for step in range(n):
+            owner = owners[(start + step) % n]
+            if owner in seen or (wanted is not None and owner not in wanted):
+                continue
+            seen.add(owner)
+            yield names[owner]
+            remaining -= 1
+            if remaining == 0:
+                return
+
+    def owner(self, key: int) -> str | None:
+        """The member that owns ``key`` (None on an empty ring)."""
+        return next(self.walk(key), None)
+
+
+def load_bounds(in_flight: Mapping[str, int], weights: Mapping[str, float], load_factor: float) -> dict[str, int]:
+    """CHWBL capacity of each replica: ``ceil(c x (total_in_flight + 1) x w / W)``.
+
+    The ``+ 1`` counts the request being placed.  With equal weights this is the textbook
+    ``ceil(c x (total + 1) / n)``.  A replica may take the request while its in-flight count
+    is *below* its bound; since ``c ≥ 1`` the bounds add up to more than the current total,
+    so some replica is always under its bound.
+    """
+    total = sum(in_flight.values()) + 1
+    weight_sum = sum(weights[name] for name in in_flight)
+    if weight_sum <= 0:
+        weights = dict.fromkeys(in_flight, 1.0)
+        weight_sum = float(len(in_flight))
+    # round() first: float noise must not turn an exact 2.0 into a bound of 3
+    return {name: math.ceil(round(load_factor * total * weights[name] / weight_sum, 9)) for name in in_flight}

@@ -1,0 +1,73 @@
+"""The prefix-affinity index: longest match, bounded memory, LRU decay."""
+
+from __future__ import annotations
+
+import random
+
+from gateway.routing.affinity import AffinityIndex
+
+
+def chain(n: int, seed: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.getrandbits(64) for _ in range(n)]
+
+
+def test_longest_match_per_replica() -> None:
+    index = AffinityIndex(10_000)
+    head = chain(8, 1)
+    a = head + chain(10, 2)
+    b = head + chain(4, 3)
+    index.record("A", a)
+    index.record("B", b)
+    assert index.match(a, ["A", "B", "C"]) == {"A": 18, "B": 8}
+    assert index.match(head + chain(5, 9), ["A", "B"]) == {"A": 8, "B": 8}
+    assert index.match(a, ["B"]) == {"B": 8}, "only the replicas asked about"
+    assert index.match(chain(5, 4), ["A", "B"]) == {}
+
+
+def test_growing_conversation_finds_its_previous_turn_with_stride() -> None:
+    index = AffinityIndex(10_000, stride=4)
+    turn1 = chain(13, 5)  # deepest index 12 is not a multiple of the stride: still stored
+    index.record("A", turn1)
+    turn2 = turn1 + chain(7, 6)
+    assert index.match(turn2, ["A"]) == {"A": 13}
+    # A different continuation after block 9 matches the last stored stride key (block 8).
+    assert index.match(turn1[:9] + chain(5, 7), ["A"]) == {"A": 8}
+
+
+def test_memory_is_bounded_and_old_tails_go_first() -> None:
+    index = AffinityIndex(max_entries=40)
+    index.set_members(["A", "B"])
+    assert index.capacity() == 20
+    head = chain(5, 10)
+    for i in range(30):
+        index.record("A", head + chain(5, 100 + i))
+    assert index.entries("A") <= 20 and index.entries() <= 40
+    # The shared head is touched by every request, so it survives while old tails are evicted.
+    assert index.match(head, ["A"]) == {"A": 5}
+    assert index.match(head + chain(5, 100), ["A"]) == {"A": 5}
+    assert index.match(head + chain(5, 129), ["A"]) == {"A": 10}
+
+
+def test_replica_capacity_models_a_small_cache() -> None:
+    index = AffinityIndex(max_entries=1000, replica_capacity=12)
+    for i in range(10):
+        index.record("A", chain(6, i))
+    assert index.entries("A") == 12
+    assert index.match(chain(6, 0), ["A"]) == {}
+    assert index.match(chain(6, 9), ["A"]) == {"A": 6}
+
+
+def test_forget_and_set_members() -> None:
+    index = AffinityIndex(100)
+    keys = chain(4, 1)
+    index.record("A", keys)
+    index.record("B", keys)
+    assert index.holders(keys[0]) == ["A", "B"]
+    index.set_members(["B", "C"])
+    assert index.holders(keys[0]) == ["B"]
+    assert index.match(keys, ["A", "B"]) == {"B": 4}
+    index.forget("B")
+    assert len(index) == 0
+    index.record("D", keys)  # slots are reused deterministically
+    assert index.match(keys, ["D"]) == {"D": 4}

@@ -1,0 +1,179 @@
+"""Window tokenizer (cached) and the pipeline: exact tokens, stable keys, seeds, normalization effect."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.chat_template import chat_tokens, encode_segments
+from gateway.prefix.blocks import chain_block_keys, first_block_seed
+from gateway.prefix.pipeline import PrefixPipeline
+from gateway.prefix.settings import NormalizeSettings, PrefixSettings
+from gateway.prefix.tokenize import SegmentTokenCache, WindowTokenizer
+from gateway.tokenizer import get_tokenizer
+
+TOK = get_tokenizer()
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_text = st.text(alphabet="abcdefgh ijk\n.,:0123!<|>é中", max_size=400)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "developer"]), "content": _text}
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_message, min_size=1, max_size=6), st.integers(16, 300), st.booleans())
+def test_cached_window_equals_chat_tokens(messages: list[dict[str, Any]], window: int, tools: bool) -> None:
+    """The cache is pure memoization: same tokens as the shared template, cold and warm."""
+    tool_list = [{"type": "function", "function": {"name": "f", "description": "d"}}] if tools else None
+    wt = WindowTokenizer(TOK, window, 10_000)
+    expected = chat_tokens(TOK, messages, tool_list, max_tokens=window)[:window]
+    assert list(wt.chat(messages, tool_list)) == expected
+    assert list(wt.chat(messages, tool_list)) == expected  # warm
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(alphabet="ab cd\n1234", min_size=0, max_size=3000), st.integers(16, 200))
+def test_cached_window_on_long_single_segment(text: str, window: int) -> None:
+    wt = WindowTokenizer(TOK, window, 10_000)
+    assert list(wt.text(text)) == encode_segments(TOK, [text], max_tokens=window)[:window]
+    assert list(wt.text(text)) == TOK.encode(text)[:window]
+
+
+def test_segment_cache_is_bounded_and_lru() -> None:
+    cache = SegmentTokenCache(TOK, max_tokens=50)
+    words = [f"word{i} " * 5 for i in range(20)]
+    for w in words:
+        cache.encode(w)
+    assert cache.tokens_held <= 50
+    held = cache.tokens_held
+    cache.encode(words[-1])
+    assert cache.hits == 1 and cache.tokens_held == held
+    cache.encode(words[0])  # evicted long ago
+    assert cache.misses == 21
+
+
+def test_segment_cache_disabled() -> None:
+    cache = SegmentTokenCache(TOK, max_tokens=0)
+    assert list(cache.encode("hello world")) == TOK.encode("hello world")
+    assert len(cache) == 0
+
+
+# --- pipeline ---------------------------------------------------------------------------------
+def pipeline(mode: str = "off", **prefix: Any) -> PrefixPipeline:
+    return PrefixPipeline(NormalizeSettings(mode=mode), PrefixSettings(**prefix))  # type: ignore[arg-type]
+
+
+SYSTEM = "You are a careful assistant for ACME. " * 20
+
+
+def body(stamp: str, user: str = "Where is my order?", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": f"Current time: {stamp}.\n{SYSTEM}"},
+            {"role": "user", "content": user},
+        ],
+        **extra,
+    }
+
+
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_keys_match_the_shared_template_and_blocks() -> None:
+    p = pipeline(window_tokens=64, block_size=16)
+    b = body("2025-03-04T05:06:07Z")
+    prepared = p.prepare("chat", b)
+    tokens = chat_tokens(TOK, b["messages"], max_tokens=64)[:64]
+    assert prepared.block_keys == tuple(chain_block_keys(tokens, 16, first_block_seed("m")))
+    assert prepared.window_tokens == 64 and len(prepared.block_keys) == 4
+    assert prepared.body is b and not prepared.relocated
+
+
+def test_relocate_makes_requests_that_differ_only_in_a_timestamp_share_keys() -> None:
+    a, b = body("2025-03-04T05:06:07Z"), body("2025-03-04T05:06:09Z")
+    off = pipeline("off")
+    # Without normalization the keys part ways at the timestamp (inside block 0 or 1).
+    assert common_prefix(off.prepare("chat", a).block_keys, off.prepare("chat", b).block_keys) <= 1
+    reloc = pipeline("relocate")
+    ka, kb = reloc.prepare("chat", a).block_keys, reloc.prepare("chat", b).block_keys
+    # Everything up to the relocated values (in the last user message) is shared.
+    assert common_prefix(ka, kb) >= len(ka) - 3 and len(ka) > 10
+    report = pipeline("report").prepare("chat", a)
+    assert report.body is a and report.normalized == {"iso_datetime": 1} and not report.relocated
+
+
+def test_pipeline_reports_relocation_fields() -> None:
+    prepared = pipeline("relocate").prepare("chat", body("2025-03-04T05:06:07Z"))
+    assert prepared.relocated and prepared.spans_moved == 1 and prepared.normalized == {"iso_datetime": 1}
+    assert prepared.changes[0].value == "2025-03-04T05:06:07Z"
+
+
+def test_keys_differ_by_model_salt_and_lora() -> None:
+    p = pipeline()
+    base = p.prepare("chat", body("x")).block_keys
+    assert p.prepare("chat", {**body("x"), "model": "other"}).block_keys[0] != base[0]
+    salted = p.prepare("chat", body("x", cache_salt="tenant-a")).block_keys
+    assert salted[0] != base[0]
+    assert p.prepare("chat", body("x", cache_salt="tenant-b")).block_keys[0] != salted[0]
+    lora = pipeline(lora_from_model=True, base_model="base")
+    keys = lora.prepare("chat", {**body("x"), "model": "adapter-1"}).block_keys
+    assert keys[0] not in (base[0],)
+    assert lora.prepare("chat", {**body("x"), "model": "adapter-1"}).lora == "adapter-1"
+    assert lora.prepare("chat", {**body("x"), "model": "adapter-2"}).block_keys[0] != keys[0]
+
+
+def test_completions_prompts() -> None:
+    p = pipeline(window_tokens=32, block_size=8)
+    text = "one two three four five six seven eight nine ten " * 10
+    by_text = p.prepare("completions", {"model": "m", "prompt": text})
+    assert by_text.window_tokens == 32 and len(by_text.block_keys) == 4
+    ids = TOK.encode(text)
+    by_ids = p.prepare("completions", {"model": "m", "prompt": ids})
+    assert by_ids.block_keys == by_text.block_keys
+    assert p.prepare("completions", {"model": "m", "prompt": [text, "x"]}).block_keys == by_text.block_keys
+    assert p.prepare("completions", {"model": "m", "prompt": [ids]}).block_keys == by_text.block_keys
+    assert p.prepare("completions", {"model": "m", "prompt": [-1, 2**40]}).block_keys == ()
+    assert p.prepare("embeddings", {"model": "m", "input": "x"}).block_keys == ()
+
+
+_SCRIPT = """
+import json, sys
+sys.path.insert(0, {root!r})
+from gateway.prefix.pipeline import PrefixPipeline
+from gateway.prefix.settings import NormalizeSettings, PrefixSettings
+p = PrefixPipeline(NormalizeSettings(mode="relocate"), PrefixSettings())
+body = json.loads(sys.argv[1])
+print(json.dumps(list(p.prepare("chat", body).block_keys)))
+"""
+
+
+def test_keys_are_stable_across_processes() -> None:
+    b = body("2025-03-04T05:06:07Z", cache_salt="s")
+    here = list(pipeline("relocate").prepare("chat", b).block_keys)
+    outs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", _SCRIPT.format(root=ROOT), json.dumps(b)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        outs.append(json.loads(out.stdout))
+    assert outs[0] == outs[1] == here
