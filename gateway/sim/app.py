@@ -124,6 +124,7 @@ class RestartRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     downtime_ms: float = Field(0.0, ge=0.0)
+    reset_metrics: bool = False  # a real restart starts its counters from zero
 
 
 async def get_faults(replica: Replica, body: bytes, receive: Receive, send: Send) -> tuple[int, bytes]:
@@ -148,10 +149,19 @@ async def set_faults(replica: Replica, body: bytes, receive: Receive, send: Send
 async def restart(replica: Replica, body: bytes, receive: Receive, send: Send) -> tuple[int, bytes]:
     req = parse(RestartRequest, body) if body.strip() else RestartRequest()
     aborted = replica.engine.restart()
+    if req.reset_metrics:
+        replica.reset_metrics()
     if req.downtime_ms:
         replica.faults.go_down(req.downtime_ms / 1000.0)
     logger.warning("simulated restart: prefix cache flushed, %d in-flight request(s) failed", aborted)
-    return _json({"restarted": True, "aborted_requests": aborted, "downtime_ms": req.downtime_ms})
+    return _json(
+        {
+            "restarted": True,
+            "aborted_requests": aborted,
+            "downtime_ms": req.downtime_ms,
+            "reset_metrics": req.reset_metrics,
+        }
+    )
 
 
 async def state(replica: Replica, body: bytes, receive: Receive, send: Send) -> tuple[int, bytes]:

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=_default("enable_prompt_tokens_details"), help="report usage.prompt_tokens_details.cached_tokens",
     )  # fmt: skip
     g.add_argument("--embedding-dim", type=int, default=_default("embedding_dim"))
+    g.add_argument(
+        "--metrics-naming", choices=("current", "legacy", "both"), default=_default("metrics_naming"),
+        help="names of the metrics vLLM renamed in v0.9 (legacy: gpu_cache_usage_perc, gpu_prefix_cache_*)",
+    )  # fmt: skip
 
     g = p.add_argument_group("logs and admin")
     g.add_argument("--log-stats-interval", type=float, default=_default("log_stats_interval"))

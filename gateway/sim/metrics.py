@@ -8,6 +8,9 @@ set from the engine's state when ``/metrics`` is scraped, as often as anyone loo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from gateway.sim.options import SimOptions
@@ -42,8 +45,33 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
+class _Fanout:
+    """One update to several bound metrics (the same value under current and legacy names)."""
+
+    def __init__(self, *children: Any) -> None:
+        self.children = children
+
+    def inc(self, amount: float = 1) -> None:
+        for child in self.children:
+            child.inc(amount)
+
+    def set(self, value: float) -> None:
+        for child in self.children:
+            child.set(value)
+
+    def observe(self, value: float) -> None:
+        for child in self.children:
+            child.observe(value)
+
+
 class SimMetrics:
-    """All metrics of one replica, pre-bound to its labels."""
+    """All metrics of one replica, pre-bound to its labels.
+
+    ``metrics_naming`` chooses the names of the four metrics vLLM renamed in v0.9:
+    ``current`` (what vLLM exposes now), ``legacy`` (an older vLLM: ``gpu_cache_usage_perc``,
+    ``gpu_prefix_cache_*``, ``time_per_output_token_seconds``) or ``both`` (vLLM 0.9/0.10
+    with the deprecated ones still shown), so a consumer's fallback can be tested.
+    """
 
     def __init__(self, options: SimOptions) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=False)
@@ -59,13 +87,33 @@ class SimMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[int]) -> Histogram:
             return Histogram(name, doc, labels, registry=registry, buckets=buckets).labels(*values)
 
+        naming = options.metrics_naming
+
+        def renamed(current: Callable[[], Any], legacy: Callable[[], Any]) -> Any:
+            if naming == "current":
+                return current()
+            if naming == "legacy":
+                return legacy()
+            return _Fanout(current(), legacy())
+
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.prefix_queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        self.kv_usage = renamed(
+            lambda: gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+            lambda: gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage."),
         )
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prefix_queries = renamed(
+            lambda: counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
+            lambda: counter(
+                "vllm:gpu_prefix_cache_queries", "GPU prefix cache queries, in terms of number of queried tokens."
+            ),
+        )
+        self.prefix_hits = renamed(
+            lambda: counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+            lambda: counter(
+                "vllm:gpu_prefix_cache_hits", "GPU prefix cache hits, in terms of number of cached tokens."
+            ),
+        )
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
@@ -88,8 +136,13 @@ class SimMetrics:
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
-        self.itl = histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        self.itl = renamed(
+            lambda: histogram(
+                "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+            ),
+            lambda: histogram(
+                "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", ITL_BUCKETS
+            ),
         )
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds",

@@ -7,7 +7,7 @@ The same names (with underscores) are the CLI flags (with dashes), the keyword o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -41,6 +41,7 @@ class SimOptions(BaseModel):
     seed: int = 0
     enable_prompt_tokens_details: bool = True
     embedding_dim: int = Field(32, gt=0, le=4096)
+    metrics_naming: Literal["current", "legacy", "both"] = "current"
 
     # logs and admin
     log_stats_interval: float = Field(10.0, ge=0)

@@ -17,6 +17,7 @@ from gateway.sim.metrics import SimMetrics
 from gateway.sim.options import SimOptions
 from gateway.sim.protocol import APIError
 from gateway.sim.textgen import TextGenerator
+from gateway.sim.tokencache import CachingTokenizer
 from gateway.tokenizer import get_tokenizer
 
 
@@ -25,7 +26,7 @@ class Replica:
 
     def __init__(self, options: SimOptions) -> None:
         self.options = options
-        self.tokenizer = get_tokenizer(options.tokenizer)
+        self.tokenizer = CachingTokenizer(get_tokenizer(options.tokenizer))
         self.metrics = SimMetrics(options)
         self.engine = Engine(options, self.metrics)
         self.textgen = TextGenerator(self.tokenizer, options.seed)
@@ -36,6 +37,11 @@ class Replica:
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(6).hex()
         self._loras = frozenset(options.lora_modules)
+
+    def reset_metrics(self) -> None:
+        """Fresh counters, as after a process restart (scrapers then see a counter reset)."""
+        self.metrics = SimMetrics(self.options)
+        self.engine.metrics = self.metrics
 
     def new_id(self) -> str:
         return f"{self._id_prefix}{next(self._ids):020x}"

@@ -230,6 +230,7 @@ def test_prompt_longer_than_max_model_len_is_400(make_sim) -> None:
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 0}'),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}'),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": "maybe"}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {}}'),
         ("/v1/completions", b'{"prompt": ""}'),
         ("/v1/completions", b'{"prompt": []}'),
         ("/v1/completions", b'{"prompt": [-1, 5]}'),
@@ -257,3 +258,17 @@ def test_server_keeps_serving_after_bad_input(oai: openai.OpenAI, sim: str) -> N
         assert httpx.post(sim + "/v1/chat/completions", content=body).status_code == 400
     resp = oai.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=1)
     assert resp.usage is not None
+
+
+def test_caching_tokenizer_is_exact_and_bounded() -> None:
+    from gateway.sim.tokencache import CachingTokenizer
+
+    inner = get_tokenizer()
+    cached = CachingTokenizer(inner, max_chars=8000)
+    texts = [f"document {i}: " + "lorem ipsum dolor sit amet " * 60 for i in range(6)]  # ~1,600 chars each
+    for text in [*texts, *reversed(texts)]:
+        assert cached.encode(text) == inner.encode(text)
+    assert cached.hits >= 3 and cached.misses >= 6 and cached._chars <= 8000
+    out = cached.encode(texts[-1])
+    out.append(1)  # callers may mutate what they get without corrupting the cache
+    assert cached.encode(texts[-1]) == inner.encode(texts[-1])

@@ -127,3 +127,35 @@ def test_access_log_includes_health_checks(make_sim, caplog: pytest.LogCaptureFi
     url = make_sim()
     httpx.get(url + "/health")
     poll(lambda: any('"GET /health HTTP/1.1" 200' in r.getMessage() for r in caplog.records))
+
+
+@pytest.mark.parametrize(
+    ("naming", "present", "absent"),
+    [
+        ("legacy", {"vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache_hits_total"}, {"vllm:kv_cache_usage_perc"}),
+        ("both", {"vllm:gpu_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"}, set()),
+    ],
+)
+def test_legacy_metric_names_for_testing_fallbacks(make_sim, naming: str, present: set, absent: set) -> None:
+    url = make_sim(metrics_naming=naming)
+    c = client(url)
+    for _ in range(2):
+        c.completions.create(model=DEFAULT_MODEL, prompt=list(range(100, 200)), max_tokens=2)
+    m = scrape(url)
+    names = {k.split("{")[0] for k in m}
+    assert present <= names and not absent & names
+    assert m["vllm:gpu_prefix_cache_hits_total"] == 96
+    if naming == "both":
+        assert m["vllm:prefix_cache_hits_total"] == 96
+        assert m["vllm:time_per_output_token_seconds_count"] == m["vllm:inter_token_latency_seconds_count"] == 2
+
+
+def test_restart_can_reset_counters(sim: str, oai: openai.OpenAI) -> None:
+    oai.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=2)
+    assert scrape(sim)["vllm:generation_tokens_total"] == 2
+    httpx.post(sim + "/sim/restart", json={})
+    assert scrape(sim)["vllm:generation_tokens_total"] == 2  # a flush alone keeps counters
+    httpx.post(sim + "/sim/restart", json={"reset_metrics": True})
+    assert scrape(sim)["vllm:generation_tokens_total"] == 0
+    oai.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=3)
+    assert scrape(sim)["vllm:generation_tokens_total"] == 3
