@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -381,3 +383,72 @@ def default_config_path() -> Path:
     """``./config/gateway.yaml`` when run from a checkout, else the packaged copy."""
     local = Path.cwd() / "config" / "gateway.yaml"
     return local if local.is_file() else packaged_default_config()
+
+
+# -- reference documentation (docs/config.md is generated from the models) -----------------------
+def _type_name(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    text = text or str(annotation).replace("typing.", "")
+    return re.sub(r"\b(gateway|pydantic)\.[\w.]+\.", "", text).replace("NoneType", "null")
+
+
+def _default_text(field: Any) -> str:
+    if field.is_required():
+        return "required"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if isinstance(value, BaseModel):
+        return "(section)"
+    if isinstance(value, list) and value and isinstance(value[0], BaseModel):
+        return "see below"
+    return "`" + json.dumps(value) + "`"
+
+
+def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        annotation = field.annotation
+        sub = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        if sub is None:
+            for arg in getattr(annotation, "__args__", ()):
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    sub = arg
+        item_list = getattr(annotation, "__origin__", None) is list
+        if sub is not None and not item_list:
+            rows.extend(_rows(sub, f"{path}."))
+            continue
+        if sub is not None and item_list:
+            rows.append((path, "list", _default_text(field), field.description or sub.__doc__.split("\n")[0]))
+            rows.extend(_rows(sub, f"{path}[]."))
+            continue
+        rows.append((path, _type_name(annotation), _default_text(field), field.description or ""))
+    return rows
+
+
+def markdown_reference() -> str:
+    """The settings table of docs/config.md: every field, its type, default and meaning."""
+    from gateway.routing import registry
+
+    lines = ["| setting | type | default | meaning |", "|---|---|---|---|"]
+    for path, type_, default, text in _rows(GatewayConfig, ""):
+        lines.append(f"| `{path}` | {type_} | {default} | {text} |")
+    for name in registry.policy_names():
+        model = registry.entry(name).settings_model
+        lines += ["", f"**`policy: {name}`** — `policy_settings`:", ""]
+        rows = _rows(model, "")
+        if not rows:
+            lines.append("(none)")
+            continue
+        lines += ["| setting | type | default | meaning |", "|---|---|---|---|"]
+        lines += [f"| `{p}` | {t} | {d} | {x} |" for p, t, d, x in rows]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m gateway.config --markdown
+    import sys
+
+    if sys.argv[1:] == ["--markdown"]:
+        print(markdown_reference(), end="")
+    else:
+        for file in sys.argv[1:]:
+            load_config(file)

@@ -61,6 +61,7 @@ class RequestContextMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            status = info.pop("status", status)  # the handler knows better (499: client went away)
             path = scope["path"]
             if self.access_log.wants(path):
                 client = scope.get("client")

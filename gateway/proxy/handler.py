@@ -378,3 +378,5 @@ class Exchange:
                 info["retries"] = o.retries
             if o.error_kind:
                 info["error"] = o.error_kind
+            if o.status == 499:
+                info["status"] = 499

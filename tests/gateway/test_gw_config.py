@@ -136,3 +136,15 @@ def test_check_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     err = capsys.readouterr().err
     assert f"{bad}: routes[0].policy: unknown policy 'nope'" in err
     assert "Traceback" not in err
+
+
+def test_docs_config_reference_is_current() -> None:
+    from gateway.config import markdown_reference
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    begin = text.index("-->", text.index("<!-- BEGIN GENERATED")) + 4
+    generated = text[begin : text.index("<!-- END GENERATED -->")]
+    assert generated == markdown_reference(), (
+        "docs/config.md is out of date: regenerate the block between the markers with "
+        "`python -m gateway.config --markdown`"
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 from collections.abc import Iterator
@@ -122,7 +123,10 @@ def running_on(url: str) -> float:
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_cancels_the_upstream_request(slow_sim: str, stream: bool) -> None:
+def test_client_disconnect_cancels_the_upstream_request(
+    slow_sim: str, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="prefix_gateway.access")
     with running_gateway([slow_sim]) as gw:
         payload = {"model": MODEL, "messages": chat("tell me everything"), "max_tokens": 20_000, "stream": stream}
         if stream:
@@ -147,3 +151,5 @@ def test_client_disconnect_cancels_the_upstream_request(slow_sim: str, stream: b
         wait_for(lambda: gw.gateway.replicas["r0"].in_flight == 0, what="the gateway to release its slot")
         text = httpx.get(f"{gw.url}/metrics").text
         assert metric_sum(text, "prefix_gateway_errors_total", kind="client_disconnect") == 1
+    access = [r.getMessage() for r in caplog.records if r.name == "prefix_gateway.access"]
+    assert any('"POST /v1/chat/completions" 499' in line and "error=client_disconnect" in line for line in access)

@@ -1,0 +1,389 @@
+"""The gateway's own cost: added latency, peak throughput and stream gaps, gateway vs direct.
+
+    python benchmarks/bench_proxy.py                # ~1.5 min, every phase
+    python benchmarks/bench_proxy.py --quick        # ~30 s smoke run
+    python benchmarks/bench_proxy.py --profile      # also py-spy the gateway during the peak phase
+
+Everything is measured in one run, as gateway-vs-direct pairs against the same simulator:
+
+1. **added latency** — open loop at a fixed rate (300 req/s), small non-streaming chat
+   requests; direct and through the gateway in alternating rounds.  Added = gateway - direct
+   at p50 and p99.  (Targets: p50 <= 1 ms, p99 <= 5 ms.)
+2. **peak throughput** — closed loop, N connections, small requests, non-streaming and
+   streaming (16 chunks, instant replica).  (Target: >= 1,000 req/s non-streaming.)
+3. **stream gaps** — a real-time replica (20 ms per token): the gaps between chunk arrivals
+   at the client, and TTFT, direct vs gateway.  (Target: gaps within 1 ms of direct.)
+
+Processes: the replicas (``gateway.sim``, own processes), one gateway process
+(``prefix-gateway serve`` with a default config: access log and summary line on, logs to
+a temp file), and this process as the load generator (aiohttp on uvloop).  On a 2-core
+machine they share the CPU, and other work on the machine adds noise: read the ratios, not
+the absolute numbers.  Results: a table on stdout and ``benchmarks/results/bench_proxy.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gateway.sim import DEFAULT_MODEL  # noqa: E402
+from gateway.sim.launcher import run_replicas  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "bench_proxy.json"
+PROFILE = ROOT / "benchmarks" / "results" / "bench_proxy_profile.txt"
+SMALL_CHAT = {
+    "model": DEFAULT_MODEL,
+    "messages": [{"role": "user", "content": "Hello! Can you tell me a short fact about the sea?"}],
+    "max_tokens": 16,
+}
+TARGETS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "peak_rps": 1000.0, "gap_delta_ms": 1.0}
+
+
+# -- processes ---------------------------------------------------------------------------------
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+@contextmanager
+def gateway_process(replica_url: str, log_path: Path) -> Iterator[tuple[str, int]]:
+    """``prefix-gateway serve`` on a free port over one replica; yields (base URL, pid)."""
+    config = {
+        "server": {"host": "127.0.0.1", "port": 0},
+        "replicas": [{"name": "r0", "url": replica_url}],
+        "routes": [{"name": "bench", "match": {"models": [DEFAULT_MODEL]}, "policy": "least_loaded"}],
+    }
+    config_path = log_path.with_suffix(".yaml")
+    config_path.write_text(yaml.safe_dump(config))
+    log = log_path.open("w")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--config", str(config_path)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        url = None
+        while url is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway did not start; see {log_path}")
+            match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log_path.read_text())
+            url = match.group(1) if match else None
+            time.sleep(0.05)
+        yield url, proc.pid
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+# -- load --------------------------------------------------------------------------------------
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool) -> float:
+    start = time.perf_counter()
+    async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
+        if stream:
+            async for _ in resp.content.iter_any():
+                pass
+        else:
+            await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}")
+    return time.perf_counter() - start
+
+
+async def open_loop(url: str, body: bytes, rate: float, duration: float) -> dict[str, Any]:
+    """Requests at fixed intervals regardless of answers (no coordinated omission)."""
+    latencies: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def fire() -> None:
+            nonlocal errors
+            try:
+                latencies.append(await _one(session, url, body, False))
+            except Exception:
+                errors += 1
+
+        for _ in range(20):  # warm the connection pool
+            await fire()
+        latencies.clear()
+        n = int(rate * duration)
+        start = time.perf_counter()
+        tasks = []
+        for i in range(n):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(fire()))
+        await asyncio.gather(*tasks)
+    return {"latencies": latencies, "errors": errors}
+
+
+async def closed_loop(url: str, body: bytes, concurrency: int, duration: float, stream: bool) -> dict[str, Any]:
+    latencies: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def worker(stop_at: float, record: bool) -> None:
+            nonlocal errors
+            while time.perf_counter() < stop_at:
+                try:
+                    latency = await _one(session, url, body, stream)
+                except Exception:
+                    errors += 1
+                    continue
+                if record:
+                    latencies.append(latency)
+
+        await asyncio.gather(*(worker(time.perf_counter() + min(1.0, duration / 4), False) for _ in range(concurrency)))
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(start + duration, True) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    return {"rps": len(latencies) / elapsed, "latencies": latencies, "errors": errors, "seconds": elapsed}
+
+
+async def stream_gaps(url: str, body: bytes, streams: int, concurrency: int) -> dict[str, Any]:
+    """Chunk inter-arrival gaps and TTFT of real-time streams."""
+    gaps: list[float] = []
+    ttfts: list[float] = []
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession() as session:
+
+        async def one() -> None:
+            async with sem:
+                start = time.perf_counter()
+                last = None
+                async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
+                    async for _ in resp.content.iter_any():
+                        now = time.perf_counter()
+                        if last is None:
+                            ttfts.append(now - start)
+                        else:
+                            gaps.append(now - last)
+                        last = now
+
+        await asyncio.gather(*(one() for _ in range(streams)))
+    return {"gaps": gaps, "ttfts": ttfts}
+
+
+def run_async(coro: Any) -> Any:
+    import uvloop
+
+    return uvloop.run(coro)
+
+
+# -- phases ------------------------------------------------------------------------------------
+def ms(value: float) -> float:
+    return round(value * 1000, 3)
+
+
+def phase_added_latency(direct: str, through: str, rate: float, duration: float, rounds: int) -> dict[str, Any]:
+    body = json.dumps(SMALL_CHAT).encode()
+    pooled: dict[str, list[float]] = collections.defaultdict(list)
+    errors = 0
+    for _ in range(rounds):
+        for name, base in (("direct", direct), ("gateway", through)):
+            result = run_async(open_loop(base + "/v1/chat/completions", body, rate, duration))
+            pooled[name] += result["latencies"]
+            errors += result["errors"]
+    d, g = pooled["direct"], pooled["gateway"]
+    return {
+        "rate": rate,
+        "requests_each": len(d),
+        "errors": errors,
+        "direct_p50_ms": ms(pct(d, 0.5)),
+        "direct_p99_ms": ms(pct(d, 0.99)),
+        "gateway_p50_ms": ms(pct(g, 0.5)),
+        "gateway_p99_ms": ms(pct(g, 0.99)),
+        "added_p50_ms": ms(pct(g, 0.5) - pct(d, 0.5)),
+        "added_p99_ms": ms(pct(g, 0.99) - pct(d, 0.99)),
+    }
+
+
+def phase_peak(
+    direct: str, through: str, gateway_pid: int, concurrency: int, duration: float, stream: bool
+) -> dict[str, Any]:
+    body = json.dumps({**SMALL_CHAT, "stream": stream}).encode()
+    out: dict[str, Any] = {"concurrency": concurrency, "stream": stream}
+    for name, base in (("direct", direct), ("gateway", through)):
+        cpu0, wall0 = _cpu_seconds(gateway_pid), time.perf_counter()
+        result = run_async(closed_loop(base + "/v1/chat/completions", body, concurrency, duration, stream))
+        wall = time.perf_counter() - wall0
+        out[f"{name}_rps"] = round(result["rps"], 1)
+        out[f"{name}_p50_ms"] = ms(pct(result["latencies"], 0.5))
+        out[f"{name}_p99_ms"] = ms(pct(result["latencies"], 0.99))
+        out[f"{name}_errors"] = result["errors"]
+        if name == "gateway":
+            out["gateway_cpu_pct"] = round((_cpu_seconds(gateway_pid) - cpu0) / wall * 100, 1)
+    out["ratio"] = round(out["gateway_rps"] / out["direct_rps"], 3) if out["direct_rps"] else None
+    return out
+
+
+def phase_stream_gaps(direct: str, through: str, streams: int, concurrency: int, tokens: int) -> dict[str, Any]:
+    body = json.dumps({**SMALL_CHAT, "max_tokens": tokens, "stream": True}).encode()
+    out: dict[str, Any] = {"streams": streams, "concurrency": concurrency, "tokens": tokens}
+    for name, base in (("direct", direct), ("gateway", through)):
+        run_async(stream_gaps(base + "/v1/chat/completions", body, concurrency, concurrency))  # warm up
+        result = run_async(stream_gaps(base + "/v1/chat/completions", body, streams, concurrency))
+        gaps, ttfts = result["gaps"], result["ttfts"]
+        out[f"{name}_gap_p50_ms"] = ms(pct(gaps, 0.5))
+        out[f"{name}_gap_p99_ms"] = ms(pct(gaps, 0.99))
+        out[f"{name}_ttft_p50_ms"] = ms(pct(ttfts, 0.5))
+        out[f"{name}_chunks"] = len(gaps) + len(ttfts)
+    out["gap_delta_p50_ms"] = round(out["gateway_gap_p50_ms"] - out["direct_gap_p50_ms"], 3)
+    out["gap_delta_p99_ms"] = round(out["gateway_gap_p99_ms"] - out["direct_gap_p99_ms"], 3)
+    out["ttft_delta_p50_ms"] = round(out["gateway_ttft_p50_ms"] - out["direct_ttft_p50_ms"], 3)
+    return out
+
+
+def profile_gateway(pid: int, seconds: float, through: str, concurrency: int) -> list[tuple[str, float]]:
+    """py-spy the gateway under peak load; return the top functions by own (self) samples."""
+    raw = PROFILE.with_suffix(".raw")
+    spy = subprocess.Popen(
+        ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--format", "raw", "-o", str(raw),
+         "--nonblocking", "--rate", "250"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    time.sleep(0.5)  # py-spy attaches
+    body = json.dumps(SMALL_CHAT).encode()
+    run_async(closed_loop(through + "/v1/chat/completions", body, concurrency, seconds - 2, False))
+    spy.wait(60)
+    self_samples: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines() if raw.exists() else []:
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        total += int(count)
+        self_samples[frames[-1]] += int(count)
+    by_module: collections.Counter[str] = collections.Counter()
+    for frame, count in self_samples.items():
+        match = re.search(r"\((.*?)(?::\d+)?\)$", frame)
+        path = match.group(1) if match else frame
+        by_module[re.sub(r".*site-packages/", "", re.sub(r".*/gateway/", "gateway/", path))] += count
+    lines = [f"py-spy: {total} samples over {seconds:.0f}s of peak load (c={concurrency})", "", "top functions (self):"]
+    lines += [f"{count / total * 100:6.2f}%  {frame}" for frame, count in self_samples.most_common(30)]
+    lines += ["", "by file (self):"]
+    lines += [f"{count / total * 100:6.2f}%  {path}" for path, count in by_module.most_common(20)]
+    PROFILE.write_text("\n".join(lines) + "\n")
+    raw.unlink(missing_ok=True)
+    return [(frame, round(count / total * 100, 2)) for frame, count in self_samples.most_common(15)] if total else []
+
+
+# -- report ------------------------------------------------------------------------------------
+def table(results: dict[str, Any]) -> str:
+    a = results["added_latency"]
+    rows = [
+        (f"non-stream @{a['rate']:.0f} req/s: p50 latency", a["direct_p50_ms"], a["gateway_p50_ms"], a["added_p50_ms"],
+         f"added <= {TARGETS['added_p50_ms']} ms"),
+        (f"non-stream @{a['rate']:.0f} req/s: p99 latency", a["direct_p99_ms"], a["gateway_p99_ms"], a["added_p99_ms"],
+         f"added <= {TARGETS['added_p99_ms']} ms"),
+    ]  # fmt: skip
+    for peak in results["peak"]:
+        kind = "stream" if peak["stream"] else "non-stream"
+        rows.append(
+            (f"{kind} peak req/s (c={peak['concurrency']})", peak["direct_rps"], peak["gateway_rps"],
+             f"x{peak['ratio']}", f">= {TARGETS['peak_rps']:.0f} req/s" if not peak["stream"] else ""),
+        )  # fmt: skip
+        rows.append(
+            (f"{kind} p50 latency (c={peak['concurrency']})", peak["direct_p50_ms"], peak["gateway_p50_ms"],
+             round(peak["gateway_p50_ms"] - peak["direct_p50_ms"], 3), f"gateway CPU {peak['gateway_cpu_pct']}%"),
+        )  # fmt: skip
+    g = results["stream_gaps"]
+    rows += [
+        ("stream inter-chunk gap p50 (ms)", g["direct_gap_p50_ms"], g["gateway_gap_p50_ms"], g["gap_delta_p50_ms"],
+         f"within {TARGETS['gap_delta_ms']} ms"),
+        ("stream inter-chunk gap p99 (ms)", g["direct_gap_p99_ms"], g["gateway_gap_p99_ms"], g["gap_delta_p99_ms"],
+         f"within {TARGETS['gap_delta_ms']} ms"),
+        ("stream TTFT p50 (ms)", g["direct_ttft_p50_ms"], g["gateway_ttft_p50_ms"], g["ttft_delta_p50_ms"], ""),
+    ]  # fmt: skip
+    out = [f"| {'measure':<44} | {'direct':>10} | {'gateway':>10} | {'delta':>9} | target / note",
+           f"|{'-' * 46}|{'-' * 12}|{'-' * 12}|{'-' * 11}|{'-' * 24}"]  # fmt: skip
+    for name, d, gw, delta, note in rows:
+        out.append(f"| {name:<44} | {d:>10} | {gw:>10} | {delta!s:>9} | {note}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short phases (smoke run)")
+    parser.add_argument("--rate", type=float, default=300.0, help="open-loop rate for the added-latency phase")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="closed-loop connections")
+    parser.add_argument("--profile", action="store_true", help="py-spy the gateway during a peak phase")
+    args = parser.parse_args(argv)
+    duration, rounds, streams = (3.0, 1, 16) if args.quick else (6.0, 2, 48)
+
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_before": os.getloadavg()},
+        "targets": TARGETS,
+    }
+    with tempfile.TemporaryDirectory() as logs:
+        quiet = {"disable_uvicorn_access_log": True, "disable_log_stats": True}
+        with (
+            run_replicas(1, time_scale=0, log_dir=Path(logs) / "instant", **quiet) as (instant,),
+            run_replicas(1, time_scale=1.0, decode_ms_per_token=20, log_dir=Path(logs) / "rt", **quiet) as (realtime,),
+            gateway_process(instant, Path(logs) / "gw-instant.log") as (gw_instant, pid),
+            gateway_process(realtime, Path(logs) / "gw-rt.log") as (gw_realtime, _),
+        ):
+            print(f"replicas: instant {instant}, real-time {realtime}; gateways {gw_instant}, {gw_realtime}")
+            print(f"[1/3] added latency: open loop {args.rate:.0f} req/s, {rounds}x{duration:.0f}s each side ...")
+            results["added_latency"] = phase_added_latency(instant, gw_instant, args.rate, duration, rounds)
+            print("[2/3] peak throughput (closed loop) ...")
+            results["peak"] = [
+                phase_peak(instant, gw_instant, pid, c, duration, stream)
+                for stream in (False, True)
+                for c in args.concurrency
+            ]
+            print(f"[3/3] stream gaps: {streams} real-time streams of 64 tokens ...")
+            results["stream_gaps"] = phase_stream_gaps(realtime, gw_realtime, streams, 8, 64)
+            if args.profile:
+                print("[+] profiling the gateway with py-spy ...")
+                results["profile_top"] = profile_gateway(pid, 10.0, gw_instant, max(args.concurrency))
+        results["machine"]["load_after"] = os.getloadavg()
+    print()
+    print(table(results))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {RESULTS.relative_to(ROOT)}" + (f" and {PROFILE.relative_to(ROOT)}" if args.profile else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
