@@ -110,10 +110,11 @@ class Normalizer:
         budget = settings.max_scan_chars
         counts: dict[str, int] = {}
         plan: list[tuple[str, str, list[Span]]] = []  # (where, text, spans) of texts with spans
-        texts = list(self._chat_texts(tools if settings.tools else None, messages))
-        for where, text in texts:
+        texts: list[tuple[str, str]] = []
+        for where, text in self._chat_texts(tools if settings.tools else None, messages):
             if budget <= 0:
                 break
+            texts.append((where, text))
             spans = self._accept(text, budget)
             new_len = len(text) + sum(len_delta(s) for s in spans) if relocate else len(text)
             budget -= new_len
@@ -160,16 +161,17 @@ class Normalizer:
                 yield from _descriptions(tool, f"tools[{i}]")
         roles = self._roles
         for i, message in enumerate(messages):
-            if not isinstance(message, Mapping) or message.get("role") not in roles:
+            # JSON bodies hold plain dicts: a dict check is ~10x cheaper than an ABC check.
+            if type(message) is not dict or message.get("role") not in roles:
                 continue
             content = message.get("content")
-            if isinstance(content, str):
+            if type(content) is str:
                 yield f"messages[{i}].content", content
-            elif isinstance(content, list):
+            elif type(content) is list:
                 for j, part in enumerate(content):
-                    if isinstance(part, Mapping) and part.get("type", "text") == "text":
+                    if type(part) is dict and part.get("type", "text") == "text":
                         text = part.get("text")
-                        if isinstance(text, str):
+                        if type(text) is str:
                             yield f"messages[{i}].content[{j}].text", text
 
     def _accept(self, text: str, limit: int) -> list[Span]:
@@ -300,21 +302,21 @@ def _rewrite(text: str, spans: list[Span], where: str, numbering: _Numbering, ch
 
 
 def _role(message: Any) -> Any:
-    return message.get("role") if isinstance(message, Mapping) else None
+    return message.get("role") if isinstance(message, dict) else None
 
 
 def _descriptions(node: Any, path: str) -> Iterator[tuple[str, str]]:
     """``description`` strings anywhere in a tool definition, depth first in key order."""
-    if isinstance(node, Mapping):
+    if isinstance(node, dict):
         for key, value in node.items():
             sub = f"{path}.{key}"
             if key == "description" and isinstance(value, str):
                 yield sub, value
-            elif isinstance(value, Mapping | list):
+            elif isinstance(value, dict | list):
                 yield from _descriptions(value, sub)
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            if isinstance(value, Mapping | list):
+            if isinstance(value, dict | list):
                 yield from _descriptions(value, f"{path}[{i}]")
 
 
@@ -326,13 +328,13 @@ def _replace_tool_texts(tools: Any, replacements: Mapping[str, str]) -> Any:
 
 def _rebuild(node: Any, path: str, replacements: Mapping[str, str]) -> Any:
     """Copy only the containers on a path to a replaced string; share everything else."""
-    if isinstance(node, Mapping):
+    if isinstance(node, dict):
         out: dict[str, Any] | None = None
         for key, value in node.items():
             sub = f"{path}.{key}"
             if isinstance(value, str):
                 new = replacements.get(sub, value) if key == "description" else value
-            elif isinstance(value, Mapping | list):
+            elif isinstance(value, dict | list):
                 new = _rebuild(value, sub, replacements)
             else:
                 continue
@@ -344,7 +346,7 @@ def _rebuild(node: Any, path: str, replacements: Mapping[str, str]) -> Any:
     if isinstance(node, list):
         new_list: list[Any] | None = None
         for i, value in enumerate(node):
-            if isinstance(value, Mapping | list):
+            if isinstance(value, dict | list):
                 new = _rebuild(value, f"{path}[{i}]", replacements)
                 if new is not value:
                     if new_list is None:
@@ -355,30 +357,27 @@ def _rebuild(node: Any, path: str, replacements: Mapping[str, str]) -> Any:
 
 
 def _replace_message_texts(messages: list[Any], replacements: Mapping[str, str]) -> list[Any]:
+    """Copy the messages list and only the messages/parts that have a replaced text."""
     out = list(messages)
-    for i, message in enumerate(messages):
-        prefix = f"messages[{i}].content"
-        if prefix in replacements:
-            new_message = dict(message)
-            new_message["content"] = replacements[prefix]
-            out[i] = new_message
+    touched: dict[int, list[tuple[int | None, str]]] = {}
+    for where, text in replacements.items():
+        if not where.startswith("messages["):
             continue
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if not isinstance(content, list):
-            continue
-        new_content: list[Any] | None = None
-        for j, part in enumerate(content):
-            key = f"{prefix}[{j}].text"
-            if key in replacements:
-                if new_content is None:
-                    new_content = list(content)
-                new_part = dict(part)
-                new_part["text"] = replacements[key]
-                new_content[j] = new_part
-        if new_content is not None:
-            new_message = dict(message)
-            new_message["content"] = new_content
-            out[i] = new_message
+        index, _, rest = where[len("messages[") :].partition("]")
+        part = None if rest == ".content" else int(rest[len(".content[") :].partition("]")[0])
+        touched.setdefault(int(index), []).append((part, text))
+    for i, edits in touched.items():
+        message = dict(messages[i])
+        for part, text in edits:
+            if part is None:
+                message["content"] = text
+            else:
+                if message["content"] is messages[i]["content"]:
+                    message["content"] = list(message["content"])
+                new_part = dict(message["content"][part])
+                new_part["text"] = text
+                message["content"][part] = new_part
+        out[i] = message
     return out
 
 

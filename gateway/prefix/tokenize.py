@@ -7,10 +7,12 @@ segment (segment boundaries are token boundaries, see :mod:`gateway.chat_templat
 bounded LRU maps ``xxh3_128(segment text)`` to its token ids (kept as a compact
 ``array('I')``, 4 bytes per token); only new segments reach the tokenizer.
 
-The result is exactly ``chat_tokens(..., max_tokens=window)[:window]`` — the cache is pure
-memoization of ``tokenizer.encode`` and the window logic mirrors
-:func:`gateway.chat_template.encode_segments` — so the gateway and the simulator still
-agree token for token.
+The result is the first ``window`` tokens of ``chat_tokens(...)`` — what the simulator
+counts — because the cache is pure memoization of ``tokenizer.encode``.  A segment that
+reaches past the window is tokenized only over a leading part: for tiktoken encodings it is
+cut at spaces, where cutting is provably exact, in chunks sized for the tokens still missing
+(about 5 characters per token), so a cold 4,096-token window costs about one tokenizer pass
+over 4,096 tokens rather than over 8 characters per token.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import xxhash
 
 from gateway.chat_template import chat_segments
-from gateway.tokenizer import Tokenizer
+from gateway.tokenizer import TiktokenTokenizer, Tokenizer
 
 
 class SegmentTokenCache:
@@ -73,9 +75,13 @@ class WindowTokenizer:
         self.tokenizer = tokenizer
         self.window = window
         self.cache = SegmentTokenCache(tokenizer, cache_tokens)
+        # tiktoken's pre-tokenizers (cl100k, o200k) always start a new pre-token at a space
+        # that follows a non-space, and BPE never merges across pre-tokens: cutting there is
+        # exact.  A Hugging Face tokenizer gives no such guarantee.
+        self._exact_cuts = isinstance(tokenizer, TiktokenTokenizer)
 
     def segments(self, segments: Iterable[str]) -> array[int]:
-        """Like ``encode_segments(tokenizer, segments, window)[:window]``, with cached segments."""
+        """The first ``window`` tokens of the concatenated segments (each tokenized on its own)."""
         window = self.window
         encode = self.cache.encode
         out: array[int] = array("I")
@@ -83,17 +89,46 @@ class WindowTokenizer:
             remaining = window - len(out)
             if remaining <= 0:
                 break
-            # Same rule as encode_segments: a long segment is first tokenized over a leading
-            # slice; two tokens of slack keep the kept ones exact.
-            char_budget = remaining * 8 + 64
-            if len(segment) > char_budget:
-                partial = encode(segment[:char_budget])
-                if len(partial) - 2 >= remaining:
-                    out.extend(partial[:remaining])
-                    break
-            out.extend(encode(segment))
+            if len(segment) > remaining * _CHARS_PER_TOKEN_GUESS + 64:
+                out.extend(self._leading(segment, remaining))
+            else:
+                out.extend(encode(segment))
         if len(out) > window:
             del out[window:]
+        return out
+
+    def _leading(self, segment: str, wanted: int) -> array[int]:
+        """At least the first ``wanted`` tokens of a long segment, tokenizing little more.
+
+        With exact cuts the segment is tokenized in chunks that end at a space after a
+        non-space, so the concatenation equals tokenizing the whole segment; each chunk is
+        sized for the tokens still missing.  Otherwise (or when no such space is near) the
+        rule of :func:`gateway.chat_template.encode_segments` applies: tokenize a leading slice
+        of 8 characters per token and trust all but its last two tokens.
+        """
+        encode = self.cache.encode
+        out: array[int] = array("I")
+        pos = 0
+        n = len(segment)
+        while len(out) < wanted and pos < n:
+            need = wanted - len(out)
+            end = pos + need * _CHARS_PER_TOKEN_GUESS + 64
+            if end >= n:
+                out.extend(encode(segment[pos:]))
+                break
+            cut = _space_cut(segment, pos, end) if self._exact_cuts else -1
+            if cut > pos:
+                out.extend(encode(segment[pos:cut]))
+                pos = cut
+                continue
+            budget = need * 8 + 64
+            if pos + budget < n:
+                partial = encode(segment[pos : pos + budget])
+                if len(partial) - 2 >= need:
+                    out.extend(partial[:need])
+                    break
+            out.extend(encode(segment[pos:]))
+            break
         return out
 
     def chat(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> array[int]:
@@ -106,3 +141,20 @@ class WindowTokenizer:
     def ids(self, prompt: Sequence[int]) -> array[int]:
         """A completion prompt given as token ids: the leading window as is."""
         return array("I", prompt[: self.window])
+
+
+# Chunk size per missing token: English runs ~4.2 characters per cl100k token; a short
+# chunk costs one more small tokenizer call, a long one tokenizes text past the window.
+_CHARS_PER_TOKEN_GUESS = 5
+_CUT_SEARCH = 1024  # how far back from the chunk end a space is looked for
+
+
+def _space_cut(text: str, lo: int, hi: int) -> int:
+    """The last index in (lo, hi] holding a space preceded by a non-space, or -1."""
+    floor = max(lo + 1, hi - _CUT_SEARCH)
+    p = text.rfind(" ", floor, hi + 1)
+    while p >= floor:
+        if not text[p - 1].isspace():
+            return p
+        p = text.rfind(" ", floor, p)
+    return -1

@@ -108,7 +108,11 @@ _CLASS_TABLE = "".join(
 # A strong digit run: a digit preceded by a letter/punct, four digits, or digits then a letter/punct.
 _STRONG = re.compile(r"0(?:(?<=[:a]0)|000|0{0,3}[:a])")
 _NON_ID = re.compile(r"[^0a:]")
-_CONTEXT = 96  # characters around a strong run that a detector match can reach (dates with names)
+# How far a detector match reaches from its first strong run: to the left over a weekday and
+# month name ("Wednesday, September 18th, 2025": 21 chars), to the right over the rest of a
+# datetime ("2025 05:06:07.123456 +0000").  Ids are followed to their end separately.
+_LEFT = 40
+_RIGHT = 64
 _ID_REACH = 512  # how far an id-like run is followed past the context window
 _SPILL = 256  # a span may start before the scan limit and end after it
 
@@ -198,10 +202,10 @@ class VolatileScanner:
     def _scan_builtin(self, text: str, stop: int, end: int, found: list[tuple[int, int, int, str]]) -> None:
         cls = text[:end].translate(_CLASS_TABLE)
         regions: list[list[int]] = []
-        for m in _STRONG.finditer(cls, 0, stop + _CONTEXT):
+        for m in _STRONG.finditer(cls, 0, stop + _LEFT):
             p = m.start()
-            lo = max(0, p - _CONTEXT)
-            hi = min(end, p + _CONTEXT)
+            lo = max(0, p - _LEFT)
+            hi = min(end, p + _RIGHT)
             if regions and lo <= regions[-1][1]:
                 if hi > regions[-1][1]:
                     regions[-1][1] = hi

@@ -30,10 +30,10 @@ _message = st.fixed_dictionaries(
 @settings(max_examples=60, deadline=None)
 @given(st.lists(_message, min_size=1, max_size=6), st.integers(16, 300), st.booleans())
 def test_cached_window_equals_chat_tokens(messages: list[dict[str, Any]], window: int, tools: bool) -> None:
-    """The cache is pure memoization: same tokens as the shared template, cold and warm."""
+    """The cache is pure memoization: the window equals the full template's tokens, cold and warm."""
     tool_list = [{"type": "function", "function": {"name": "f", "description": "d"}}] if tools else None
     wt = WindowTokenizer(TOK, window, 10_000)
-    expected = chat_tokens(TOK, messages, tool_list, max_tokens=window)[:window]
+    expected = chat_tokens(TOK, messages, tool_list)[:window]
     assert list(wt.chat(messages, tool_list)) == expected
     assert list(wt.chat(messages, tool_list)) == expected  # warm
 
@@ -177,3 +177,18 @@ def test_keys_are_stable_across_processes() -> None:
         )
         outs.append(json.loads(out.stdout))
     assert outs[0] == outs[1] == here
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(alphabet="ab cd\n1234中文", min_size=0, max_size=3000), st.integers(16, 200))
+def test_window_without_exact_cuts_follows_the_shared_rule(text: str, window: int) -> None:
+    """For tokenizers without provably exact cut points (HF), the shared slice+slack rule applies."""
+    wt = WindowTokenizer(TOK, window, 10_000)
+    wt._exact_cuts = False
+    assert list(wt.text(text)) == encode_segments(TOK, [text], max_tokens=window)[:window]
+
+
+def test_long_text_without_spaces_falls_back() -> None:
+    text = "中文字符" * 3000
+    wt = WindowTokenizer(TOK, 100, 10_000)
+    assert list(wt.text(text)) == TOK.encode(text)[:100]

@@ -60,7 +60,10 @@ class PrefixPolicySettings(PolicySettings):
     )
     virtual_nodes: int = Field(160, ge=1, le=10_000, description="ring points per replica per unit of weight")
     affinity_max_entries: int = Field(
-        262_144, ge=1, description="bound of the affinity index: (prefix key, replica) pairs, shared by replicas"
+        131_072,
+        ge=1,
+        description="bound of the affinity index: (prefix key, replica) pairs shared by the replicas "
+        "(about 260 bytes each: the default holds ~2,000 full 4,096-token windows in ~34 MB)",
     )
     affinity_stride_blocks: int = Field(
         4, ge=1, description="index every n-th block key (and the deepest): memory / n, match depth granularity x n"

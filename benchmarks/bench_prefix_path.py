@@ -1,0 +1,325 @@
+"""Hot-path cost of the prefix engine: normalize + tokenize + hash + route, per request.
+
+    python benchmarks/bench_prefix_path.py            # ~20 s: every scenario, 400 requests each
+    python benchmarks/bench_prefix_path.py --quick    # ~5 s smoke run
+    python benchmarks/bench_prefix_path.py -n 1000 --window 4096
+
+Target (issue 4): <= 1 ms p99 for a 32k-token chat prompt.  Every scenario sends ~32k-token
+prompts through the real ``PrefixPipeline`` (relocate mode, default settings) and the real
+``PrefixPolicy`` on 4 replicas with changing in-flight counts, and times each stage:
+
+- ``conversation``: a long-running chat (system prompt with a fresh timestamp and request id
+  at the top, three tools, ~30k tokens of history, a new user turn each time).  History
+  repeats across requests, as it does in real chat/agent traffic: the headline scenario.
+- ``tenant_new_document``: a tenant's fixed system prompt (fresh timestamp each time) and a
+  brand-new ~30k-token user document every request: the window's tail is always new text.
+- ``cold``: every request entirely new text (nothing repeats): the worst case; the window
+  (4,096 tokens) is tokenized from scratch every time.
+- ``completions``: a ~32k-token string prompt with a dated header and a new question.
+- ``uncached_baseline``: ``conversation`` through the first version of the pipeline
+  (``chat_tokens`` on every request, no segment cache, no normalization): the reference.
+
+Each stage is timed in CPU time of the calling thread (``time.thread_time``): on a shared 2-core
+machine wall-clock percentiles mostly measure the neighbours; the wall-clock p99 of the whole
+path is printed next to it.  Garbage collection stays on (it is part of the real cost).
+Results: a table on stdout and ``benchmarks/results/bench_prefix_path.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gateway.chat_template import chat_tokens  # noqa: E402
+from gateway.prefix.blocks import chain_block_keys, first_block_seed  # noqa: E402
+from gateway.prefix.pipeline import PrefixPipeline  # noqa: E402
+from gateway.prefix.settings import NormalizeSettings, PrefixSettings  # noqa: E402
+from gateway.routing.base import ReplicaView, RequestView  # noqa: E402
+from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings  # noqa: E402
+from gateway.tokenizer import get_tokenizer  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "bench_prefix_path.json"
+TARGET_P99_MS = 1.0
+WARMUP = 20
+REPLICAS = ["vllm-0", "vllm-1", "vllm-2", "vllm-3"]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name.replace('_', ' ').capitalize()} for the signed-in customer. Use it when asked.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string", "description": "What to look up"}},
+                "required": ["query"],
+            },
+        },
+    }
+    for name in ("search_orders", "get_invoice", "open_ticket")
+]
+
+
+class Text:
+    """Deterministic English-like text (~1.7 cl100k tokens per word), sized in tokens."""
+
+    def __init__(self, seed: int) -> None:
+        rnd = random.Random(seed)
+        syl = ["ka", "to", "ri", "mon", "ex", "la", "ver", "sen", "tion", "al", "pro", "de", "in", "ure", "ble", "st"]
+        self.words = ["".join(rnd.choice(syl) for _ in range(rnd.randint(1, 3))) for _ in range(3000)]
+        self.words += ["the", "and", "of", "to", "a", "in", "is", "for", "that", "with", "on", "as", "by"] * 80
+        self.rnd = rnd
+
+    def words_(self, n: int) -> str:
+        choice = self.rnd.choice
+        out = []
+        for i in range(n):
+            out.append(choice(self.words))
+            if i % 17 == 16:
+                out.append(".\n" if i % 5 == 0 else ".")
+        return " ".join(out)
+
+    def tokens(self, n: int) -> str:
+        """About ``n`` tokens of text."""
+        return self.words_(int(n / 1.72))
+
+
+def stamp(i: int) -> str:
+    return f"{2025 + i % 3}-{1 + i % 12:02d}-{1 + i % 28:02d}T{i % 24:02d}:{i % 60:02d}:{(7 * i) % 60:02d}Z"
+
+
+# --- workloads ----------------------------------------------------------------------------
+def conversation(n: int, text: Text) -> Iterator[tuple[str, dict[str, Any]]]:
+    """8 conversations of one tenant (shared system prompt and tools), each ~28k tokens of
+    history at the start and growing by a short turn per request."""
+    system_tail = text.tokens(1500)
+    convs: list[list[dict[str, Any]]] = []
+    for _ in range(8):
+        history: list[dict[str, Any]] = []
+        for _ in range(35):
+            history.append({"role": "user", "content": text.tokens(100)})
+            history.append({"role": "assistant", "content": text.tokens(700)})
+        convs.append(history)
+    pick = random.Random(5)
+    for i in range(n):
+        c = i if i < len(convs) else pick.randrange(len(convs))  # every conversation starts in the warm-up
+        system = f"Current time: {stamp(i)}. Request id: {uuid.UUID(int=i)}.\n{system_tail}"
+        convs[c] = [*convs[c], {"role": "user", "content": text.tokens(30)}]
+        yield "chat", {"model": "m", "messages": [{"role": "system", "content": system}, *convs[c]], "tools": TOOLS}
+        convs[c] = [*convs[c], {"role": "assistant", "content": text.tokens(60)}]
+
+
+def tenant_new_document(n: int, text: Text) -> Iterator[tuple[str, dict[str, Any]]]:
+    system_tail = text.tokens(1500)
+    for i in range(n):
+        system = f"Current time: {stamp(i)}.\n{system_tail}"
+        doc = text.tokens(30_400)
+        yield (
+            "chat",
+            {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": doc}]},
+        )
+
+
+def cold(n: int, text: Text) -> Iterator[tuple[str, dict[str, Any]]]:
+    for i in range(n):
+        system = f"Current time: {stamp(i)}.\n{text.tokens(1500)}"
+        messages = [{"role": "system", "content": system}]
+        for _ in range(12):
+            messages.append({"role": "user", "content": text.tokens(400)})
+            messages.append({"role": "assistant", "content": text.tokens(2100)})
+        messages.append({"role": "user", "content": text.tokens(100)})
+        yield "chat", {"model": "m", "messages": messages}
+
+
+def completions(n: int, text: Text) -> Iterator[tuple[str, dict[str, Any]]]:
+    body = text.tokens(31_800)
+    for i in range(n):
+        prompt = f"Date: {stamp(i)}\nSession: {uuid.UUID(int=7 * i)}\n{body}\nQuestion: {text.tokens(40)}\nAnswer:"
+        yield "completions", {"model": "m", "prompt": prompt}
+
+
+WORKLOADS: dict[str, Callable[[int, Text], Iterator[tuple[str, dict[str, Any]]]]] = {
+    "conversation": conversation,
+    "tenant_new_document": tenant_new_document,
+    "cold": cold,
+    "completions": completions,
+}
+
+
+# --- measurement --------------------------------------------------------------------------
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {
+        stage: {
+            "p50_ms": round(pct(v, 0.50) * 1e3, 4),
+            "p90_ms": round(pct(v, 0.90) * 1e3, 4),
+            "p99_ms": round(pct(v, 0.99) * 1e3, 4),
+            "max_ms": round(max(v) * 1e3, 4),
+            "mean_ms": round(statistics.fmean(v) * 1e3, 4),
+        }
+        for stage, v in samples.items()
+    }
+
+
+def run_scenario(name: str, n: int, window: int, seed: int) -> dict[str, Any]:
+    text = Text(seed)
+    bodies = list(WORKLOADS[name](n + WARMUP, text))  # built up front: generating text is not timed
+    pipeline = PrefixPipeline(NormalizeSettings(mode="relocate"), PrefixSettings(window_tokens=window))
+    policy = PrefixPolicy(PrefixPolicySettings(), [ReplicaView(r) for r in REPLICAS])
+    rnd = random.Random(seed)
+    cpu: dict[str, list[float]] = {"normalize": [], "tokenize_hash": [], "route": [], "total": []}
+    wall: list[float] = []
+    normalizer, window_of, settings = pipeline.normalizer, pipeline._window, pipeline.settings
+    tokenizer = pipeline.tokens.tokenizer
+    prompt_tokens = [
+        len(chat_tokens(tokenizer, b["messages"], b.get("tools")))
+        if e == "chat"
+        else len(tokenizer.encode(b["prompt"]))
+        for e, b in bodies[WARMUP : WARMUP + 3]
+    ]
+    cpu_clock, wall_clock = time.thread_time, time.perf_counter
+    gc.collect()
+    for i, (endpoint, body) in enumerate(bodies):
+        replicas = [ReplicaView(r, in_flight=rnd.randint(0, 6)) for r in REPLICAS]
+        # The same stages as PrefixPipeline.prepare, timed one by one.
+        w0 = wall_clock()
+        t0 = cpu_clock()
+        result = normalizer.apply(endpoint, body)
+        t1 = cpu_clock()
+        tokens = window_of(endpoint, result.body)
+        seed_ = first_block_seed(str(result.body.get("model", "")), None, result.body.get("cache_salt"))
+        keys = tuple(chain_block_keys(tokens, settings.block_size, seed_))
+        t2 = cpu_clock()
+        request = RequestView(f"r{i}", "bench", "m", endpoint, None, keys, settings.block_size, len(tokens))
+        decision = policy.choose(request, replicas)
+        t3 = cpu_clock()
+        w1 = wall_clock()
+        assert decision.replica in REPLICAS
+        if i < WARMUP:  # the first requests fill the caches; not counted
+            continue
+        cpu["normalize"].append(t1 - t0)
+        cpu["tokenize_hash"].append(t2 - t1)
+        cpu["route"].append(t3 - t2)
+        cpu["total"].append(t3 - t0)
+        wall.append(w1 - w0)
+    # Cross-check: the real prepare() + choose() costs what the stages add up to.
+    whole: list[float] = []
+    for i, (endpoint, body) in enumerate(bodies[WARMUP : WARMUP + 100]):
+        t0 = cpu_clock()
+        prepared = pipeline.prepare(endpoint, body)
+        view = RequestView(
+            f"w{i}", "bench", "m", endpoint, None, prepared.block_keys, prepared.block_size, prepared.window_tokens
+        )
+        policy.choose(view, [ReplicaView(r, in_flight=rnd.randint(0, 6)) for r in REPLICAS])
+        whole.append(cpu_clock() - t0)
+    return {
+        "scenario": name,
+        "requests": len(wall),
+        "prompt_tokens": round(statistics.fmean(prompt_tokens)),
+        "window_tokens": window,
+        "cpu": summarize(cpu),
+        "wall_total": summarize({"total": wall})["total"],
+        "prepare_plus_choose_cpu_p50_ms": round(pct(whole, 0.5) * 1e3, 4),
+        "token_cache": {"hits": pipeline.tokens.cache.hits, "misses": pipeline.tokens.cache.misses},
+        "policy_index_keys": len(policy.index),
+    }
+
+
+def run_uncached_baseline(n: int, window: int, seed: int) -> dict[str, Any]:
+    """The first version: chat_tokens over the window every time, no cache, no normalization."""
+    text = Text(seed)
+    bodies = list(conversation(n + WARMUP, text))
+    tok = get_tokenizer()
+    cpu: list[float] = []
+    wall: list[float] = []
+    for i, (_endpoint, body) in enumerate(bodies):
+        w0, t0 = time.perf_counter(), time.thread_time()
+        tokens = chat_tokens(tok, body["messages"], body.get("tools"), max_tokens=window)[:window]
+        chain_block_keys(tokens, 16, first_block_seed("m"))
+        t1, w1 = time.thread_time(), time.perf_counter()
+        if i >= WARMUP:
+            cpu.append(t1 - t0)
+            wall.append(w1 - w0)
+    return {
+        "scenario": "uncached_baseline",
+        "requests": n,
+        "window_tokens": window,
+        "cpu": summarize({"tokenize_hash": cpu}),
+        "wall_total": summarize({"total": wall})["total"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("-n", type=int, default=400, help="timed requests per scenario")
+    parser.add_argument("--window", type=int, default=4096, help="PrefixSettings.window_tokens")
+    parser.add_argument("--quick", action="store_true", help="100 requests per scenario")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    n = 100 if args.quick else args.n
+
+    get_tokenizer()  # load the vocabulary outside the timings
+    results = [run_scenario(name, n, args.window, args.seed) for name in WORKLOADS]
+    results.append(run_uncached_baseline(n, args.window, args.seed))
+
+    header = (
+        f"{'scenario':20s} {'tokens':>6s} {'stage':14s} {'cpu p50':>8s} {'cpu p90':>8s} {'cpu p99':>8s} "
+        f"{'cpu max':>8s} {'wall p99':>9s}"
+    )
+    print(header + "   (ms)")
+    print("-" * len(header))
+    for r in results:
+        for stage, s in r["cpu"].items():
+            tokens = f"{r.get('prompt_tokens') or '':>6}" if stage == "normalize" else " " * 6
+            wall = f"{r['wall_total']['p99_ms']:9.3f}" if stage == "total" or len(r["cpu"]) == 1 else " " * 9
+            print(
+                f"{r['scenario']:20s} {tokens} {stage:14s} {s['p50_ms']:8.3f} {s['p90_ms']:8.3f} "
+                f"{s['p99_ms']:8.3f} {s['max_ms']:8.3f} {wall}"
+            )
+        print()
+    head = results[0]
+    cpu_p99 = head["cpu"]["total"]["p99_ms"]
+    wall_p99 = head["wall_total"]["p99_ms"]
+    verdict = "PASS" if cpu_p99 <= TARGET_P99_MS else "FAIL"
+    print(
+        f"headline: {head['scenario']} ({head['prompt_tokens']} tokens) normalize+tokenize+hash+route p99 = "
+        f"{cpu_p99:.3f} ms CPU ({wall_p99:.3f} ms wall on a shared machine); target <= {TARGET_P99_MS} ms: {verdict}"
+    )
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": "bench_prefix_path",
+        "target_p99_ms": TARGET_P99_MS,
+        "headline_scenario": head["scenario"],
+        "headline_cpu_p99_ms": cpu_p99,
+        "headline_wall_p99_ms": wall_p99,
+        "headline_pass": cpu_p99 <= TARGET_P99_MS,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "requests_per_scenario": n,
+        "scenarios": results,
+    }
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
