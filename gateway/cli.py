@@ -12,8 +12,8 @@ Each subcommand is one ``add_*`` function (its arguments) and one ``run_*`` func
 from __future__ import annotations
 
 import argparse
-import contextlib
 import getpass
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -71,12 +71,24 @@ def build_serve_config(args: argparse.Namespace) -> GatewayConfig:
     return _with_overrides(load_config(path), args.host, args.port, str(path))
 
 
+def _exit_cleanly_on_signals() -> None:
+    """uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal with the
+    previous handler; make that handler a clean exit (status 0, context managers unwind — the
+    demo's replicas are stopped) instead of the default kill."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from gateway.server import serve
 
     config = build_serve_config(args)
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C after a graceful shutdown
-        serve(config)
+    _exit_cleanly_on_signals()
+    serve(config)
     return 0
 
 
@@ -171,8 +183,8 @@ def run_demo(args: argparse.Namespace) -> int:
         announce: Callable[[str], None] = lambda url: print(  # noqa: E731
             demo_banner(url, model, len(urls), log_dir), flush=True
         )
-        with contextlib.suppress(KeyboardInterrupt):
-            serve(config, announce=announce)
+        _exit_cleanly_on_signals()
+        serve(config, announce=announce)
     return 0
 
 

@@ -8,12 +8,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gw_helpers import MODEL, chat
+from gw_helpers import MODEL, chat, wait_for
 from openai import OpenAI
 
 from gateway.cli import build_parser, build_serve_config, main
@@ -101,7 +100,7 @@ def test_serve_quick_start(sim_urls: list[str], popen_cli: list[subprocess.Popen
         model=MODEL, messages=chat("hi"), max_tokens=2
     )
     assert reply.usage.completion_tokens == 2
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)  # what Kubernetes sends: graceful shutdown, then a clean exit
     assert proc.wait(20) == 0
 
 
@@ -115,7 +114,17 @@ def test_demo_starts_replicas_and_gateway(popen_cli: list[subprocess.Popen[str]]
     replies = {client.chat.completions.with_raw_response.create(model=MODEL, messages=chat("hi"), max_tokens=2)
                .headers["x-prefix-gateway-replica"] for _ in range(8)}  # fmt: skip
     assert len(replies) > 1  # several simulated replicas behind it
-    started = time.monotonic()
+    replica_pids = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                   text=True).stdout.split()]  # fmt: skip
+    assert len(replica_pids) == 4
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
-    assert time.monotonic() - started < 30
+    for pid in replica_pids:  # the simulated replicas were stopped too
+        wait_for(lambda pid=pid: not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), what=f"replica {pid} to exit")
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"

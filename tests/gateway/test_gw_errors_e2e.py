@@ -153,3 +153,26 @@ def test_client_disconnect_cancels_the_upstream_request(
         assert metric_sum(text, "prefix_gateway_errors_total", kind="client_disconnect") == 1
     access = [r.getMessage() for r in caplog.records if r.name == "prefix_gateway.access"]
     assert any('"POST /v1/chat/completions" 499' in line and "error=client_disconnect" in line for line in access)
+
+
+@pytest.mark.parametrize(
+    ("fault", "upstream", "kind"),
+    [
+        ({"drop_after_chunks": 3}, {}, "upstream_broken"),
+        ({"stall_after_chunks": 3}, {"read_timeout_s": 0.3}, "upstream_timeout"),
+    ],
+)
+def test_upstream_failing_mid_stream_ends_the_stream_with_an_error_event(
+    sims: list[str], fault: dict[str, int], upstream: dict[str, float], kind: str
+) -> None:
+    set_faults(sims[2], **fault)
+    with running_gateway(sims[2:3], upstream=upstream) as gw:
+        stream = client(gw).chat.completions.create(model=MODEL, messages=chat("x"), max_tokens=10, stream=True)
+        received = []
+        with pytest.raises(openai.APIError, match="upstream stream failed"):
+            for chunk in stream:
+                received.append(chunk)
+        assert 0 < len(received) <= 3  # what arrived before the failure was passed on
+        text = httpx.get(f"{gw.url}/metrics").text
+        assert metric_sum(text, "prefix_gateway_errors_total", kind=kind) == 1
+        assert gw.gateway.replicas["r0"].in_flight == 0
