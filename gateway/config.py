@@ -444,11 +444,27 @@ def markdown_reference() -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":  # python -m gateway.config --markdown
+BEGIN_MARK = "<!-- BEGIN GENERATED: python -m gateway.config --markdown -->\n"
+END_MARK = "<!-- END GENERATED -->"
+
+
+def update_reference(path: str | os.PathLike[str]) -> bool:
+    """Rewrite the generated block of ``docs/config.md``; True if it changed."""
+    text = Path(path).read_text()
+    begin = text.index(BEGIN_MARK) + len(BEGIN_MARK)
+    end = text.index(END_MARK)
+    updated = text[:begin] + markdown_reference() + text[end:]
+    if updated != text:
+        Path(path).write_text(updated)
+    return updated != text
+
+
+if __name__ == "__main__":  # python -m gateway.config --markdown | --update docs/config.md
     import sys
 
     if sys.argv[1:] == ["--markdown"]:
         print(markdown_reference(), end="")
+    elif sys.argv[1:2] == ["--update"] and len(sys.argv) == 3:
+        print("updated" if update_reference(sys.argv[2]) else "already current", sys.argv[2])
     else:
-        for file in sys.argv[1:]:
-            load_config(file)
+        raise SystemExit("usage: python -m gateway.config --markdown | --update docs/config.md")

@@ -139,12 +139,10 @@ def test_check_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_docs_config_reference_is_current() -> None:
-    from gateway.config import markdown_reference
+    from gateway.config import BEGIN_MARK, END_MARK, markdown_reference
 
     text = (ROOT / "docs" / "config.md").read_text()
-    begin = text.index("-->", text.index("<!-- BEGIN GENERATED")) + 4
-    generated = text[begin : text.index("<!-- END GENERATED -->")]
+    generated = text[text.index(BEGIN_MARK) + len(BEGIN_MARK) : text.index(END_MARK)]
     assert generated == markdown_reference(), (
-        "docs/config.md is out of date: regenerate the block between the markers with "
-        "`python -m gateway.config --markdown`"
+        "docs/config.md is out of date: run `python -m gateway.config --update docs/config.md`"
     )
