@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     def on_signal(signum: int, frame: Any) -> None:
         stop.set()
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():  # signals can only be handled there
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
             group.start()

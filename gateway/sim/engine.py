@@ -252,6 +252,19 @@ class Engine:
 
     # -- the stepping loop (time_scale > 0) ------------------------------------------------
     async def _loop(self) -> None:
+        while True:
+            try:
+                await self._steps()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must fail requests loudly, never leave them hanging
+                logger.exception("engine step failed; failing in-flight requests")
+                for req in [*self.running, *self.waiting]:
+                    self.abort(req, error="internal engine error")
+                self.running = []
+                self.waiting.clear()
+
+    async def _steps(self) -> None:
         deadline = time.monotonic()
         while True:
             if not self.running and not self.waiting:

@@ -273,6 +273,9 @@ async def _stream(replica: Replica, job: _Job, receive: Receive, send: Send) -> 
         # Returning without finishing the response makes uvicorn close the socket mid-stream.
     except _ClientLeft:
         _abort_all(replica, job)
+    except Exception:  # headers are out: the best we can do is cut the stream and say why in the log
+        logger.exception("stream %s failed", job.rid)
+        _abort_all(replica, job)
     finally:
         if gone is not None:
             gone.cancel()

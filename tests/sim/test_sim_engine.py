@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 from sim_helpers import client, poll, scrape
 
 from gateway.sim import DEFAULT_MODEL
@@ -82,7 +83,8 @@ def test_full_kv_cache_makes_requests_wait_and_preempts(make_sim) -> None:
 
 
 def test_cache_hits_shorten_time_to_first_token(make_sim) -> None:
-    url = make_sim(time_scale=0.5, prefill_tokens_per_s=5000, decode_ms_per_token=5)
+    # a miss costs 0.6 s of simulated prefill, a hit 8 tokens' worth: the gap dwarfs any overhead
+    url = make_sim(time_scale=1.0, prefill_tokens_per_s=5000, decode_ms_per_token=5)
     c = client(url)
     prompt = [7 + t % 1000 for t in range(3000)]
 
@@ -121,3 +123,18 @@ def test_stream_is_incremental_and_disconnect_aborts(make_sim) -> None:
     m = scrape(url)
     assert m["vllm:request_success_total{finished_reason=abort}"] == 1
     assert m["vllm:generation_tokens_total"] < 500
+
+
+def test_an_engine_bug_fails_requests_instead_of_hanging(make_sim, monkeypatch) -> None:
+    from gateway.sim.engine import Engine
+
+    def broken(self: Engine) -> None:
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(Engine, "_schedule", broken)
+    url = make_sim(time_scale=1.0)
+    c = client(url, timeout=20)
+    with pytest.raises(openai.APIStatusError) as info:
+        c.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=3)
+    assert info.value.status_code == 503
+    assert httpx.get(url + "/health").status_code == 200
