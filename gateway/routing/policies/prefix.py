@@ -4,8 +4,12 @@ Inputs are the request's chained block keys (leading window, see :mod:`gateway.p
 each eligible replica's in-flight count.  The decision, in order:
 
 1. **Load bound (CHWBL).**  Replica *r* may take the request only while
-   ``in_flight_r < ceil(c x (total_in_flight + 1) x w_r / W)`` (c = ``load_factor``).  Some
-   replica is always under its bound, so the bound is never exceeded.
+   ``in_flight_r < ceil(c x (total_in_flight + 1) x w_r / W)`` (c = ``load_factor``), plus
+   ``bound_extra`` (2) if *r* holds at least ``bound_extra_min_tokens`` (2,048) of this prompt:
+   the textbook bound pushes a long conversation off its replica at low load (two other
+   requests there are enough), recomputing thousands of tokens to save a short wait, while
+   short popular prefixes must not pile up.  Some replica is always under its bound, so the
+   bound is never exceeded.
 2. **Affinity.**  The affinity index gives each replica the depth (in blocks) of the longest
    prefix of this request it recently served.  If an under-bound replica has a match, pick
    the under-bound replica with the best ``matched_tokens - load_cost_tokens x load``
@@ -87,10 +91,16 @@ class PrefixPolicySettings(PolicySettings):
         "loaded replica (0: least loaded, ties by ring order; null: pure CHWBL, only the load bound)",
     )
     bound_extra: int = Field(
-        0,
+        2,
         ge=0,
-        description="in-flight requests a replica may hold above its CHWBL bound (0: the textbook bound, "
-        "max/mean load <= c plus one request of rounding)",
+        description="in-flight requests a replica may hold above its CHWBL bound when it has at least "
+        "bound_extra_min_tokens of this prompt cached (0: the textbook bound everywhere)",
+    )
+    bound_extra_min_tokens: int = Field(
+        2048,
+        ge=0,
+        description="matched (cached) prompt tokens a replica needs to get bound_extra: long histories stay "
+        "home at low load, short popular prefixes cannot pile up",
     )
     use_session_key: bool = Field(True, description="use the route's session header value as the ring key if present")
 
@@ -148,18 +158,22 @@ class PrefixPolicy:
         in_flight = {r.name: r.in_flight for r in replicas}
         weights = {r.name: float(r.weight) for r in replicas}
         bounds = load_bounds(in_flight, weights, settings.load_factor)
+        depth = self.index.match(keys, in_flight) if keys else {}
+        best_any = max(depth.values(), default=0)
         if settings.bound_extra:
-            bounds = {name: b + settings.bound_extra for name, b in bounds.items()}
+            # Extra room only where a long enough prefix is cached: a conversation keeps its
+            # replica at low load, a short popular prefix cannot pile up beyond the bound.
+            deep = max(1, -(-settings.bound_extra_min_tokens // block_size))
+            bounds = {name: b + settings.bound_extra if depth.get(name, 0) >= deep else b for name, b in bounds.items()}
         mean_weight = sum(weights.values()) / len(weights) or 1.0
+        # In-flight per unit of weight; a weight-0 replica looks very busy (finite, so scores stay numbers).
         load = {
-            name: (in_flight[name] * mean_weight / weights[name]) if weights[name] > 0 else float("inf")
+            name: in_flight[name] * mean_weight / weights[name] if weights[name] > 0 else 1e9 + in_flight[name]
             for name in in_flight
         }
         under = [r.name for r in replicas if in_flight[r.name] < bounds[r.name]]
         if not under:  # impossible with load_factor >= 1; stay total anyway
             under = [r.name for r in replicas]
-        depth = self.index.match(keys, in_flight) if keys else {}
-        best_any = max(depth.values(), default=0)
         tie_key = keys[-1] if keys else ring_key
 
         scores: dict[str, float] = {}
@@ -202,6 +216,18 @@ class PrefixPolicy:
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
         """Nothing to learn: the index was updated when the request was placed."""
         return None
+
+    def snapshot(self) -> dict[str, Any]:
+        """State for ``/admin/stats``: ring membership and affinity-index occupancy."""
+        return {
+            "ring": {"members": self.ring.members, "virtual_nodes": self.settings.virtual_nodes},
+            "affinity": {
+                "keys": len(self.index),
+                "entries": self.index.entries(),
+                "capacity_per_replica": self.index.capacity(),
+                "per_replica": {name: self.index.entries(name) for name in self._weights},
+            },
+        }
 
     # -- helpers -----------------------------------------------------------------------
     def _ring_key(self, request: RequestView) -> tuple[int | None, str, int]:
