@@ -68,6 +68,7 @@ class EngineRequest:
         "output",
         "scheduled_at",
         "stop_reason",
+        "stream",
         "waiter",
     )
 
@@ -99,6 +100,7 @@ class EngineRequest:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.waiter: asyncio.Event | None = None
+        self.stream = False  # wake the waiter on every token (streams), or only at the end
 
 
 class Engine:
@@ -175,7 +177,10 @@ class Engine:
         self._finish(req, req.stop_reason, now)
 
     def add_request(self, req: EngineRequest) -> None:
-        """Queue a request for the stepping engine; ``req.waiter`` is set on every new token."""
+        """Queue a request for the stepping engine.
+
+        ``req.waiter`` is set when it finishes, and on every new token if ``req.stream``.
+        """
         if req.waiter is None:
             req.waiter = asyncio.Event()
         self.waiting.append(req)
@@ -386,7 +391,7 @@ class Engine:
                 req.blocks = []
                 self._finish(req, req.stop_reason, now)
                 any_finished = True
-            elif req.waiter is not None:
+            elif req.stream and req.waiter is not None:
                 req.waiter.set()
         if generated:
             m.generation_tokens.inc(generated)

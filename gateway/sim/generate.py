@@ -135,20 +135,25 @@ async def _generate(
 
 async def _wait_all(replica: Replica, reqs: list[EngineRequest], waiter: asyncio.Event, receive: Receive) -> bool:
     """Wait until every request finished; abort them all (and say False) if the client leaves."""
-    gone = watch_disconnect(receive)
+    gone = _watch(receive, waiter)
     try:
         while not all(r.finished for r in reqs):
-            wait = asyncio.ensure_future(waiter.wait())
-            await asyncio.wait((wait, gone), return_when=asyncio.FIRST_COMPLETED)
+            await waiter.wait()
+            waiter.clear()
             if gone.done():
-                wait.cancel()
                 for r in reqs:
                     replica.engine.abort(r)
                 return False
-            waiter.clear()
         return True
     finally:
         gone.cancel()
+
+
+def _watch(receive: Receive, waiter: asyncio.Event) -> asyncio.Future[Any]:
+    """Watch for the client leaving; it wakes the same event the engine sets (one wait, no races)."""
+    gone = watch_disconnect(receive)
+    gone.add_done_callback(lambda _: waiter.set())
+    return gone
 
 
 def _usage(replica: Replica, job: _Job, completion: int | None = None) -> dict[str, Any]:
@@ -249,6 +254,7 @@ async def _stream(replica: Replica, job: _Job, receive: Receive, send: Send) -> 
     waiter = asyncio.Event()
     for r in job.reqs:
         r.waiter = waiter
+        r.stream = True
     if engine.instant:
         try:
             replica.run(job.reqs)
@@ -258,7 +264,7 @@ async def _stream(replica: Replica, job: _Job, receive: Receive, send: Send) -> 
         replica.run(job.reqs)
     await start_stream(send)  # from here on errors go into the stream, not the status
     sink = _ChunkSink(send, faults, batch=engine.instant)
-    gone = None if engine.instant and faults.stall_after_chunks is None else watch_disconnect(receive)
+    gone = None if engine.instant and faults.stall_after_chunks is None else _watch(receive, waiter)
     try:
         await _emit_events(replica, job, sink, waiter, gone)
         await sink.close()
@@ -344,11 +350,9 @@ async def _emit_events(
             break
         if gone is None:  # pragma: no cover - instant mode finishes before streaming starts
             break
-        wait = asyncio.ensure_future(waiter.wait())
-        await asyncio.wait((wait, gone), return_when=asyncio.FIRST_COMPLETED)
-        if gone.done():
-            wait.cancel()
-            raise _ClientLeft
+        await waiter.wait()
         waiter.clear()
+        if gone.done():
+            raise _ClientLeft
     if include_usage:
         await sink.emit(sse({**base, "choices": [], "usage": _usage(replica, job)}))
