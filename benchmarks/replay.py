@@ -251,6 +251,11 @@ class LoadStats:
     cv: float  # time-average of stddev_r(L_r) / mean_r(L_r)
     bound_ok_share: float  # share of time with max_r(L_r) <= 1.25 * mean_r(L_r) + 1
     worst_excess: float  # max over time of max_r(L_r) - (1.25 * mean_r(L_r) + 1)
+    # The same bound checked where a router can enforce it: at each assignment, the chosen
+    # replica's in-flight (this request included) vs 1.25 x the mean (this request included) + 1.
+    assign_bound_ok_share: float = math.nan
+    assign_max_over_mean_p99: float = math.nan
+    assign_worst_excess: float = math.nan
 
 
 def load_stats(outcomes: Sequence[Outcome], replicas: Sequence[str], end: float, step: float = 0.005) -> LoadStats:
@@ -283,6 +288,7 @@ def load_stats(outcomes: Sequence[Outcome], replicas: Sequence[str], end: float,
     if not busy.any():
         zero = {n: 0.0 for n in names}
         return LoadStats(names, counts, zero, {n: 0 for n in names}, math.nan, math.nan, math.nan, math.nan, math.nan)
+    assign = _assignment_bound(spans, len(names))
     peak = load.max(axis=0)
     ratio = peak[busy] / mean[busy]
     cv = load[:, busy].std(axis=0) / mean[busy]
@@ -297,7 +303,31 @@ def load_stats(outcomes: Sequence[Outcome], replicas: Sequence[str], end: float,
         cv=float(cv.mean()),
         bound_ok_share=float((excess <= 1e-9).mean()),
         worst_excess=float(excess.max()),
+        **assign,
     )
+
+
+def _assignment_bound(spans: Sequence[tuple[float, float, int]], n_replicas: int) -> dict[str, float]:
+    """At each request's dispatch (in dispatch order), the load of the replica it went to."""
+    sent = np.array([s[0] for s in spans])
+    done = np.array([s[1] for s in spans])
+    rep = np.array([s[2] for s in spans])
+    n = len(spans)
+    order = np.argsort(sent, kind="stable")
+    sent, done, rep = sent[order], done[order], rep[order]
+    earlier = np.tri(n, k=-1, dtype=bool)  # j dispatched before i
+    open_at = earlier & (done[None, :] > sent[:, None])  # [i, j]: j still in flight when i is sent
+    onehot = np.zeros((n, n_replicas), dtype=np.int32)
+    onehot[np.arange(n), rep] = 1
+    loads = open_at.astype(np.int32) @ onehot + onehot  # per replica, request i included
+    chosen = loads[np.arange(n), rep]
+    mean = loads.sum(axis=1) / n_replicas
+    excess = chosen - (1.25 * mean + 1.0)
+    return {
+        "assign_bound_ok_share": float((excess <= 1e-9).mean()),
+        "assign_max_over_mean_p99": float(np.percentile(chosen / mean, 99)),
+        "assign_worst_excess": float(excess.max()),
+    }
 
 
 def _pct(values: Sequence[float], q: float) -> float | None:

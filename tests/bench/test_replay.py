@@ -90,3 +90,12 @@ def test_load_stats_reconstructs_in_flight_from_intervals():
         step=0.01,
     )
     assert hot.bound_ok_share == 0.0  # 6 vs mean 3.5: 6 > 5.375
+
+
+def test_assignment_bound_is_checked_at_each_dispatch():
+    outs = [Outcome(index=i, scheduled=0, sent=i * 0.01, done=5.0, replica="a") for i in range(6)]
+    outs.append(Outcome(index=6, scheduled=0, sent=0.5, done=5.0, replica="b"))
+    stats = load_stats(outs, ["a", "b"], end=5.0, step=0.01)
+    # the k-th request to a (b idle) meets k <= 1.25 x k/2 + 1 only for k <= 2; b's one request fits
+    assert stats.assign_bound_ok_share == 3 / 7
+    assert stats.assign_worst_excess == 6 - (1.25 * 3 + 1)

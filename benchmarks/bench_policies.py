@@ -1,0 +1,522 @@
+"""Every routing policy on the same simulated fleet, per workload and load level, in one run.
+
+    python benchmarks/bench_policies.py                 # the full run (~10 min on 2 cores)
+    python benchmarks/bench_policies.py --quick         # smoke run (< 2 min)
+    python benchmarks/bench_policies.py --workload agent --load saturated
+
+For each workload (agent, mooncake_conversation, mooncake_synthetic, control) and load level
+(moderate, saturated): the same pre-built requests are replayed open-loop through a fresh
+gateway per policy in front of the same 4 simulated replicas (separate processes; their
+prefix caches are flushed before every run, so every policy starts cold), and once more
+against the pooled oracle: ONE simulated replica with the whole fleet's KV capacity (4x the
+blocks) and its pooled compute, whose hit rate is the upper bound for any router.  For the
+agent workload the oracle sits behind a one-replica gateway with the same normalization, so it
+sees the same normalized prompts the policies' replicas see.
+
+Results: a table per workload and load level with PASS/FAIL per target (issue 4), written to
+``benchmarks/results/bench_policies.json`` (+ ``.md``) and PNG charts in the same folder.
+Policies not registered in this checkout are listed and skipped; without a gateway at all the
+client round-robins over the replicas itself (``client_rr``) so the harness still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` and `gateway.*` importable
+    sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+
+from benchmarks import report  # noqa: E402
+from benchmarks.replay import prepare, replay, summarize  # noqa: E402
+from benchmarks.workloads import WORKLOAD_NAMES, Workload, build  # noqa: E402
+
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+MODEL = "demo-model"
+REPLICAS = 4
+POLICIES = ("round_robin", "random", "least_loaded", "session", "prefix")
+LEVELS = ("moderate", "saturated")
+
+# The simulated fleet, the same hardware for every workload: one replica prefills 30k tokens
+# per simulated second (an 8B-class model on one modern GPU), takes 40 ms per decode step and
+# holds 16,384 blocks of 16 tokens = 262k tokens of KV.  ``time_scale`` (wall seconds per
+# simulated second) is set per workload by ``time_scale_for``: ~0.1 for the Mooncake replays
+# (a decode step = 4 ms of wall time), more for workloads with short prompts.
+SIM: dict[str, Any] = {
+    "model": MODEL,
+    "time_scale": 0.1,  # overridden per workload
+    "block_size": 16,
+    "num_gpu_blocks": 16_384,
+    "max_num_seqs": 128,
+    "max_num_batched_tokens": 8192,
+    "max_model_len": 131_072,
+    "prefill_tokens_per_s": 30_000.0,
+    "decode_ms_per_token": 40.0,
+    "enable_admin": True,
+    "disable_uvicorn_access_log": True,
+    "disable_log_stats": True,
+}
+# The pooled oracle: one replica with the fleet's KV blocks and the fleet's pooled compute.
+ORACLE_SIM: dict[str, Any] = {
+    "num_gpu_blocks": SIM["num_gpu_blocks"] * REPLICAS,
+    "prefill_tokens_per_s": SIM["prefill_tokens_per_s"] * REPLICAS,
+    "max_num_seqs": SIM["max_num_seqs"] * REPLICAS,
+    "max_num_batched_tokens": SIM["max_num_batched_tokens"] * REPLICAS,
+}
+
+# Offered load per level, as a multiple of the fleet's prefill capacity for the workload's
+# prompt tokens *as if nothing were cached*.  Chosen per workload from round-robin's measured
+# hit rate (agent ~0 %: without normalization the timestamp on top defeats every cache;
+# conversation ~8 %; synthetic ~25 %; control 0 %) so that round-robin's uncached work is
+# ~60 % of the fleet's capacity at "moderate" and ~125 % at "saturated".
+LOADS: dict[str, dict[str, float]] = {
+    "agent": {"moderate": 0.6, "saturated": 1.25},
+    "mooncake_conversation": {"moderate": 0.65, "saturated": 1.35},
+    "mooncake_synthetic": {"moderate": 0.8, "saturated": 1.7},
+    "control": {"moderate": 0.6, "saturated": 1.25},
+}
+MODERATE_RATE_RPS = 55.0  # wall-clock arrival rate of the moderate level (sets each workload's time_scale)
+QUICK_SIZE = 0.3
+# The saturated level replays a 2x larger sample of the same workload (more conversations /
+# sessions of the same shape; for the traces a superset of the moderate sample): at the same
+# wall-clock rate its arrivals last twice as long, so queues have time to build.
+LEVEL_SIZE = {"moderate": 1.0, "saturated": 2.0}
+DEADLINE_FACTOR = 1.6  # hard deadline = arrivals' span x this + DEADLINE_SLACK_S
+DEADLINE_SLACK_S = 4.0
+
+
+# -- processes --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_json(url: str, data: bytes | None = None, timeout: float = 5.0) -> Any:
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
+    if data is not None:
+        req.add_header("content-type", "application/json")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def poll(url: str, deadline_s: float, what: str) -> None:
+    """Wait until ``url`` answers 200 (or raise with ``what``)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not become ready at {url} within {deadline_s:.0f} s")
+        time.sleep(0.1)
+
+
+def gateway_available() -> bool:
+    return (ROOT / "gateway" / "cli.py").is_file()
+
+
+def registered_policies() -> list[str]:
+    """Policy names the gateway in this checkout can serve (empty without a gateway)."""
+    if not gateway_available():
+        return []
+    try:
+        from gateway.routing import registry
+    except Exception:  # a half-landed checkout: run what exists
+        return []
+    return list(registry.POLICIES)
+
+
+@dataclass
+class GatewayProcess:
+    """One ``prefix-gateway serve --config FILE`` process with a generated config."""
+
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def gateway_config(replicas: Sequence[tuple[str, str]], policy: str, normalize: str, port: int) -> dict[str, Any]:
+    """The whole gateway config of one run: one route, one policy, quiet logs."""
+    return {
+        "server": {"host": "127.0.0.1", "port": port},
+        "logging": {"level": "warning", "access_log": False, "summary_interval_s": 0},
+        "replicas": [{"name": name, "url": url} for name, url in replicas],
+        "routes": [{"name": "bench", "policy": policy, "normalize": {"mode": normalize}}],
+    }
+
+
+def start_gateway(
+    name: str, replicas: Sequence[tuple[str, str]], policy: str, normalize: str, workdir: Path
+) -> GatewayProcess:
+    port = free_port()
+    config = workdir / f"gateway-{name}.yaml"
+    config.write_text(yaml.safe_dump(gateway_config(replicas, policy, normalize, port), sort_keys=False))
+    log_path = workdir / f"gateway-{name}.log"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(ROOT),
+        )
+    return GatewayProcess(name, f"http://127.0.0.1:{port}", proc, log_path)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the table: a policy behind a gateway with a normalization mode."""
+
+    name: str
+    policy: str
+    normalize: str
+
+
+@contextlib.contextmanager
+def gateways(
+    specs: Sequence[tuple[Variant, Sequence[tuple[str, str]]]], workdir: Path
+) -> Iterator[dict[str, GatewayProcess]]:
+    """Start several gateways at once (they start in parallel) and wait until all are ready."""
+    started: dict[str, GatewayProcess] = {}
+    try:
+        for variant, replicas in specs:
+            started[variant.name] = start_gateway(variant.name, replicas, variant.policy, variant.normalize, workdir)
+        for gw in started.values():
+            try:
+                poll(gw.url + "/ready", 60, f"gateway {gw.name}")
+            except RuntimeError as exc:
+                tail = gw.log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{exc}\n--- {gw.log_path} ---\n{tail}") from None
+        yield started
+    finally:
+        for gw in started.values():
+            gw.stop()
+
+
+def sim_states(urls: Sequence[str]) -> list[dict[str, Any]]:
+    return [http_json(u + "/sim/state") for u in urls]
+
+
+def reset_sims(urls: Sequence[str], deadline_s: float = 60.0) -> None:
+    """Wait until every replica is idle, then flush its prefix cache: the next run starts cold."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        states = sim_states(urls)
+        if all(s["running"] == 0 and s["waiting"] == 0 for s in states):
+            break
+        if time.monotonic() > deadline:
+            break  # the restart below aborts leftovers (cancelled requests the engine still holds)
+        time.sleep(0.1)
+    for url in urls:
+        http_json(url + "/sim/restart", data=b"{}")
+    leftover = [s["num_cached_blocks"] for s in sim_states(urls)]
+    if any(leftover):
+        raise RuntimeError(f"prefix caches not empty after restart: {leftover}")
+
+
+def engine_hit_rate(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]]) -> float | None:
+    """Hit rate from the engines' own counters over the run (cross-check of the responses)."""
+    queries = sum(a["prefix_cache_queries"] - b["prefix_cache_queries"] for a, b in zip(after, before, strict=True))
+    hits = sum(a["prefix_cache_hits"] - b["prefix_cache_hits"] for a, b in zip(after, before, strict=True))
+    return hits / queries if queries else None
+
+
+# -- one run ----------------------------------------------------------------------------------
+
+
+def run_once(
+    wire: Sequence[Any],
+    target: str | Sequence[str],
+    sims: Sequence[str],
+    replica_names: Sequence[str],
+    deadline_s: float,
+    via_gateway: bool,
+) -> dict[str, Any]:
+    reset_sims(sims)
+    before = sim_states(sims)
+    targets = [target] if isinstance(target, str) else list(target)
+    result = asyncio.run(
+        replay(wire, targets, deadline_s=deadline_s, replica_names=replica_names, via_gateway=via_gateway)
+    )
+    # let the engines finish what was sent (cut requests were aborted by the disconnect)
+    reset_deadline = time.monotonic() + 10
+    while time.monotonic() < reset_deadline:
+        if all(s["running"] == 0 and s["waiting"] == 0 for s in sim_states(sims)):
+            break
+        time.sleep(0.1)
+    after = sim_states(sims)
+    summary = summarize(result).to_dict()
+    summary["engine_hit_rate"] = engine_hit_rate(before, after)
+    summary["deadline_s"] = deadline_s
+    return summary
+
+
+def fmt_short(name: str, s: dict[str, Any]) -> str:
+    hit = s.get("hit_rate")
+    t = s.get("ttft_ms", {})
+    return (
+        f"  {name:<16} hit {hit if hit is None else f'{hit:6.1%}'}  TTFT p50 {t.get('p50') or 0:7.0f} "
+        f"p90 {t.get('p90') or 0:7.0f} ms  ok {s['ok']}/{s['requests']}"
+        + (f" cut {s['unfinished']}" if s["unfinished"] else "")
+        + (f" errors {s['errors']} {s['error_samples'][:1]}" if s["errors"] else "")
+        + (f"  (client lag {s['max_dispatch_lag_ms']:.0f} ms)" if s["max_dispatch_lag_ms"] > 20 else "")
+    )
+
+
+# -- the benchmark ----------------------------------------------------------------------------
+
+
+def variants_for(workload: Workload, policies: Sequence[str]) -> list[Variant]:
+    """Every policy with the workload's normalization; for a workload that needs normalization,
+    also the prefix policy with it turned off, to show what the volatile header costs."""
+    variants = [Variant(p, p, workload.normalize) for p in policies]
+    if workload.normalize != "off" and "prefix" in policies:
+        variants.append(Variant("prefix_norm_off", "prefix", "off"))
+    return variants
+
+
+def time_scale_for(workload: Workload, sim: dict[str, Any], replicas: int) -> float:
+    """Wall seconds per simulated second for this workload (2 significant digits).
+
+    The simulated hardware is the same for every workload; only the clock compression
+    differs, chosen so that the moderate level arrives at about ``MODERATE_RATE_RPS`` requests
+    per wall second: workloads with short prompts (agent, control) need a slower clock than
+    the Mooncake replays, or the client, gateway and simulators would run out of CPU before
+    the simulated GPUs run out of prefill capacity.
+    """
+    capacity_sim = replicas * sim["prefill_tokens_per_s"]  # tokens per simulated second
+    util = LOADS[workload.name]["moderate"]
+    tokens_per_request = workload.total_prompt_tokens / max(len(workload.requests), 1)
+    # moderate rate (per simulated second) = util x capacity / tokens per request; scale it to wall time
+    sim_rate = util * capacity_sim / tokens_per_request
+    time_scale = sim_rate / MODERATE_RATE_RPS
+    return float(f"{min(max(time_scale, 0.01), 1.0):.2g}")
+
+
+def time_factor_for(
+    workload: Workload, utilization: float, time_scale: float, sim: dict[str, Any], replicas: int
+) -> float:
+    """Wall seconds per workload second so that cache-blind prefill demand = utilization x capacity.
+
+    Fleet capacity in wall time is ``replicas x prefill_tokens_per_s / time_scale`` tokens/s.
+    """
+    capacity = replicas * sim["prefill_tokens_per_s"] / time_scale
+    demand_at_1x = workload.total_prompt_tokens / workload.duration
+    return demand_at_1x / (utilization * capacity)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to run, decided once from the command line."""
+
+    levels: list[str]
+    policies: list[str]
+    direct: bool
+    workdir: Path
+
+
+def run_level(
+    wl: Workload, level: str, time_scale: float, fleet: list[str], oracle_url: str, plan: Plan
+) -> dict[str, Any]:
+    """Every variant, then the oracle, on one workload at one load level."""
+    names = [f"r{i}" for i in range(len(fleet))]
+    util = LOADS[wl.name][level]
+    factor = time_factor_for(wl, util, time_scale, SIM, REPLICAS)
+    wire = prepare(wl.requests, MODEL, factor)
+    span = wire[-1].at if wire else 0.0
+    deadline = span * DEADLINE_FACTOR + DEADLINE_SLACK_S
+    rate = len(wire) / max(span, 1e-9)
+    print(
+        f"-- {wl.name} @ {level}: {util}x capacity, {span:.1f} s of arrivals ({rate:.0f} req/s), "
+        f"deadline {deadline:.0f} s"
+    )
+    ldata: dict[str, Any] = {
+        "utilization": util,
+        "time_scale": time_scale,
+        "time_factor": factor,
+        "duration_s": span,
+        "rate_rps": rate,
+        "runs": {},
+    }
+    if plan.direct:
+        s = run_once(wire, fleet, fleet, names, deadline, via_gateway=False)
+        ldata["runs"]["client_rr"] = s
+        print(fmt_short("client_rr", s))
+        s = run_once(wire, oracle_url, [oracle_url], ["oracle"], deadline, via_gateway=False)
+        ldata["oracle"] = s
+        print(fmt_short("oracle", s))
+        return ldata
+    variants = variants_for(wl, plan.policies)
+    replicas = list(zip(names, fleet, strict=True))
+    specs = [(v, replicas) for v in variants]
+    # The oracle must see the prompts the policy under test sends: for a workload that needs
+    # normalization it sits behind a one-replica gateway that normalizes (the prefix policy).
+    oracle_via_gateway = wl.normalize != "off" and "prefix" in plan.policies
+    if oracle_via_gateway:
+        specs.append((Variant("oracle", "prefix", wl.normalize), [("oracle", oracle_url)]))
+    with gateways(specs, plan.workdir) as gws:
+        for v in variants:
+            s = run_once(wire, gws[v.name].url, fleet, names, deadline, via_gateway=True)
+            s["policy"], s["normalize"] = v.policy, v.normalize
+            ldata["runs"][v.name] = s
+            print(fmt_short(v.name, s))
+        target = gws["oracle"].url if oracle_via_gateway else oracle_url
+        s = run_once(wire, target, [oracle_url], ["oracle"], deadline, via_gateway=oracle_via_gateway)
+        ldata["oracle"] = s
+        print(fmt_short("oracle", s))
+    return ldata
+
+
+def run_workload(by_level: dict[str, Workload], plan: Plan) -> dict[str, Any]:
+    """Fresh simulators (this workload's clock), then every load level."""
+    from gateway.sim.launcher import run_replicas
+
+    wl = next(iter(by_level.values()))
+    time_scale = time_scale_for(wl, SIM, REPLICAS)
+    per_replica = [{} for _ in range(REPLICAS)] + [ORACLE_SIM]
+    t0 = time.monotonic()
+    log_dir = plan.workdir / f"sims-{wl.name}"
+    sim = {**SIM, "time_scale": time_scale}
+    wres: dict[str, Any] = {"description": wl.description, "summary": wl.summary(), "time_scale": time_scale}
+    wres["levels"] = {}
+    with run_replicas(REPLICAS + 1, per_replica=per_replica, log_dir=log_dir, **sim) as urls:
+        print(f"   simulators up in {time.monotonic() - t0:.1f} s (time_scale {time_scale})")
+        for level, level_wl in by_level.items():
+            ldata = run_level(level_wl, level, time_scale, urls[:REPLICAS], urls[REPLICAS], plan)
+            ldata["workload"] = {k: v for k, v in level_wl.summary().items() if k != "endpoint"}
+            wres["levels"][level] = ldata
+    verdicts = report.evaluate(wl.name, wres["levels"], control=wl.name == "control")
+    wres["targets"] = report.verdicts_to_json(verdicts)
+    return wres
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller workloads, saturated level only (< 2 min)")
+    parser.add_argument("--workload", action="append", choices=WORKLOAD_NAMES, help="repeatable; default: all")
+    parser.add_argument("--load", action="append", choices=LEVELS, help="repeatable; default: both")
+    parser.add_argument("--policy", action="append", help="repeatable; default: every registered one")
+    parser.add_argument("--size", type=float, default=None, help="workload size factor (default 1, quick 0.3)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--no-gateway", action="store_true", help="client-side round-robin only (harness check)")
+    args = parser.parse_args(argv)
+
+    t_start = time.monotonic()
+    workloads = args.workload or list(WORKLOAD_NAMES)
+    levels = args.load or (["saturated"] if args.quick else list(LEVELS))
+    size = args.size if args.size is not None else (QUICK_SIZE if args.quick else 1.0)
+    available = [] if args.no_gateway else registered_policies()
+    wanted = args.policy or list(POLICIES)
+    policies = [p for p in wanted if p in available]
+    missing = [p for p in wanted if p not in available]
+    direct = not policies
+    if direct:
+        policies = ["client_rr"]
+    mode = "direct to the replicas, client-side round-robin (no gateway)" if direct else "through the gateway"
+    print(f"policies: {', '.join(policies)}" + (f"; missing (skipped): {', '.join(missing)}" if missing else ""))
+
+    results: dict[str, Any] = {
+        "meta": {
+            "command": " ".join(["python", "benchmarks/bench_policies.py", *(argv or sys.argv[1:])]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "git": _git_rev(),
+            "mode": mode,
+            "replicas": REPLICAS,
+            "sim": {k: SIM[k] for k in SIM if k not in ("enable_admin", "disable_uvicorn_access_log", "model")},
+            "oracle_blocks": ORACLE_SIM["num_gpu_blocks"],
+            "loads": {w: LOADS[w] for w in workloads},
+            "size": size,
+            "seed": args.seed,
+            "deadline": f"arrival span x {DEADLINE_FACTOR} + {DEADLINE_SLACK_S} s",
+        },
+        "missing_policies": missing,
+        "workloads": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-policies-") as tmp:
+        plan = Plan(levels, policies, direct, Path(tmp))
+        for wname in workloads:
+            t_build = time.monotonic()
+            by_level: dict[str, Workload] = {}
+            for level in levels:
+                level_size = size * LEVEL_SIZE[level]
+                same = next((w for w in by_level.values() if w.meta.get("size") == level_size), None)
+                by_level[level] = same or build(wname, size=level_size, seed=args.seed)
+                by_level[level].meta["size"] = level_size
+            sizes = ", ".join(
+                f"{lv}: {len(w.requests)} requests / {w.total_prompt_tokens / 1e6:.2f} M prompt tokens"
+                for lv, w in by_level.items()
+            )
+            print(f"\n== {wname} ({sizes}; built in {time.monotonic() - t_build:.1f} s)")
+            results["workloads"][wname] = run_workload(by_level, plan)
+            _save(results, args.out)  # keep partial results if a later workload fails
+
+    results["meta"]["elapsed_s"] = round(time.monotonic() - t_start, 1)
+    _save(results, args.out)
+    text = report.render_text(results)
+    print("\n" + text)
+    (args.out / "bench_policies.md").write_text(text + "\n")
+    for path in report.charts(results, args.out):
+        print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    print(f"total {results['meta']['elapsed_s']:.0f} s")
+    return 0
+
+
+def _save(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "bench_policies.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1, default=float))
+    tmp.replace(out / "bench_policies.json")
+
+
+def _git_rev() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
