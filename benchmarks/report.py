@@ -263,7 +263,8 @@ def render_text(results: Mapping[str, Any]) -> str:
         parts.append(f"\n## {name}: {wl.get('description', '')}")
         parts.append(
             f"{summary.get('requests')} requests (first level's sample), "
-            f"{summary.get('prompt_tokens_total', 0) / 1e6:.2f} M prompt tokens (mean {summary.get('prompt_tokens_mean', 0):.0f}), normalize={summary.get('normalize')}"
+            f"{summary.get('prompt_tokens_total', 0) / 1e6:.2f} M prompt tokens "
+            f"(mean {summary.get('prompt_tokens_mean', 0):.0f}), normalize={summary.get('normalize')}"
             + (
                 f", hit ceiling (infinite cache) {summary['ceiling_hit_rate']:.1%}"
                 if "ceiling_hit_rate" in summary
