@@ -92,6 +92,7 @@ class Result:
     p50_ms: float
     p99_ms: float
     sim_cpu_pct: float
+    rps_per_sim_core: float  # req/s per second of sim CPU: its capacity with a whole core to itself
     headline: bool
 
 
@@ -175,12 +176,14 @@ def run(duration: float, concurrencies: list[int], quick: bool) -> list[Result]:
                         p50_ms=round(_percentile(latencies, 0.50) * 1000, 2),
                         p99_ms=round(_percentile(latencies, 0.99) * 1000, 2),
                         sim_cpu_pct=round(cpu, 1),
+                        rps_per_sim_core=round(n / cpu_s, 0) if cpu_s > 0 else 0.0,
                         headline=scenario.headline,
                     )
                     results.append(result)
                     print(
                         f"  {result.scenario:<46} c={concurrency:<4} {result.rps:>9,.0f} req/s  "
-                        f"p50 {result.p50_ms:6.1f} ms  p99 {result.p99_ms:6.1f} ms  sim CPU {result.sim_cpu_pct:5.1f}%",
+                        f"p50 {result.p50_ms:6.1f} ms  p99 {result.p99_ms:6.1f} ms  "
+                        f"sim CPU {result.sim_cpu_pct:5.1f}%  ({result.rps_per_sim_core:,.0f} req/s per sim core)",
                         flush=True,
                     )
         finally:
@@ -191,15 +194,27 @@ def run(duration: float, concurrencies: list[int], quick: bool) -> list[Result]:
 
 def print_table(results: list[Result]) -> None:
     print()
-    print(
-        f"| {'scenario':<46} | {'conc':>4} | {'req/s':>9} | {'p50 ms':>7} | {'p99 ms':>7} | {'sim CPU':>7} | errors |"
-    )
-    print(f"|{'-' * 48}|{'-' * 6}|{'-' * 11}|{'-' * 9}|{'-' * 9}|{'-' * 9}|--------|")
+    header = ("scenario", "conc", "req/s", "p50 ms", "p99 ms", "sim CPU", "req/s per sim core", "errors")
+    widths = (46, 4, 9, 7, 7, 7, 18, 6)
+    cells = [f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(zip(header, widths, strict=True))]
+    print("| " + " | ".join(cells) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in results:
-        print(
-            f"| {r.scenario:<46} | {r.concurrency:>4} | {r.rps:>9,.0f} | {r.p50_ms:>7.1f} | {r.p99_ms:>7.1f} "
-            f"| {r.sim_cpu_pct:>6.1f}% | {r.errors:>6} |"
+        cells = (
+            f"{r.scenario:<46}",
+            f"{r.concurrency:>4}",
+            f"{r.rps:>9,.0f}",
+            f"{r.p50_ms:>7.1f}",
+            f"{r.p99_ms:>7.1f}",
+            f"{r.sim_cpu_pct:>6.1f}%",
+            f"{r.rps_per_sim_core:>18,.0f}",
+            f"{r.errors:>6}",
         )
+        print("| " + " | ".join(cells) + " |")
+    print(
+        "\nreq/s is what this run achieved with the load generator on the same cores; 'req/s per sim core'\n"
+        "(requests / sim CPU-seconds) is the simulator's capacity with a core to itself."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
