@@ -228,25 +228,49 @@ def ms(value: float) -> float:
 
 
 def phase_added_latency(direct: str, through: str, rate: float, duration: float, rounds: int) -> dict[str, Any]:
+    """Alternate short direct/gateway rounds; report pooled percentiles and the median round.
+
+    On a shared machine one descheduled timeslice (tens of ms) lands in somebody's p99; the
+    median over rounds of (gateway p99 - direct p99) is the robust number, the pooled one is
+    shown too.
+    """
     body = json.dumps(SMALL_CHAT).encode()
     pooled: dict[str, list[float]] = collections.defaultdict(list)
+    per_round: list[dict[str, float]] = []
     errors = 0
     for _ in range(rounds):
+        this: dict[str, list[float]] = {}
         for name, base in (("direct", direct), ("gateway", through)):
             result = run_async(open_loop(base + "/v1/chat/completions", body, rate, duration))
+            this[name] = result["latencies"]
             pooled[name] += result["latencies"]
             errors += result["errors"]
+        per_round.append(
+            {
+                "added_p50_ms": ms(pct(this["gateway"], 0.5) - pct(this["direct"], 0.5)),
+                "added_p99_ms": ms(pct(this["gateway"], 0.99) - pct(this["direct"], 0.99)),
+            }
+        )
     d, g = pooled["direct"], pooled["gateway"]
+
+    def median(key: str) -> float:
+        values = sorted(r[key] for r in per_round)
+        return values[len(values) // 2]
+
     return {
         "rate": rate,
+        "rounds": rounds,
         "requests_each": len(d),
         "errors": errors,
         "direct_p50_ms": ms(pct(d, 0.5)),
         "direct_p99_ms": ms(pct(d, 0.99)),
         "gateway_p50_ms": ms(pct(g, 0.5)),
         "gateway_p99_ms": ms(pct(g, 0.99)),
-        "added_p50_ms": ms(pct(g, 0.5) - pct(d, 0.5)),
-        "added_p99_ms": ms(pct(g, 0.99) - pct(d, 0.99)),
+        "pooled_added_p50_ms": ms(pct(g, 0.5) - pct(d, 0.5)),
+        "pooled_added_p99_ms": ms(pct(g, 0.99) - pct(d, 0.99)),
+        "added_p50_ms": median("added_p50_ms"),
+        "added_p99_ms": median("added_p99_ms"),
+        "per_round": per_round,
     }
 
 
@@ -329,9 +353,9 @@ def table(results: dict[str, Any]) -> str:
     a = results["added_latency"]
     rows = [
         (f"non-stream @{a['rate']:.0f} req/s: p50 latency", a["direct_p50_ms"], a["gateway_p50_ms"], a["added_p50_ms"],
-         f"added <= {TARGETS['added_p50_ms']} ms"),
+         f"added <= {TARGETS['added_p50_ms']} ms (median of {a['rounds']} rounds; pooled {a['pooled_added_p50_ms']})"),
         (f"non-stream @{a['rate']:.0f} req/s: p99 latency", a["direct_p99_ms"], a["gateway_p99_ms"], a["added_p99_ms"],
-         f"added <= {TARGETS['added_p99_ms']} ms"),
+         f"added <= {TARGETS['added_p99_ms']} ms (median of {a['rounds']} rounds; pooled {a['pooled_added_p99_ms']})"),
     ]  # fmt: skip
     for peak in results["peak"]:
         kind = "stream" if peak["stream"] else "non-stream"
@@ -367,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="closed-loop connections")
     parser.add_argument("--profile", action="store_true", help="py-spy the gateway during a peak phase")
     args = parser.parse_args(argv)
-    duration, rounds, streams = (3.0, 1, 16) if args.quick else (5.0, 4, 48)
+    duration, rounds, streams = (3.0, 3, 16) if args.quick else (5.0, 7, 48)
 
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_before": os.getloadavg()},

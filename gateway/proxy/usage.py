@@ -12,12 +12,10 @@ the client then receives exactly what the replica would have sent it.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 _DECODER = json.JSONDecoder()
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
 _USAGE_NULLS = (b',"usage":null', b', "usage": null', b'"usage":null,', b'"usage": null, ')
 
 
@@ -69,47 +67,57 @@ def _event_payload(event: bytes) -> Any:
 
 
 class StreamRelay:
-    """Feeds upstream bytes through; records usage; optionally strips gateway-added usage."""
+    """Feeds upstream bytes through; records usage; optionally strips gateway-added usage.
 
-    __slots__ = ("_pending", "strip", "usage")
+    Events are framed with ``bytes.rfind``/``split`` on the blank-line separator (``\n\n``,
+    or ``\r\n\r\n`` when the stream uses CRLF) — C-speed, a few microseconds per chunk.
+    Pass-through mode returns every byte immediately and only keeps the unfinished tail
+    event aside to find the usage object; strip mode holds an unfinished event until its end
+    arrives (the client could not use half an event anyway).
+    """
+
+    __slots__ = ("_pending", "_sep", "strip", "usage")
 
     def __init__(self, strip_usage: bool) -> None:
         self.strip = strip_usage
         self.usage: Usage | None = None
         self._pending = b""
+        self._sep: bytes | None = None
 
     def _complete_events(self, data: bytes) -> bytes:
-        """Append ``data``; return the complete events (through the last boundary), keep the rest."""
-        pending = self._pending + data if self._pending else data
-        ends = list(_EVENT_END.finditer(pending))
-        if not ends:
-            self._pending = pending
+        """Append ``data``; return the complete events (through the last separator), keep the rest."""
+        buffer = self._pending + data if self._pending else data
+        sep = self._sep
+        if sep is None:
+            sep = self._sep = b"\r\n\r\n" if b"\r\n" in buffer else b"\n\n"
+        cut = buffer.rfind(sep)
+        if cut < 0:
+            self._pending = buffer
             return b""
-        cut = ends[-1].end()
-        self._pending = pending[cut:]
-        return pending[:cut]
+        cut += len(sep)
+        self._pending = buffer[cut:]
+        return buffer[:cut]
 
     def feed(self, data: bytes) -> bytes:
         """Bytes to send to the client now."""
+        complete = self._complete_events(data)
         if not self.strip:
-            complete = self._complete_events(data)
             if complete and b'"usage"' in complete:
                 self._sniff(complete)
             return data
-        complete = self._complete_events(data)
         if not complete or b'"usage"' not in complete:
             return complete
+        sep = self._sep or b"\n\n"
+        events = complete.split(sep)  # the last element is b"" (complete ends with sep)
         out: list[bytes] = []
-        pos = 0
-        for match in _EVENT_END.finditer(complete):
-            event = complete[pos : match.start()]
-            sep = complete[match.start() : match.end()]
-            pos = match.end()
+        for event in events[:-1]:
             if b'"usage"' in event:
-                event = self._strip_event(event)
-                if event is None:
+                stripped = self._strip_event(event)
+                if stripped is None:
                     continue
-            out.append(event + sep)
+                event = stripped
+            out.append(event)
+            out.append(sep)
         return b"".join(out)
 
     def finish(self) -> bytes:
@@ -117,12 +125,12 @@ class StreamRelay:
         rest, self._pending = self._pending, b""
         if not self.strip:
             if rest and b'"usage"' in rest:
-                self._sniff(rest + b"\n\n")
+                self._sniff(rest)
             return b""
         return rest
 
     def _sniff(self, complete: bytes) -> None:
-        for event in _EVENT_END.split(complete):
+        for event in complete.split(self._sep or b"\n\n"):
             if b'"usage"' in event:
                 obj = _event_payload(event)
                 if isinstance(obj, dict):

@@ -4,14 +4,18 @@ Current (v1 engine) names first, the deprecated ``gpu_*`` names as a fallback (h
 vLLM 0.9, but older fleets still export them).  Series are summed over their label sets
 (``model_name``, ``engine``), so a replica with several engines reads as one.  Absent
 series stay ``None``: "unknown", never 0.
+
+The scan runs on the gateway's event loop every few seconds per replica, so it must be
+cheap: a full exposition parser (prometheus_client's) spends ~2.5 ms on a small vLLM page
+and far more on a real one, stalling every request in flight.  We only need a handful of
+series, so lines are filtered by name first and only the matches are split.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
-
-from prometheus_client.parser import text_string_to_metric_families
 
 # field -> sample names, preferred first
 _SERIES: dict[str, tuple[str, ...]] = {
@@ -50,25 +54,59 @@ class EngineStats:
         return None
 
 
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_INFO = "vllm:cache_config_info"
+
+
+def _sample(line: str) -> tuple[str, str, float] | None:
+    """``name{labels} value [timestamp]`` -> (name, labels text, value)."""
+    brace = line.find("{")
+    if brace >= 0:
+        close = line.rfind("}")
+        if close < brace:
+            return None
+        name, labels, rest = line[:brace], line[brace + 1 : close], line[close + 1 :]
+    else:
+        name, _, rest = line.partition(" ")
+        labels = ""
+    parts = rest.split()
+    if not parts:
+        return None
+    try:
+        return name, labels, float(parts[0])
+    except ValueError:
+        return None
+
+
 def parse_engine_metrics(text: str, now: float | None = None) -> EngineStats:
     """Extract :class:`EngineStats` from Prometheus text exposition (tolerates anything missing)."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     info: dict[str, str] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name
-            if name in _WANTED:
-                sums[name] = sums.get(name, 0.0) + sample.value
-                counts[name] = counts.get(name, 0) + 1
-            elif name == "vllm:cache_config_info" and not info:
-                info = dict(sample.labels)
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        end = line.find("{")
+        if end < 0:
+            end = line.find(" ")
+        name = line[:end]
+        if name not in _WANTED and name != _INFO:
+            continue
+        sample = _sample(line)
+        if sample is None:
+            continue
+        if name == _INFO:
+            if not info:
+                info = dict(_LABEL.findall(sample[1]))
+            continue
+        sums[name] = sums.get(name, 0.0) + sample[2]
+        counts[name] = counts.get(name, 0) + 1
     values: dict[str, float | None] = {}
     for field, names in _SERIES.items():
-        name = next((n for n in names if n in sums), None)
-        value = None if name is None else sums[name]
-        if field == "kv_cache_usage" and name is not None and counts[name] > 1:
-            value = sums[name] / counts[name]  # a fraction: average over engines
+        found = next((n for n in names if n in sums), None)
+        value = None if found is None else sums[found]
+        if field == "kv_cache_usage" and found is not None and counts[found] > 1:
+            value = sums[found] / counts[found]  # a fraction: average over engines
         values[field] = value
     return EngineStats(
         scraped_at=time.monotonic() if now is None else now,

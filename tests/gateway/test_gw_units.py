@@ -170,3 +170,17 @@ def test_engine_scrape_deprecated_names_and_absence() -> None:
     assert old.running is None  # absent means unknown, not 0
     empty = parse_engine_metrics("")
     assert empty.prefix_cache_hits is None and empty.hit_rate is None
+
+
+def test_relay_handles_crlf_streams_and_usage_split_across_chunks() -> None:
+    upstream = b"".join(e.replace(b"\n\n", b"\r\n\r\n") for e in sse(CHUNK, {"id": "c", "choices": [], "usage": USAGE}))
+    upstream += b"data: [DONE]\r\n\r\n"
+    cut = upstream.index(b'"usage"') + 3  # split inside the word "usage"
+    stripping = StreamRelay(strip_usage=True)
+    out = stripping.feed(upstream[:cut]) + stripping.feed(upstream[cut:]) + stripping.finish()
+    assert out == sse(CHUNK)[0].replace(b"\n\n", b"\r\n\r\n") + b"data: [DONE]\r\n\r\n"
+    assert stripping.usage.prompt_tokens == 10
+    passing = StreamRelay(strip_usage=False)
+    assert passing.feed(upstream[:cut]) + passing.feed(upstream[cut:]) == upstream
+    passing.finish()
+    assert passing.usage.cached_tokens == 8
