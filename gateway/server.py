@@ -45,6 +45,10 @@ def _url(host: str, port: int) -> str:
 
 
 def uvicorn_server(app: Any, config: GatewayConfig) -> uvicorn.Server:
+    # uvicorn.Config(access_log=False) silences the process-wide "uvicorn.access" logger;
+    # a gateway embedded in a host process (tests, the demo's neighbours) must not do that.
+    access = logging.getLogger("uvicorn.access")
+    saved = (list(access.handlers), access.propagate)
     ucfg = uvicorn.Config(
         app,
         loop="uvloop",
@@ -57,6 +61,7 @@ def uvicorn_server(app: Any, config: GatewayConfig) -> uvicorn.Server:
         server_header=False,
         date_header=False,
     )
+    access.handlers[:], access.propagate = saved
     return uvicorn.Server(ucfg)
 
 

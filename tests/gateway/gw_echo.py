@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,7 +50,10 @@ def run_echo() -> Iterator[str]:
 
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
+    access = logging.getLogger("uvicorn.access")
+    saved = (list(access.handlers), access.propagate)  # access_log=False would silence it process-wide
     server = uvicorn.Server(uvicorn.Config(echo_app, log_config=None, access_log=False, lifespan="off"))
+    access.handlers[:], access.propagate = saved
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

@@ -136,3 +136,11 @@ def test_admin_is_off_without_a_key_and_checks_the_key(sim_urls: list[str]) -> N
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
         ok = httpx.get(f"{gw.url}/admin/stats", headers={"Authorization": "Bearer let-me-in"})
         assert ok.status_code == 200 and "main" in ok.json()["routes"]
+
+
+def test_embedding_a_gateway_leaves_host_logging_alone(sim_urls: list[str]) -> None:
+    access = logging.getLogger("uvicorn.access")
+    before = (list(access.handlers), access.propagate, access.disabled)
+    with running_gateway(sim_urls[:1]):
+        pass
+    assert (list(access.handlers), access.propagate, access.disabled) == before
