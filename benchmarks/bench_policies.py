@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import platform
+import secrets
 import signal
 import socket
 import subprocess
@@ -95,6 +96,8 @@ LOADS: dict[str, dict[str, float]] = {
     "control": {"moderate": 0.6, "saturated": 1.25},
 }
 MODERATE_RATE_RPS = 55.0  # wall-clock arrival rate of the moderate level (sets each workload's time_scale)
+ADMIN_KEY_ENV = "PREFIX_GATEWAY_ADMIN_KEY"
+ADMIN_KEY = secrets.token_hex(16)  # per benchmark process, for the gateways it starts
 QUICK_SIZE = 0.3
 # The saturated level replays a 2x larger sample of the same workload (more conversations /
 # sessions of the same shape; for the traces a superset of the moderate sample): at the same
@@ -189,6 +192,7 @@ def start_gateway(
     log_path = workdir / f"gateway-{name}.log"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env[ADMIN_KEY_ENV] = ADMIN_KEY  # read-only use: GET /admin/stats after each run
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
@@ -228,6 +232,21 @@ def gateways(
     finally:
         for gw in started.values():
             gw.stop()
+
+
+def gateway_stats(url: str) -> dict[str, Any] | None:
+    """The gateway's own account of a run (``GET /admin/stats``): routing reasons, per-replica counts."""
+    req = urllib.request.Request(url + "/admin/stats", headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            stats = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    route = next(iter((stats.get("routes") or {}).values()), {})
+    return {
+        "reasons": route.get("reasons"),
+        "requests_per_replica": {name: r.get("requests") for name, r in (route.get("replicas") or {}).items()},
+    }
 
 
 def sim_states(urls: Sequence[str]) -> list[dict[str, Any]]:
@@ -297,6 +316,7 @@ def fmt_short(name: str, s: dict[str, Any]) -> str:
         + (f" cut {s['unfinished']}" if s["unfinished"] else "")
         + (f" errors {s['errors']} {s['error_samples'][:1]}" if s["errors"] else "")
         + (f"  (client lag {s['max_dispatch_lag_ms']:.0f} ms)" if s["max_dispatch_lag_ms"] > 20 else "")
+        + (f"  reasons {reasons}" if len(reasons := (s.get("gateway") or {}).get("reasons") or {}) > 1 else "")
     )
 
 
@@ -395,6 +415,7 @@ def run_level(
         for v in variants:
             s = run_once(wire, gws[v.name].url, fleet, names, deadline, via_gateway=True)
             s["policy"], s["normalize"] = v.policy, v.normalize
+            s["gateway"] = gateway_stats(gws[v.name].url)
             ldata["runs"][v.name] = s
             print(fmt_short(v.name, s))
         target = gws["oracle"].url if oracle_via_gateway else oracle_url
@@ -510,12 +531,16 @@ def _save(results: dict[str, Any], out: Path) -> None:
 
 
 def _git_rev() -> str | None:
+    """HEAD, marked ``+dirty`` when tracked files differ (the run used the working tree)."""
     try:
-        return subprocess.run(
+        rev = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5
         ).stdout.strip()
+        status = ["git", "status", "--porcelain", "--untracked-files=no"]
+        dirty = subprocess.run(status, cwd=ROOT, capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+    return rev + ("+dirty" if dirty else "")
 
 
 if __name__ == "__main__":

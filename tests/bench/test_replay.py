@@ -95,7 +95,12 @@ def test_load_stats_reconstructs_in_flight_from_intervals():
 def test_assignment_bound_is_checked_at_each_dispatch():
     outs = [Outcome(index=i, scheduled=0, sent=i * 0.01, done=5.0, replica="a") for i in range(6)]
     outs.append(Outcome(index=6, scheduled=0, sent=0.5, done=5.0, replica="b"))
-    stats = load_stats(outs, ["a", "b"], end=5.0, step=0.01)
+    stats = load_stats(outs, ["a", "b"], end=5.0, step=0.01, skew_s=0.001)
     # the k-th request to a (b idle) meets k <= 1.25 x k/2 + 1 only for k <= 2; b's one request fits
     assert stats.assign_bound_ok_share == 3 / 7
     assert stats.assign_worst_excess == 6 - (1.25 * 3 + 1)
+    # sends 10 ms apart are beyond a 1 ms skew, so the conservative check sees the same violations
+    assert stats.assign_certain_ok_share == 3 / 7
+    # with a 50 ms skew nothing before a request is certain any more: no violation is provable
+    loose = load_stats(outs, ["a", "b"], end=5.0, step=0.01, skew_s=0.05)
+    assert loose.assign_certain_ok_share == 1.0

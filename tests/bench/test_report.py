@@ -24,6 +24,9 @@ def _run(hit, p50, p90, share=1.0, mm=1.1):
             "worst_excess": 0.5,
             "assign_bound_ok_share": share,
             "assign_worst_excess": 0.5,
+            "assign_certain_ok_share": share,
+            "assign_certain_worst_excess": 0.5,
+            "skew_s": 0.02,
         },
     }
 
