@@ -215,20 +215,28 @@ class Variant:
 
 @contextlib.contextmanager
 def gateways(
-    specs: Sequence[tuple[Variant, Sequence[tuple[str, str]]]], workdir: Path
+    specs: Sequence[tuple[Variant, Sequence[tuple[str, str]]]], workdir: Path, failed: dict[str, str]
 ) -> Iterator[dict[str, GatewayProcess]]:
-    """Start several gateways at once (they start in parallel) and wait until all are ready."""
+    """Start several gateways at once (they start in parallel) and wait until they are ready.
+
+    A gateway that does not come up is left out of the yielded mapping and its error (with the
+    tail of its log) is stored in ``failed``: one broken policy must not stop the benchmark.
+    """
     started: dict[str, GatewayProcess] = {}
     try:
         for variant, replicas in specs:
             started[variant.name] = start_gateway(variant.name, replicas, variant.policy, variant.normalize, workdir)
-        for gw in started.values():
+        ready: dict[str, GatewayProcess] = {}
+        for name, gw in started.items():
             try:
                 poll(gw.url + "/ready", 60, f"gateway {gw.name}")
+                ready[name] = gw
             except RuntimeError as exc:
-                tail = gw.log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{exc}\n--- {gw.log_path} ---\n{tail}") from None
-        yield started
+                gw.stop()
+                tail = gw.log_path.read_text(errors="replace")[-1500:]
+                failed[name] = f"{exc}; log tail: {tail}"
+                print(f"  {name:<16} FAILED TO START: {exc}")
+        yield ready
     finally:
         for gw in started.values():
             gw.stop()
@@ -411,13 +419,18 @@ def run_level(
     oracle_via_gateway = wl.normalize != "off" and "prefix" in plan.policies
     if oracle_via_gateway:
         specs.append((Variant("oracle", "prefix", wl.normalize), [("oracle", oracle_url)]))
-    with gateways(specs, plan.workdir) as gws:
+    failed: dict[str, str] = {}
+    with gateways(specs, plan.workdir, failed) as gws:
         for v in variants:
+            if v.name in failed:
+                ldata["runs"][v.name] = {"policy": v.policy, "normalize": v.normalize, "error": failed[v.name]}
+                continue
             s = run_once(wire, gws[v.name].url, fleet, names, deadline, via_gateway=True)
             s["policy"], s["normalize"] = v.policy, v.normalize
             s["gateway"] = gateway_stats(gws[v.name].url)
             ldata["runs"][v.name] = s
             print(fmt_short(v.name, s))
+        oracle_via_gateway = oracle_via_gateway and "oracle" in gws
         target = gws["oracle"].url if oracle_via_gateway else oracle_url
         s = run_once(wire, target, [oracle_url], ["oracle"], deadline, via_gateway=oracle_via_gateway)
         ldata["oracle"] = s

@@ -78,8 +78,8 @@ def evaluate(workload: str, levels: Mapping[str, Mapping[str, Any]], control: bo
         def na(target: str, why: str, level: str = level) -> Verdict:
             return Verdict(workload, level, target, None, None, None, why)
 
-        if cand is None:
-            out.append(na("all targets", f"policy {CANDIDATE!r} not run"))
+        if cand is None or "error" in cand:
+            out.append(na("all targets", f"policy {CANDIDATE!r} {'failed to start' if cand else 'not run'}"))
             continue
         # 1. hit rate vs the pooled oracle
         hit, ohit = _get(cand, "hit_rate"), _get(oracle, "hit_rate")
@@ -232,7 +232,10 @@ def level_table(level_data: Mapping[str, Any]) -> str:
     oracle = level_data.get(ORACLE)
     oracle_hit = _get(oracle, "hit_rate")
     rr = runs.get(BASELINE)
-    rows = [_row(name, run, oracle_hit, rr) for name, run in runs.items()]
+    rows = [
+        _row(name, run, oracle_hit, rr) if "error" not in run else [name, "failed to start", *[""] * (len(HEADERS) - 2)]
+        for name, run in runs.items()
+    ]
     if oracle:
         rows.append(_row("oracle (pooled)", oracle, oracle_hit, rr))
     return _render(rows, HEADERS)
@@ -247,6 +250,11 @@ def render_text(results: Mapping[str, Any]) -> str:
     """The whole console/markdown report."""
     meta = results.get("meta", {})
     parts = []
+    if meta.get("date"):
+        parts.append(
+            f"Run {meta['date']} on {meta.get('cpus', '?')} CPUs, git {meta.get('git')}, "
+            f"{meta.get('elapsed_s', '?')} s: `{meta.get('command', '')}`"
+        )
     sim = meta.get("sim", {})
     if sim:
         parts.append(
@@ -327,7 +335,7 @@ def _policy_colors(names: Sequence[str]) -> dict[str, Any]:
 
 
 def charts(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
-    """Write hit_rate.png, ttft.png and load.png; returns their paths."""
+    """Write policies_hit_rate.png, policies_ttft.png and policies_load.png; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -378,7 +386,7 @@ def charts(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
             ax.set_ylabel("hit rate %", fontsize=8)
             ax.tick_params(axis="x", labelsize=7, rotation=20)
     fig.tight_layout()
-    paths.append(out_dir / "hit_rate.png")
+    paths.append(out_dir / "policies_hit_rate.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
@@ -418,7 +426,7 @@ def charts(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
             bottom, top = ax.get_ylim()
             ax.set_ylim(bottom, top * 2.2)  # headroom for the legend on the log scale
     fig.tight_layout()
-    paths.append(out_dir / "ttft.png")
+    paths.append(out_dir / "policies_ttft.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
@@ -446,9 +454,10 @@ def charts(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
             labels = [f"{n}\n{_fmt(_get(data['runs'][n], 'load', 'max_over_mean'), '.2f')}" for n in names]
             ax.set_xticks(range(len(names)), labels, fontsize=7)
             ax.set_ylabel("in-flight (avg)", fontsize=8)
+            ax.set_ylim(0, ax.get_ylim()[1] * 1.15)  # headroom for the legend
             ax.legend(fontsize=6, ncol=len(replicas), loc="upper left")
     fig.tight_layout()
-    paths.append(out_dir / "load.png")
+    paths.append(out_dir / "policies_load.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths

@@ -87,6 +87,13 @@ def test_render_text_and_charts(tmp_path):
     text = render_text(results)
     assert "## w" in text and "session" in text
     paths = charts(results, tmp_path)
-    assert [p.name for p in paths] == ["hit_rate.png", "ttft.png", "load.png"]
+    assert [p.name for p in paths] == ["policies_hit_rate.png", "policies_ttft.png", "policies_load.png"]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_policy_that_failed_to_start_is_shown_not_crashed():
+    levels = {"moderate": {"runs": {"round_robin": _run(0.2, 100, 300), "prefix": {"error": "boom"}}}}
+    assert "failed to start" in level_table(levels["moderate"])
+    (verdict,) = evaluate("w", levels, control=False)
+    assert verdict.passed is None and "failed to start" in verdict.detail
