@@ -260,7 +260,7 @@ def render_text(results: Mapping[str, Any]) -> str:
         parts.append(
             "Simulated fleet: {replicas} replicas x {num_gpu_blocks} KV blocks of {block_size} tokens, "
             "prefill {prefill_tokens_per_s:.0f} tok/s, decode {decode_ms_per_token} ms/token, "
-            "max_num_seqs {max_num_seqs}, time_scale {time_scale} (wall = simulated x time_scale); "
+            "max_num_seqs {max_num_seqs}; time_scale (wall = simulated x time_scale) is set per workload; "
             "oracle: 1 replica with {oracle_blocks} blocks and the fleet's pooled compute.".format(
                 replicas=meta.get("replicas", "?"), oracle_blocks=meta.get("oracle_blocks", "?"), **sim
             )
