@@ -86,7 +86,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.metrics.registry.register(ReplicaCollector(lambda: list(self.replicas.values())))
         for route in self.routes.routes:
-            self.metrics.route_info.labels(route.name, route.policy).set(1)
+            self.metrics.declare_route(route.name, route.policy, [r.name for r in route.runner.replicas])
         self.stats = StatsBook()
         self.summary = SummaryReporter(
             self.stats,
@@ -119,12 +119,22 @@ class Gateway:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         return route
 
-    def plan(self, endpoint: str, body: dict[str, Any], headers: Mapping[str, str], request_id: str = "") -> Plan:
+    def plan(
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        request_id: str = "",
+        *,
+        dry_run: bool = False,
+    ) -> Plan:
         """Route, prepare (normalize/tokenize/hash when the policy needs keys) and decide.
 
         ``body`` must have passed ``gateway.proxy.parse.parse_body``; ``headers`` have
         lower-case names.  Raises ``ModelNotFound`` (404) or ``NoHealthyReplica`` (503).
-        Calls the policy's ``choose`` — stateful policies (round robin) advance.
+        Calls the policy's ``choose`` — stateful policies (round robin) advance — unless
+        ``dry_run`` (``/admin/explain``): then nothing advances or is recorded, and the next
+        real request is decided as if this plan had never been made.
         """
         model = body["model"]
         route = self.route_for(endpoint, model, headers)
@@ -150,7 +160,7 @@ class Gateway:
                 prompt_tokens=prepared.window_tokens,
                 stream=body.get("stream") is True,
             )
-        decision, replica = route.runner.decide(request)
+        decision, replica = route.runner.decide(request, dry_run=dry_run)
         return Plan(route, endpoint, prepared, request, decision, replica)
 
     # -- recording ---------------------------------------------------------------------
@@ -206,9 +216,16 @@ class Gateway:
                 **(tally.as_dict() if tally else {"requests": 0}),
                 "engine_hit_rate": round(hits / queries, 4) if queries else None,
                 "reasons": dict(self.stats.reasons.get(route.name, {})),
+                "policy_state": _policy_state(route),
             }
         return {
             "uptime_s": round(time.time() - self.started_at, 3),
             "routes": routes,
             "replicas": {name: replica.snapshot() for name, replica in self.replicas.items()},
         }
+
+
+def _policy_state(route: Route) -> dict[str, Any] | None:
+    """The policy's own ``snapshot()`` (prefix: ring members, affinity-index occupancy), if it has one."""
+    snapshot = getattr(route.runner.policy, "snapshot", None)
+    return snapshot() if callable(snapshot) else None

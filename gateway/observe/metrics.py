@@ -59,7 +59,13 @@ class GatewayMetrics:
         )
         self.predicted_cached_tokens = Counter(
             p + "predicted_cached_tokens",
-            "Cached prompt tokens the routing policy predicted (prefix policy)",
+            "Cached prompt tokens the routing policy predicted (prefix policy), answered requests",
+            ["route", "replica"],
+            registry=r,
+        )
+        self.predicted_prompt_tokens = Counter(
+            p + "predicted_prompt_tokens",
+            "Prompt tokens of the answered requests that had a prediction (the predicted hit-rate denominator)",
             ["route", "replica"],
             registry=r,
         )
@@ -91,8 +97,20 @@ class GatewayMetrics:
             registry=r,
         )
         self.route_info = Gauge(p + "route_info", "Configured routes", ["route", "policy"], registry=r)
+        self.route_replica_info = Gauge(
+            p + "route_replica_info",
+            "Replicas in each route's pool (join engine series per replica to routes)",
+            ["route", "replica"],
+            registry=r,
+        )
         ProcessCollector(registry=r)
         self._children: dict[tuple[Any, ...], Any] = {}
+
+    def declare_route(self, route: str, policy: str, replicas: Iterable[str]) -> None:
+        """A configured route and its pool (so per-route engine hit rates can be queried)."""
+        self.route_info.labels(route, policy).set(1)
+        for replica in replicas:
+            self.route_replica_info.labels(route, replica).set(1)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
@@ -123,10 +141,11 @@ class GatewayMetrics:
             if o.cached_tokens is not None:
                 c(self.cache_reported_prompt_tokens, route, replica).inc(o.prompt_tokens)
                 c(self.cached_tokens, route, replica).inc(o.cached_tokens)
+            if o.predicted_cached_tokens is not None:
+                c(self.predicted_prompt_tokens, route, replica).inc(o.prompt_tokens)
+                c(self.predicted_cached_tokens, route, replica).inc(o.predicted_cached_tokens)
         if o.completion_tokens:
             c(self.completion_tokens, route, replica).inc(o.completion_tokens)
-        if o.predicted_cached_tokens is not None:
-            c(self.predicted_cached_tokens, route, replica).inc(o.predicted_cached_tokens)
         if o.normalized and o.normalize_mode:
             for rule, count in o.normalized.items():
                 c(self.normalize_spans, route, rule, o.normalize_mode).inc(count)

@@ -4,6 +4,8 @@ Prometheus counters are for scraping; these are for the gateway to read back che
 cumulative per (route, replica), plus a per-route window that the summary line reads and
 resets.  Hit rates divide cached tokens by the prompt tokens of the responses that
 *reported* cached tokens, so a replica that omits the field reads as unknown, not as 0 %.
+The predicted hit rate likewise divides the policy's predictions by the prompt tokens of
+the answered requests that *had* a prediction (a retry on another replica has none).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Tally:
     cache_reported_prompt_tokens: int = 0
     cache_unreported_requests: int = 0
     predicted_cached_tokens: int = 0
+    predicted_prompt_tokens: int = 0  # prompt tokens of the answered requests that had a prediction
     predicted_requests: int = 0
 
     def add(self, o: Outcome) -> None:
@@ -41,8 +44,9 @@ class Tally:
                 self.cache_unreported_requests += 1
         if o.completion_tokens:
             self.completion_tokens += o.completion_tokens
-        if o.predicted_cached_tokens is not None:
+        if o.predicted_cached_tokens is not None and o.prompt_tokens:
             self.predicted_cached_tokens += o.predicted_cached_tokens
+            self.predicted_prompt_tokens += o.prompt_tokens
             self.predicted_requests += 1
 
     @property
@@ -52,11 +56,8 @@ class Tally:
 
     @property
     def hit_rate_predicted(self) -> float | None:
-        return (
-            self.predicted_cached_tokens / self.prompt_tokens
-            if self.predicted_requests and self.prompt_tokens
-            else None
-        )
+        d = self.predicted_prompt_tokens
+        return self.predicted_cached_tokens / d if d else None
 
     def as_dict(self) -> dict[str, object]:
         d = asdict(self)

@@ -4,10 +4,18 @@ The runner — not each policy — skips unhealthy (or already tried) replicas, 
 ``ReplicaView``s with in-flight counts taken at decision time, checks the policy's answer,
 counts the request in flight on the chosen replica, and after the response feeds the
 outcome back through ``policy.observe``.  Policies stay pure functions of their inputs.
+
+``decide(..., dry_run=True)`` answers "where would this go now?" for ``/admin/explain``
+without changing anything: a policy with a ``peek(request, replicas)`` method (the prefix
+policy: its affinity index is large) is asked through it; any other policy decides on a
+deep copy of itself, so round-robin credits, tie-break turns and random generators do not
+advance.  ``set_replicas`` is the one way pool membership changes: the runner and the
+policy's ``set_members`` stay in step.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Collection, Sequence
 
@@ -31,6 +39,18 @@ class PolicyRunner:
         self._turn = 0
         self._warned_invalid = False
 
+    def set_replicas(self, replicas: Sequence[Replica]) -> None:
+        """The pool's membership changed (reload, discovery): tell the policy too.
+
+        Today the pool is fixed at build time, where the policy factory already receives
+        every member; this keeps both in step for any future path that changes it.
+        """
+        self.replicas = list(replicas)
+        self._by_name = {r.name: r for r in self.replicas}
+        set_members = getattr(self.policy, "set_members", None)
+        if set_members is not None:
+            set_members(self.members())
+
     def members(self) -> list[ReplicaView]:
         """Every configured replica (healthy or not): what hash-based policies build rings from."""
         return [r.view() for r in self.replicas]
@@ -38,10 +58,13 @@ class PolicyRunner:
     def healthy_count(self) -> int:
         return sum(1 for r in self.replicas if r.healthy)
 
-    def decide(self, request: RequestView, exclude: Collection[str] = ()) -> tuple[Decision, Replica]:
+    def decide(
+        self, request: RequestView, exclude: Collection[str] = (), *, dry_run: bool = False
+    ) -> tuple[Decision, Replica]:
         """Pick a replica for ``request`` among healthy ones not in ``exclude``.
 
-        Raises :class:`NoHealthyReplica` (503) when none is left.
+        Raises :class:`NoHealthyReplica` (503) when none is left.  ``dry_run``: decide
+        without advancing or teaching the policy (see the module docstring).
         """
         eligible = [r for r in self.replicas if r.healthy and r.name not in exclude]
         if not eligible:
@@ -54,15 +77,21 @@ class PolicyRunner:
             error.route = self.route
             raise error
         views = [r.view() for r in eligible]
-        decision = self.policy.choose(request, views)
+        if dry_run:
+            peek = getattr(self.policy, "peek", None)
+            decision = peek(request, views) if peek is not None else copy.deepcopy(self.policy).choose(request, views)
+        else:
+            decision = self.policy.choose(request, views)
         replica = self._by_name.get(decision.replica)
         if replica is None or replica not in eligible:
             # A policy bug must not fail the request: fall back and say so (once) in the log.
             if not self._warned_invalid:
                 log.error("policy %s returned ineligible replica %r; using least loaded", self.policy_name, decision)
                 self._warned_invalid = True
-            self._turn += 1
-            pick = least_loaded(views, self._turn)
+            turn = self._turn + 1
+            if not dry_run:
+                self._turn = turn
+            pick = least_loaded(views, turn)
             decision = Decision(pick.name, "fallback", {"invalid_choice": decision.replica})
             replica = self._by_name[pick.name]
         return decision, replica

@@ -144,14 +144,30 @@ class PrefixPolicy:
 
     # -- the decision ------------------------------------------------------------------
     def choose(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
+        """Decide and record the placement in the affinity index."""
+        return self._decide(request, replicas, commit=True)
+
+    def peek(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
+        """What :meth:`choose` would decide now, changing nothing (``/admin/explain``).
+
+        The affinity index is not touched and the fallback tie-break turn does not advance,
+        so the next real request is placed exactly as if the peek had never happened.  (A
+        replica the runner offers that was never named still joins the ring: membership,
+        which ``choose`` would sync the same way, not per-request state.)
+        """
+        return self._decide(request, replicas, commit=False)
+
+    def _decide(self, request: RequestView, replicas: Sequence[ReplicaView], commit: bool) -> Decision:
         self._admit(replicas)
         settings = self.settings
         keys = request.block_keys
         block_size = request.block_size or 1
         ring_key, key_source, key_depth = self._ring_key(request)
         if ring_key is None:
-            self._turn += 1
-            pick = least_loaded(replicas, self._turn)
+            turn = self._turn + 1
+            if commit:
+                self._turn = turn
+            pick = least_loaded(replicas, turn)
             return Decision(pick.name, "fallback", {"predicted_cached_tokens": 0, "key_source": "none"})
         self._sync_capacity(block_size)
 
@@ -192,7 +208,8 @@ class PrefixPolicy:
             pick = next(name for name in self.ring.walk(ring_key, under) if load[name] <= limit)
             reason = "ring" if pick == home and best_any == 0 else "spill"
 
-        self.index.record(pick, keys)
+        if commit:
+            self.index.record(pick, keys)
         matched = depth.get(pick, 0)
         predicted = matched * block_size
         if request.prompt_tokens:
