@@ -2,8 +2,8 @@
 
 Off (404, OpenAI-shaped) when no admin key is configured; 401 for a missing or wrong key.
 Endpoints get the ``Gateway`` through the :func:`require_admin` dependency and use only its
-public methods (``stats_snapshot``, ``plan``, ...).  More admin endpoints (e.g.
-``/admin/explain``) are added to :data:`router`.
+public methods (``stats_snapshot``, ``plan``, ...); report building lives in
+:mod:`gateway.explain`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 
 from gateway.errors import NotFound, Unauthorized
+from gateway.explain import explain, parse_input_bytes
 from gateway.service import Gateway
 
 
@@ -40,3 +41,16 @@ AdminGateway = Annotated[Gateway, Depends(require_admin)]
 async def admin_stats(gateway: AdminGateway) -> dict[str, Any]:
     """Per route and per replica: requests, tokens, hit rates (reported, predicted, engines), load, health."""
     return gateway.stats_snapshot()
+
+
+@router.post("/explain")
+async def admin_explain(request: Request, gateway: AdminGateway) -> dict[str, Any]:
+    """Where a request would go and why, without sending it: route, normalization diff, tokens,
+    blocks, key, every replica's health/load/bound/match, the choice and its reason.
+
+    Body: a chat/completions/embeddings request body (endpoint inferred from ``messages`` /
+    ``prompt`` / ``input``) or ``{"endpoint": ..., "body": {...}, "headers": {...}}``.
+    Changes no routing state.  Bad input → 400; unknown model → 404; no healthy replica → 503.
+    """
+    raw = await request.body()
+    return explain(gateway, parse_input_bytes(raw, gateway.config.server.max_body_bytes))

@@ -4,6 +4,7 @@
     prefix-gateway check-config FILE [FILE ...]
     prefix-gateway demo [--port P]
     prefix-gateway hash-key [KEY]          (sha256 for admin.api_key_sha256 / auth.api_keys_sha256)
+    prefix-gateway explain FILE.json [--gateway URL] [--admin-key KEY] [--config FILE] [--json]
     prefix-gateway sim ...                 (simulated vLLM replicas; see `prefix-gateway sim --help`)
 
 Each subcommand is one ``add_*`` function (its arguments) and one ``run_*`` function.
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import json
+import os
 import signal
 import sys
 import tempfile
@@ -205,8 +208,112 @@ def run_hash_key(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- explain -------------------------------------------------------------------------------
+def add_explain(sub: Any) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="show where a request would be routed and why (sends nothing upstream)",
+        description="Explain a request: route, normalization diff, tokens and blocks, key, every replica's "
+        "health/load/bound/match, the chosen replica and the reason. FILE holds a request body "
+        "(endpoint inferred: messages -> chat, prompt -> completions, input -> embeddings) or "
+        '{"endpoint": ..., "body": {...}, "headers": {...}}; "-" reads stdin. With --gateway the running '
+        "gateway answers (POST /admin/explain: live health and load); without it the plan is made locally "
+        "from the config, with every replica healthy and idle and nothing contacted.",
+    )
+    p.add_argument("file", metavar="FILE.json")
+    p.add_argument("--gateway", metavar="URL", help="a running gateway's base URL, e.g. http://127.0.0.1:8080")
+    p.add_argument("--admin-key", help="admin key for --gateway (default: env PREFIX_GATEWAY_ADMIN_KEY)")
+    p.add_argument("--config", "-c", help="offline: config to plan with (default: config/gateway.yaml or packaged)")
+    p.add_argument("--endpoint", choices=["chat", "completions", "embeddings"], help="instead of inferring it")
+    p.add_argument(
+        "--header", action="append", default=[], metavar="NAME=VALUE", help="a client header to assume (repeat)"
+    )
+    p.add_argument("--json", action="store_true", help="print the raw JSON report")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for --gateway")
+    p.set_defaults(run=run_explain)
+
+
+def _explain_payload(args: argparse.Namespace) -> Any:
+    try:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+    except OSError as exc:
+        raise SystemExit(f"prefix-gateway explain: cannot read {args.file}: {exc.strerror or exc}") from None
+    try:
+        payload = json.loads(text)
+    except ValueError as exc:
+        raise SystemExit(f"prefix-gateway explain: {args.file} is not valid JSON: {exc}") from None
+    if not (args.endpoint or args.header):
+        return payload
+    headers: dict[str, str] = {}
+    for item in args.header:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise SystemExit(f"prefix-gateway explain: --header wants NAME=VALUE, got {item!r}")
+        headers[name.strip()] = value
+    wrapped = isinstance(payload, dict) and "body" in payload and "model" not in payload
+    out = dict(payload) if wrapped else {"body": payload}
+    if args.endpoint:
+        out["endpoint"] = args.endpoint
+    if headers:
+        out["headers"] = {**(out.get("headers") or {}), **headers}
+    return out
+
+
+def _explain_remote(args: argparse.Namespace, payload: Any) -> dict[str, Any] | None:
+    import httpx
+
+    base = args.gateway.rstrip("/").removesuffix("/v1")
+    key = args.admin_key if args.admin_key is not None else os.environ.get("PREFIX_GATEWAY_ADMIN_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        response = httpx.post(f"{base}/admin/explain", json=payload, headers=headers, timeout=args.timeout)
+    except httpx.HTTPError as exc:
+        print(f"prefix-gateway explain: cannot reach {base}: {exc}", file=sys.stderr)
+        return None
+    try:
+        data = response.json()
+    except ValueError:
+        data = None
+    if response.status_code != 200 or not isinstance(data, dict):
+        error = data.get("error", {}) if isinstance(data, dict) else {}
+        message = error.get("message") if isinstance(error, dict) else None
+        print(f"prefix-gateway explain: {response.status_code}: {message or response.text[:500]}", file=sys.stderr)
+        return None
+    return data
+
+
+def _explain_offline(args: argparse.Namespace, payload: Any) -> dict[str, Any] | None:
+    from gateway.errors import GatewayError
+    from gateway.explain import explain, offline_gateway, parse_input
+
+    path = Path(args.config) if args.config else default_config_path()
+    gateway = offline_gateway(load_config(path))
+    try:
+        return explain(gateway, parse_input(payload))
+    except GatewayError as exc:
+        print(f"prefix-gateway explain: {exc.status}: {exc.message}", file=sys.stderr)
+        return None
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    from gateway.explain import render_text
+
+    payload = _explain_payload(args)
+    report = _explain_remote(args, payload) if args.gateway else _explain_offline(args, payload)
+    if report is None:
+        return 1
+    if args.json:
+        print(json.dumps(report, indent=2, ensure_ascii=False))
+    else:
+        if not args.gateway:
+            where = args.config or default_config_path()
+            print(f"(offline plan from {where}: every replica assumed healthy and idle; nothing was contacted)\n")
+        print(render_text(report))
+    return 0
+
+
 # -- main ----------------------------------------------------------------------------------
-SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve, add_check_config, add_demo, add_hash_key]
+SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve, add_check_config, add_demo, add_hash_key, add_explain]
 
 
 def build_parser() -> argparse.ArgumentParser:
