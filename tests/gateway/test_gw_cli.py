@@ -111,9 +111,17 @@ def test_demo_starts_replicas_and_gateway(popen_cli: list[subprocess.Popen[str]]
     _, banner = read_until(proc, r"Ctrl-C stops everything")
     assert f'OpenAI(base_url="{base}"' in banner and f"curl -s {base}/chat/completions" in banner
     client = OpenAI(base_url=base, api_key="unused")
-    replies = {client.chat.completions.with_raw_response.create(model=MODEL, messages=chat("hi"), max_tokens=2)
-               .headers["x-prefix-gateway-replica"] for _ in range(8)}  # fmt: skip
-    assert len(replies) > 1  # several simulated replicas behind it
+
+    def replica_for(text: str) -> str:
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=chat(text), max_tokens=2)
+        return raw.headers["x-prefix-gateway-replica"]
+
+    # The demo routes by prefix: different prompts spread over the replicas, a repeat stays.
+    first = {f"question {i}: what is {i} squared?": None for i in range(8)}
+    for text in first:
+        first[text] = replica_for(text)
+    assert len(set(first.values())) > 1  # several simulated replicas behind it
+    assert all(replica_for(text) == replica for text, replica in first.items())
     replica_pids = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                    text=True).stdout.split()]  # fmt: skip
     assert len(replica_pids) == 4
