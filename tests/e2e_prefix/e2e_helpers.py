@@ -1,0 +1,137 @@
+"""Helpers for the prefix-routing end-to-end tests: configs, clients, conversations, metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.chat_template import chat_tokens
+from gateway.config import GatewayConfig, parse_config
+from gateway.server import RunningGateway, serve_in_thread
+from gateway.tokenizer import get_tokenizer
+
+MODEL = "demo-model"
+BLOCK = 16
+ADMIN_KEY = "e2e-admin-key"
+T = TypeVar("T")
+
+
+def prefix_route(name: str = "main", mode: str = "relocate", **extra: Any) -> dict[str, Any]:
+    return {"name": name, "match": {"models": [MODEL]}, "policy": "prefix", "normalize": {"mode": mode}, **extra}
+
+
+def config(urls: Sequence[str], routes: list[dict[str, Any]] | None = None, **overrides: Any) -> GatewayConfig:
+    """Replicas r0..rN over ``urls``, fast health checks and scrapes, no summary loop."""
+    data: dict[str, Any] = {
+        "server": {"port": 0},
+        "health": {"interval_s": 0.2, "timeout_s": 1.0, "unhealthy_threshold": 1, "eject_s": 0.5},
+        "scrape": {"interval_s": 0.2},
+        "logging": {"summary_interval_s": 0},
+        "replicas": [{"name": f"r{i}", "url": url} for i, url in enumerate(urls)],
+        "routes": routes or [prefix_route()],
+        **overrides,
+    }
+    return parse_config(data, "<e2e>")
+
+
+@contextlib.contextmanager
+def gateway(
+    urls: Sequence[str], routes: list[dict[str, Any]] | None = None, **overrides: Any
+) -> Iterator[RunningGateway]:
+    with serve_in_thread(config(urls, routes, **overrides)) as gw:
+        yield gw
+
+
+def client(gw: RunningGateway, **headers: str) -> OpenAI:
+    return OpenAI(base_url=gw.openai_base_url, api_key="unused", max_retries=0, timeout=30, default_headers=headers)
+
+
+def admin(gw: RunningGateway, key: str = ADMIN_KEY) -> httpx.Client:
+    return httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def wait_for(check: Callable[[], T], timeout: float = 15.0, interval: float = 0.02, what: str = "condition") -> T:
+    """Poll ``check`` until it returns something truthy (never a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of a metric's samples whose labels include ``labels``."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def prompt_tokens_of(messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> int:
+    """Tokens of ``messages`` under the one chat template the simulator and the gateway share."""
+    return len(chat_tokens(get_tokenizer(), messages, add_generation_prompt=add_generation_prompt))
+
+
+def whole_blocks(tokens: int) -> int:
+    return tokens // BLOCK * BLOCK
+
+
+@dataclass
+class Reply:
+    replica: str
+    route: str
+    prompt_tokens: int
+    cached_tokens: int | None
+    content: str
+    headers: httpx.Headers
+
+
+def ask(sdk: OpenAI, messages: list[dict[str, Any]], **kwargs: Any) -> Reply:
+    """One chat completion through the gateway; where it went and what the usage said."""
+    kwargs.setdefault("max_tokens", 8)
+    raw = sdk.chat.completions.with_raw_response.create(model=MODEL, messages=messages, **kwargs)
+    reply = raw.parse()
+    details = reply.usage.prompt_tokens_details
+    return Reply(
+        replica=raw.headers["x-prefix-gateway-replica"],
+        route=raw.headers["x-prefix-gateway-route"],
+        prompt_tokens=reply.usage.prompt_tokens,
+        cached_tokens=None if details is None else details.cached_tokens,
+        content=reply.choices[0].message.content or "",
+        headers=raw.headers,
+    )
+
+
+@dataclass
+class Conversation:
+    """A multi-turn chat that resends its whole history every turn, like a real client."""
+
+    topic: str
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    replies: list[Reply] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.messages:
+            persona = (
+                f"You are the assistant for the {self.topic} desk. " + f"Answer {self.topic} questions well. " * 30
+            )
+            self.messages = [{"role": "system", "content": persona}]
+
+    def turn(self, sdk: OpenAI, question: str) -> Reply:
+        self.messages.append({"role": "user", "content": f"{question} (about {self.topic})"})
+        reply = ask(sdk, self.messages)
+        self.messages.append({"role": "assistant", "content": reply.content})
+        self.replies.append(reply)
+        return reply

@@ -1,0 +1,84 @@
+"""Through the gateway and 4 simulated replicas: prefixes land where they are cached.
+
+Conversations stay on the replica that holds their history (cached tokens grow turn over
+turn), requests sharing a long system prompt hit the cache after the first, and when a
+replica dies its conversations move to the others and keep working.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from e2e_helpers import BLOCK, Conversation, ask, client, gateway, prompt_tokens_of, whole_blocks
+
+from gateway.sim.launcher import ReplicaGroup
+
+TOPICS = ["astronomy", "baking", "chess", "diving", "etching", "falconry", "gardening", "hiking"]
+QUESTIONS = ["Where do I start?", "What tools do I need?", "How do I practise?", "What comes next?"]
+
+
+def assert_grows_with_history(conv: Conversation) -> None:
+    """Turn k+1 reuses at least turn k's whole prompt blocks (less one block of re-tokenization slack)."""
+    for before, after in zip(conv.replies, conv.replies[1:], strict=False):
+        assert after.cached_tokens is not None and before.cached_tokens is not None
+        assert after.cached_tokens >= whole_blocks(before.prompt_tokens) - BLOCK, (conv.topic, before, after)
+        assert after.cached_tokens > before.cached_tokens
+
+
+def test_conversations_stay_on_the_replica_that_holds_their_history(fleet: ReplicaGroup) -> None:
+    with gateway(fleet.urls) as gw:
+        sdk = client(gw)
+        conversations = [Conversation(topic) for topic in TOPICS]
+        for question in QUESTIONS:  # interleaved, as many users would be
+            for conv in conversations:
+                conv.turn(sdk, question)
+    homes = {}
+    for conv in conversations:
+        replicas = {reply.replica for reply in conv.replies}
+        assert len(replicas) == 1, (conv.topic, [r.replica for r in conv.replies])
+        homes[conv.topic] = replicas.pop()
+        assert_grows_with_history(conv)
+        assert conv.replies[-1].cached_tokens >= 0.8 * conv.replies[-1].prompt_tokens
+    assert len(set(homes.values())) > 1, homes  # the conversations were spread, not piled on one replica
+
+
+def test_a_shared_system_prompt_hits_the_cache_after_the_first_request(fleet: ReplicaGroup) -> None:
+    system = {"role": "system", "content": "You are the support agent of Example Corp. " + "Follow the policy. " * 120}
+    shared = whole_blocks(prompt_tokens_of([system]))
+    assert shared >= 400
+    with gateway(fleet.urls) as gw:
+        sdk = client(gw)
+        replies = [
+            ask(sdk, [system, {"role": "user", "content": f"Question number {i}: {q}"}])
+            for i, q in enumerate(QUESTIONS * 3)
+        ]
+    assert replies[0].cached_tokens == 0  # a fresh fleet: the first one computes the prefix
+    for reply in replies[1:]:
+        assert reply.cached_tokens is not None and reply.cached_tokens >= shared, reply
+    assert len({r.replica for r in replies}) == 1  # one at a time: the holder is never busy
+
+
+def test_a_killed_replicas_conversations_move_and_still_succeed(fleet: ReplicaGroup) -> None:
+    with gateway(fleet.urls) as gw:
+        sdk = client(gw)
+        conversations = [Conversation(topic) for topic in TOPICS]
+        for question in QUESTIONS[:2]:
+            for conv in conversations:
+                conv.turn(sdk, question)
+        home = {conv.topic: conv.replies[-1].replica for conv in conversations}
+        victim = Counter(home.values()).most_common(1)[0][0]
+        fleet.kill(int(victim[1:]))  # a crash: the next request to it is refused and retried elsewhere
+        for question in QUESTIONS[2:]:
+            for conv in conversations:
+                conv.turn(sdk, question)  # every turn succeeds (the SDK raises otherwise)
+        assert not gw.gateway.replicas[victim].healthy
+        assert gw.gateway.stats.by_route["main"].errors == 0
+    for conv in conversations:
+        after = [r.replica for r in conv.replies[2:]]
+        assert victim not in after
+        if home[conv.topic] == victim:
+            assert after[0] == after[1]  # moved once, then stays where its history now is
+            assert conv.replies[3].cached_tokens >= whole_blocks(conv.replies[2].prompt_tokens) - BLOCK
+        else:
+            assert after == [home[conv.topic]] * 2  # the others did not move
+            assert_grows_with_history(conv)
