@@ -65,6 +65,15 @@ class Policy(Protocol):
         """Pick one of ``replicas`` (never empty; all healthy)."""
         ...
 
+    def peek(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
+        """What ``choose`` would answer now, changing nothing (``/admin/explain``'s dry run):
+        the next real ``choose`` must behave exactly as if ``peek`` had never been called."""
+        ...
+
+    def set_members(self, members: Sequence[ReplicaView]) -> None:
+        """The pool's full membership changed (see :class:`PolicyFactory`)."""
+        ...
+
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
         """Learn from a finished request (e.g. the prefix-affinity index).  May be a no-op."""
         ...

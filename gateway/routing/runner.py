@@ -6,16 +6,14 @@ counts the request in flight on the chosen replica, and after the response feeds
 outcome back through ``policy.observe``.  Policies stay pure functions of their inputs.
 
 ``decide(..., dry_run=True)`` answers "where would this go now?" for ``/admin/explain``
-without changing anything: a policy with a ``peek(request, replicas)`` method (the prefix
-policy: its affinity index is large) is asked through it; any other policy decides on a
-deep copy of itself, so round-robin credits, tie-break turns and random generators do not
+without changing anything: it asks the policy's ``peek`` instead of ``choose``, so
+round-robin credits, tie-break turns, random generators and the affinity index do not
 advance.  ``set_replicas`` is the one way pool membership changes: the runner and the
 policy's ``set_members`` stay in step.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Collection, Sequence
 
@@ -47,9 +45,7 @@ class PolicyRunner:
         """
         self.replicas = list(replicas)
         self._by_name = {r.name: r for r in self.replicas}
-        set_members = getattr(self.policy, "set_members", None)
-        if set_members is not None:
-            set_members(self.members())
+        self.policy.set_members(self.members())
 
     def members(self) -> list[ReplicaView]:
         """Every configured replica (healthy or not): what hash-based policies build rings from."""
@@ -77,11 +73,7 @@ class PolicyRunner:
             error.route = self.route
             raise error
         views = [r.view() for r in eligible]
-        if dry_run:
-            peek = getattr(self.policy, "peek", None)
-            decision = peek(request, views) if peek is not None else copy.deepcopy(self.policy).choose(request, views)
-        else:
-            decision = self.policy.choose(request, views)
+        decision = (self.policy.peek if dry_run else self.policy.choose)(request, views)
         replica = self._by_name.get(decision.replica)
         if replica is None or replica not in eligible:
             # A policy bug must not fail the request: fall back and say so (once) in the log.

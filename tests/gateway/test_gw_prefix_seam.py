@@ -35,7 +35,13 @@ class KeyedPolicy:
 
     def choose(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
         SEEN.append(request)
+        return self.peek(request, replicas)
+
+    def peek(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
         return Decision(replicas[0].name, "ring", {"predicted_cached_tokens": self.settings.predicted})
+
+    def set_members(self, members: Sequence[ReplicaView]) -> None:
+        self.members = [m.name for m in members]
 
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
         OBSERVED.append((decision.replica, cached_tokens))

@@ -35,7 +35,13 @@ class Recording:
 
     def choose(self, request: RequestView, views: Sequence[ReplicaView]) -> Decision:
         self.seen.append(list(views))
+        return self.peek(request, views)
+
+    def peek(self, request: RequestView, views: Sequence[ReplicaView]) -> Decision:
         return Decision(self.pick or views[-1].name, "test")
+
+    def set_members(self, members: Sequence[ReplicaView]) -> None:
+        return None
 
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
         self.observed.append((decision.replica, cached_tokens))

@@ -48,8 +48,12 @@ class LeastLoadedPolicy:
         return None
 
     def choose(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
+        decision = self.peek(request, replicas)
         self._turn += 1
-        pick = least_loaded(replicas, self._turn, self.settings.count_engine_waiting)
+        return decision
+
+    def peek(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
+        pick = least_loaded(replicas, self._turn + 1, self.settings.count_engine_waiting)
         return Decision(pick.name, "least_loaded")
 
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:

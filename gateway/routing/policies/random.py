@@ -26,14 +26,23 @@ class RandomPolicy:
         return None
 
     def choose(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
-        if len(replicas) == 1:
-            return Decision(replicas[0].name, "random")
-        weights = [r.weight for r in replicas]
-        if all(w == weights[0] for w in weights):
-            pick = replicas[self._rng.randrange(len(replicas))]
-        else:
-            pick = self._rng.choices(replicas, weights=weights, k=1)[0]
-        return Decision(pick.name, "random")
+        return _weighted_pick(self._rng, replicas)
+
+    def peek(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
+        twin = _random.Random()
+        twin.setstate(self._rng.getstate())  # the same draw, without advancing our generator
+        return _weighted_pick(twin, replicas)
 
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
         return None
+
+
+def _weighted_pick(rng: _random.Random, replicas: Sequence[ReplicaView]) -> Decision:
+    if len(replicas) == 1:
+        return Decision(replicas[0].name, "random")
+    weights = [r.weight for r in replicas]
+    if all(w == weights[0] for w in weights):
+        pick = replicas[rng.randrange(len(replicas))]
+    else:
+        pick = rng.choices(replicas, weights=weights, k=1)[0]
+    return Decision(pick.name, "random")

@@ -28,19 +28,26 @@ class RoundRobinPolicy:
         self._credit = {m.name: self._credit.get(m.name, 0.0) for m in members}
 
     def choose(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
-        credit = self._credit
-        best: ReplicaView | None = None
-        best_credit = 0.0
-        total = 0.0
-        for replica in replicas:
-            value = credit.get(replica.name, 0.0) + replica.weight
-            credit[replica.name] = value
-            total += replica.weight
-            if best is None or value > best_credit:
-                best, best_credit = replica, value
-        assert best is not None
-        credit[best.name] = best_credit - total
-        return Decision(best.name, "round_robin")
+        return _smooth_pick(self._credit, replicas)
+
+    def peek(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
+        return _smooth_pick(dict(self._credit), replicas)
 
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
         return None
+
+
+def _smooth_pick(credit: dict[str, float], replicas: Sequence[ReplicaView]) -> Decision:
+    """One step of smooth weighted round robin; updates ``credit`` in place."""
+    best: ReplicaView | None = None
+    best_credit = 0.0
+    total = 0.0
+    for replica in replicas:
+        value = credit.get(replica.name, 0.0) + replica.weight
+        credit[replica.name] = value
+        total += replica.weight
+        if best is None or value > best_credit:
+            best, best_credit = replica, value
+    assert best is not None
+    credit[best.name] = best_credit - total
+    return Decision(best.name, "round_robin")

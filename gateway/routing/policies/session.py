@@ -54,9 +54,14 @@ class SessionPolicy:
         return None
 
     def choose(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
+        decision = self.peek(request, replicas)
+        if decision.reason == "fallback":
+            self._turn += 1  # ties among least-loaded replicas rotate
+        return decision
+
+    def peek(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
         if not request.session_key:
-            self._turn += 1
-            return Decision(least_loaded(replicas, self._turn).name, "fallback")
+            return Decision(least_loaded(replicas, self._turn + 1).name, "fallback")
         order = rendezvous_order(request.session_key, replicas)
         factor = self.settings.max_load_factor
         if factor is None or len(order) == 1:
