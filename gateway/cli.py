@@ -41,7 +41,7 @@ def add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the gateway", description="Run the gateway in the foreground.")
     p.add_argument("--config", "-c", help="YAML config (default: ./config/gateway.yaml, else the packaged demo)")
     p.add_argument("--replica", action="append", default=[], metavar="URL", help="quick start without a file (repeat)")
-    p.add_argument("--policy", default="least_loaded", help="policy for --replica quick start")
+    p.add_argument("--policy", default="prefix", help="policy for --replica quick start (default: prefix)")
     p.add_argument("--host", help="override server.host")
     p.add_argument("--port", type=int, help="override server.port")
     p.set_defaults(run=run_serve)

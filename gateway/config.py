@@ -230,7 +230,11 @@ class RouteConfig(_Strict):
         default_factory=lambda: list(ENDPOINTS), description="endpoints served by this route"
     )
     replicas: list[str] | None = Field(None, description="replica names in the pool (default: all)")
-    policy: str = Field("least_loaded", description="routing policy name (see the registry)")
+    policy: str = Field(
+        "prefix",
+        description="routing policy name (see the registry); prefix: prefix-cache-aware, least loaded for "
+        "requests without prompt keys (embeddings, very short prompts)",
+    )
     policy_settings: dict[str, Any] = Field(default_factory=dict, description="validated by the policy's own model")
     session_header: str = Field("x-session-id", description="header whose value becomes the request's session key")
     normalize: NormalizeSettings = Field(default_factory=NormalizeSettings, description="volatile-span handling")
@@ -250,7 +254,7 @@ class GatewayConfig(_Strict):
     replicas: list[ReplicaConfig] = Field(..., min_length=1)
     routes: list[RouteConfig] = Field(
         default_factory=lambda: [RouteConfig(name="default")],
-        description="default: one route taking every model to every replica with least_loaded",
+        description="default: one route taking every model to every replica with the prefix policy",
     )
 
     @model_validator(mode="after")
@@ -360,7 +364,7 @@ def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
 
 def quick_config(
     replica_urls: Sequence[str],
-    policy: str = "least_loaded",
+    policy: str = "prefix",
     host: str = "127.0.0.1",
     port: int = 8080,
     policy_settings: Mapping[str, Any] | None = None,

@@ -37,7 +37,7 @@ def test_defaults_are_filled_in() -> None:
     assert config.logging.summary_interval_s == 10.0
     assert not config.logging.access_log_probes
     assert [r.name for r in config.routes] == ["default"]
-    assert config.routes[0].policy == "least_loaded"
+    assert config.routes[0].policy == "prefix"
     assert config.pool_of(config.routes[0]) == config.replicas
 
 
