@@ -16,7 +16,6 @@ window (replicas shared by several routes count for each).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ from typing import Any
 from gateway.observe.logs import SUMMARY_LOGGER
 from gateway.observe.stats import StatsBook, percentile
 from gateway.replicas.pool import Replica
+from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger(SUMMARY_LOGGER)
 
@@ -56,11 +56,8 @@ class SummaryReporter:
             self._task = asyncio.create_task(self._run(), name="summary")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:

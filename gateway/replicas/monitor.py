@@ -7,7 +7,6 @@ path never waits for them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -18,6 +17,7 @@ from gateway.config import HealthSettings, ScrapeSettings
 from gateway.errors import UpstreamError
 from gateway.replicas.engine import parse_engine_metrics
 from gateway.replicas.pool import Replica
+from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_gateway.replicas")
 
@@ -41,11 +41,7 @@ class ReplicaMonitor:
             self._tasks.append(asyncio.create_task(self._loop(self.scrape_all, self.scrape.interval_s), name="scrape"))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         self._tasks.clear()
         for replica in self.replicas:
             await replica.client.close()

@@ -13,7 +13,6 @@ under test; see :mod:`gateway.sim.asgi`.  Endpoints, as vLLM serves them:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -37,6 +36,7 @@ from gateway.sim.protocol import (
 )
 from gateway.sim.replica import Replica
 from gateway.sim.statslog import StatsLogger
+from gateway.tasks import cancel_and_wait
 
 logger = logging.getLogger("gateway.sim.app")
 
@@ -231,11 +231,8 @@ class SimApp:
             self._background = asyncio.get_running_loop().create_task(self.stats_logger.run(), name="sim-stats")
 
     async def shutdown(self) -> None:
-        if self._background is not None:
-            self._background.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._background
-            self._background = None
+        await cancel_and_wait(self._background)
+        self._background = None
         await self.replica.engine.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

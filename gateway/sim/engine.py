@@ -35,6 +35,7 @@ from collections import deque
 from gateway.sim.kvcache import Block, PrefixCache
 from gateway.sim.metrics import SimMetrics
 from gateway.sim.options import SimOptions
+from gateway.tasks import cancel_and_wait
 
 logger = logging.getLogger("gateway.sim.engine")
 
@@ -214,11 +215,8 @@ class Engine:
         return len(victims)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     # -- accounting ------------------------------------------------------------------------
     def _record_admission(self, req: EngineRequest, queried: int, hit_tokens: int) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -16,6 +15,7 @@ from gateway.chat_template import chat_tokens
 from gateway.config import GatewayConfig, parse_config
 from gateway.server import RunningGateway, serve_in_thread
 from gateway.tokenizer import get_tokenizer
+from tests.polling import wait_for as _wait_for
 
 MODEL = "demo-model"
 BLOCK = 16
@@ -58,15 +58,8 @@ def admin(gw: RunningGateway, key: str = ADMIN_KEY) -> httpx.Client:
 
 
 def wait_for(check: Callable[[], T], timeout: float = 15.0, interval: float = 0.02, what: str = "condition") -> T:
-    """Poll ``check`` until it returns something truthy (never a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
+    """The shared poller with this suite's longer default deadline (4 fresh replicas per test)."""
+    return _wait_for(check, timeout, interval, what)
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:

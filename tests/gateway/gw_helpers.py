@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import httpx
@@ -13,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import GatewayConfig, parse_config
 from gateway.server import RunningGateway, serve_in_thread
+from tests.polling import wait_for  # noqa: F401  (re-exported to the tests)
 
 MODEL = "demo-model"
 T = TypeVar("T")
@@ -45,18 +45,6 @@ def running_gateway(urls: Sequence[str], **overrides: Any) -> Iterator[RunningGa
 def client(gw: RunningGateway, **kwargs: Any) -> OpenAI:
     kwargs.setdefault("api_key", "unused")
     return OpenAI(base_url=gw.openai_base_url, max_retries=0, timeout=30, **kwargs)
-
-
-def wait_for(check: Callable[[], T], timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> T:
-    """Poll ``check`` until it returns something truthy (never a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
 
 
 def set_faults(url: str, **faults: Any) -> None:

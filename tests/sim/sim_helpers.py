@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import httpx
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.polling import wait_for
 
 # Instant (time_scale 0), quiet: what most tests want.
 FAST: dict[str, Any] = {"time_scale": 0, "log_stats_interval": 0, "disable_uvicorn_access_log": True}
@@ -32,12 +33,5 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def poll(check: Callable[[], T | None], timeout: float = 10.0, interval: float = 0.01) -> T:
-    """Call ``check`` until it returns something truthy, or fail at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(interval)
+    """The shared poller with the simulator suite's finer interval."""
+    return wait_for(check, timeout, interval)
