@@ -93,6 +93,15 @@ class UpstreamTimeout(GatewayError):
     kind = "upstream_timeout"
 
 
+class InternalError(GatewayError):
+    """A bug or an unexpected failure inside the gateway: the client gets a plain 500, the log the detail."""
+
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+    kind = "internal"
+
+
 class UpstreamError(Exception):
     """A transport failure talking to one replica (raised by ``gateway.upstream`` clients).
 

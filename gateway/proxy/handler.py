@@ -20,6 +20,7 @@ from typing import Any
 from gateway.errors import (
     ClientDisconnected,
     GatewayError,
+    InternalError,
     NoHealthyReplica,
     Unauthorized,
     UpstreamError,
@@ -46,7 +47,11 @@ _STREAM_USAGE = b',"stream_options":{"include_usage":true}'
 
 
 def dumps(body: Any) -> bytes:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    """Compact UTF-8 JSON; a lone surrogate (valid as a JSON escape, not as UTF-8) falls back to ``\\u`` escapes."""
+    try:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()
 
 
 def upstream_body(raw: bytes, body: dict[str, Any], plan: Plan, stream_usage: bool) -> tuple[bytes, bool]:
@@ -125,6 +130,16 @@ class Exchange:
             if task is not None:
                 task.uncancel()
             self._client_went_away()
+        except Exception:
+            # A bug must still end in an OpenAI-shaped 500, not uvicorn's plain-text one.
+            # Never log the body: it may hold prompt text.
+            log.exception("request %s failed inside the gateway", self.request_id)
+            self.outcome.status = 500
+            self.outcome.error_kind = InternalError.kind
+            if self.response is not None:
+                self.response.abort()
+            if not self.started:
+                await self._send_error(InternalError(f"internal gateway error (request id {self.request_id})"))
         finally:
             if self._watcher is not None:
                 self._watcher.cancel()

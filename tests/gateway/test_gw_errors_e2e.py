@@ -176,3 +176,39 @@ def test_upstream_failing_mid_stream_ends_the_stream_with_an_error_event(
         text = httpx.get(f"{gw.url}/metrics").text
         assert metric_sum(text, "prefix_gateway_errors_total", kind=kind) == 1
         assert gw.gateway.replicas["r0"].in_flight == 0
+
+
+def test_lone_surrogate_in_a_rewritten_body_reaches_the_replica(gw: RunningGateway, sim_urls: list[str]) -> None:
+    """JSON allows ``\\ud800``, UTF-8 does not: re-serializing (stream_options → include_usage) must not crash.
+
+    The replica's own answer (the simulator, like vLLM's pydantic, rejects it with a 400) comes back.
+    """
+    content = b'[{"role":"user","content":"a\\ud800b"}],"max_tokens":3,"stream":true,"stream_options":{}}'
+    raw = b'{"model":"demo-model","messages":' + content
+    direct = httpx.post(f"{sim_urls[0]}/v1/chat/completions", content=raw, timeout=10)
+    through = httpx.post(f"{gw.url}/v1/chat/completions", content=raw, timeout=10)
+    assert through.status_code == direct.status_code < 500, through.text
+    assert through.json() == direct.json()
+
+
+def test_an_unexpected_exception_becomes_an_openai_500(
+    gw: RunningGateway, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken_plan(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug with internal detail")
+
+    monkeypatch.setattr(gw.gateway, "plan", broken_plan)
+    caplog.set_level(logging.ERROR, logger="prefix_gateway.proxy")
+    response = httpx.post(
+        f"{gw.url}/v1/chat/completions", json={"model": MODEL, "messages": chat("secret prompt")}, timeout=10
+    )
+    error = assert_openai_error(response, 500)
+    assert error["code"] == "internal_error" and error["type"] == "server_error"
+    assert "internal detail" not in response.text
+    request_id = response.headers["x-request-id"]
+    assert request_id in error["message"]
+    logged = [r for r in caplog.records if r.name == "prefix_gateway.proxy" and r.exc_info]
+    assert logged and request_id in logged[0].getMessage()
+    assert not any("secret prompt" in r.getMessage() for r in caplog.records)
+    text = httpx.get(f"{gw.url}/metrics").text
+    assert metric_sum(text, "prefix_gateway_errors_total", kind="internal") >= 1
