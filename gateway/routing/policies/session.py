@@ -19,6 +19,7 @@ from pydantic import Field
 
 from gateway.routing.base import Decision, PolicySettings, ReplicaView, RequestView
 from gateway.routing.policies.least_loaded import least_loaded
+from gateway.routing.ring import load_bounds
 
 _TWO_64 = float(2**64)
 
@@ -66,10 +67,10 @@ class SessionPolicy:
         factor = self.settings.max_load_factor
         if factor is None or len(order) == 1:
             return Decision(order[0].name, "session")
-        total = sum(r.in_flight for r in replicas) + 1  # count this request
-        bound = math.ceil(factor * total / len(replicas))
+        # The same weighted CHWBL bound as the prefix policy (one rule, one place).
+        bounds = load_bounds({r.name: r.in_flight for r in replicas}, {r.name: r.weight for r in replicas}, factor)
         for rank, replica in enumerate(order):
-            if replica.in_flight + 1 <= bound:
+            if replica.in_flight < bounds[replica.name]:
                 return Decision(replica.name, "session" if rank == 0 else "spill")
         return Decision(order[0].name, "session")
 
