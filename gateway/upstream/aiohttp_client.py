@@ -17,6 +17,9 @@ from gateway.errors import UpstreamBroken, UpstreamConnectError, UpstreamError, 
 
 def _translate(exc: BaseException, *, started: bool) -> UpstreamError:
     """Map an aiohttp/asyncio exception to ours.  ``started``: response headers were received."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        # before ServerTimeoutError, its base class: a connect timeout never sent anything
+        return UpstreamConnectError("connect timed out", before_send=True)
     if isinstance(exc, aiohttp.ClientConnectorError):
         return UpstreamConnectError(f"cannot connect: {exc.os_error or exc}", before_send=True)
     if isinstance(exc, aiohttp.ServerDisconnectedError) and not started:
@@ -100,7 +103,8 @@ class AiohttpUpstream:
     async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> AiohttpResponse:
         session = self._require()
         try:
-            resp = await session.post(self.base_url + path, data=body, headers=headers)
+            # never follow redirects: a Location header must not send the prompt to another host
+            resp = await session.post(self.base_url + path, data=body, headers=headers, allow_redirects=False)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _translate(exc, started=False) from exc
         return AiohttpResponse(resp)
@@ -108,7 +112,9 @@ class AiohttpUpstream:
     async def get(self, path: str, timeout_s: float) -> tuple[int, bytes]:
         session = self._require()
         try:
-            async with session.get(self.base_url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            async with session.get(
+                self.base_url + path, timeout=aiohttp.ClientTimeout(total=timeout_s), allow_redirects=False
+            ) as resp:
                 return resp.status, await resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _translate(exc, started=False) from exc

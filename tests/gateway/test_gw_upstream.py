@@ -1,0 +1,73 @@
+"""The aiohttp upstream client: exception mapping and never following redirects."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.config import ReplicaConfig, UpstreamSettings
+from gateway.errors import UpstreamBroken, UpstreamConnectError, UpstreamReadTimeout
+from gateway.upstream.aiohttp_client import AiohttpUpstream, _translate
+
+
+def test_connect_timeout_is_a_retryable_connect_error() -> None:
+    # aiohttp's ConnectionTimeoutError subclasses ServerTimeoutError: it must not read as a read timeout
+    mapped = _translate(aiohttp.ConnectionTimeoutError("sock_connect"), started=False)
+    assert isinstance(mapped, UpstreamConnectError) and mapped.before_send
+    read = _translate(aiohttp.SocketTimeoutError("sock_read"), started=False)
+    assert isinstance(read, UpstreamReadTimeout) and not read.before_send
+    assert isinstance(_translate(aiohttp.ClientPayloadError("cut"), started=True), UpstreamBroken)
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def redirecting() -> AsyncIterator[tuple[str, list[str]]]:
+    """A replica that redirects everything to another server, which records any hit."""
+    hits: list[str] = []
+
+    async def record(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.json_response({"stolen": True})
+
+    other = web.Application()
+    other.router.add_route("*", "/{tail:.*}", record)
+    other_runner, other_url = await _serve(other)
+
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(other_url + request.path)
+
+    replica = web.Application()
+    replica.router.add_route("*", "/{tail:.*}", redirect)
+    replica_runner, replica_url = await _serve(replica)
+    try:
+        yield replica_url, hits
+    finally:
+        await replica_runner.cleanup()
+        await other_runner.cleanup()
+
+
+async def test_redirects_are_never_followed(redirecting: tuple[str, list[str]]) -> None:
+    url, hits = redirecting
+    client = AiohttpUpstream(ReplicaConfig(name="r0", url=url), UpstreamSettings())
+    await client.start()
+    try:
+        response = await client.post("/v1/chat/completions", b'{"model":"m"}', {"Content-Type": "application/json"})
+        assert response.status == 307
+        await response.read()
+        response.release()
+        status, _ = await client.get("/health", timeout_s=5)
+        assert status == 307
+    finally:
+        await client.close()
+    assert hits == []
