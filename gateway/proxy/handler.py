@@ -182,9 +182,9 @@ class Exchange:
                 return
 
     # -- upstream with retries ---------------------------------------------------------
-    def _hold(self, decision: Decision, replica: Replica) -> None:
+    def _hold(self, plan: Plan, decision: Decision, replica: Replica) -> None:
         self.decision, self.replica = decision, replica
-        replica.in_flight += 1
+        plan.route.runner.acquire(replica)  # the runner owns both halves: acquire here, release in _let_go
 
     def _let_go(self, completed: bool) -> None:
         replica, plan = self.replica, self.plan
@@ -215,7 +215,7 @@ class Exchange:
         decision, replica = plan.decision, plan.replica
         tried: list[str] = []
         while True:
-            self._hold(decision, replica)
+            self._hold(plan, decision, replica)
             self.t_upstream = perf_counter()
             try:
                 response = await replica.client.post(self.path, payload, self._upstream_headers(replica))
@@ -240,9 +240,13 @@ class Exchange:
                         replica.report_5xx(response.status)
                     try:
                         await response.read()
-                        response.release()
                     except UpstreamError:
                         response.abort()
+                    except BaseException:  # client went away (cancelled) while draining: drop it too
+                        response.abort()
+                        raise
+                    else:
+                        response.release()
                     self._let_go(completed=False)
                     tried.append(replica.name)
                     decision, replica = following
