@@ -105,8 +105,9 @@ class InternalError(GatewayError):
 class UpstreamError(Exception):
     """A transport failure talking to one replica (raised by ``gateway.upstream`` clients).
 
-    ``before_send`` is True when the request provably never reached the replica
-    (connection refused, DNS failure), so retrying elsewhere cannot duplicate work.
+    ``before_send`` is True when retrying elsewhere is safe: the request never reached the
+    replica (connection refused, DNS failure) or the replica closed the connection without
+    starting an answer.
     """
 
     kind = "upstream_error"
@@ -118,6 +119,16 @@ class UpstreamError(Exception):
 
 class UpstreamConnectError(UpstreamError):
     kind = "connect"
+
+
+class UpstreamDisconnected(UpstreamError):
+    """The replica closed the connection before any response header (usually a stale keep-alive race).
+
+    Raised with ``before_send=True``: retrying elsewhere is safe, but one such close is no proof
+    the replica is down, so passive health counts it like a 5xx instead of ejecting at once.
+    """
+
+    kind = "disconnected"
 
 
 class UpstreamReadTimeout(UpstreamError):

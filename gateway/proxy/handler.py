@@ -23,6 +23,7 @@ from gateway.errors import (
     InternalError,
     NoHealthyReplica,
     Unauthorized,
+    UpstreamConnectError,
     UpstreamError,
     UpstreamReadTimeout,
     UpstreamTimeout,
@@ -70,6 +71,21 @@ def upstream_body(raw: bytes, body: dict[str, Any], plan: Plan, stream_usage: bo
     options = source.get("stream_options")
     source["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     return dumps(source), True
+
+
+def report_failure(replica: Replica, exc: UpstreamError) -> None:
+    """Passive health for a transport failure on real traffic.
+
+    Unreachable (refused, connect timeout) ejects at once; a close before answering (often a
+    stale keep-alive race) or a connection broken mid-request counts like a 5xx, so only a run
+    of them ejects; a read timeout says "slow", not "broken", and counts for nothing.
+    """
+    if isinstance(exc, UpstreamReadTimeout):
+        return
+    if isinstance(exc, UpstreamConnectError):
+        replica.report_transport_error(str(exc))
+    else:
+        replica.report_5xx(502)
 
 
 class ProxyEndpoint:
@@ -221,8 +237,7 @@ class Exchange:
                 response = await replica.client.post(self.path, payload, self._upstream_headers(replica))
             except UpstreamError as exc:
                 self._let_go(completed=False)
-                if exc.before_send:
-                    replica.report_transport_error(str(exc))
+                report_failure(replica, exc)
                 tried.append(replica.name)
                 following = (
                     self._next_replica(plan, tried) if exc.before_send and len(tried) <= settings.max_retries else None
@@ -294,6 +309,8 @@ class Exchange:
             data = await response.read()
         except UpstreamError as exc:
             response.abort()
+            if replica is not None:
+                report_failure(replica, exc)
             raise (UpstreamTimeout if isinstance(exc, UpstreamReadTimeout) else UpstreamUnavailable)(
                 f"replica {self.outcome.replica!r} failed while answering: {exc}"
             ) from exc
@@ -343,8 +360,8 @@ class Exchange:
             response.abort()
             self.usage = relay.usage
             self.outcome.error_kind = f"upstream_{exc.kind}"
-            if self.replica is not None and not isinstance(exc, UpstreamReadTimeout):
-                self.replica.report_5xx(502)
+            if self.replica is not None:
+                report_failure(self.replica, exc)
             error = {"error": {"message": f"upstream stream failed: {exc}", "type": "server_error", "code": 502}}
             self.done = True
             await send({"type": "http.response.body", "body": b"data: " + dumps(error) + b"\n\n", "more_body": False})

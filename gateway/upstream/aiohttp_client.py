@@ -12,7 +12,13 @@ from collections.abc import AsyncIterator, Mapping
 import aiohttp
 
 from gateway.config import ReplicaConfig, UpstreamSettings
-from gateway.errors import UpstreamBroken, UpstreamConnectError, UpstreamError, UpstreamReadTimeout
+from gateway.errors import (
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamError,
+    UpstreamReadTimeout,
+)
 
 
 def _translate(exc: BaseException, *, started: bool) -> UpstreamError:
@@ -25,7 +31,7 @@ def _translate(exc: BaseException, *, started: bool) -> UpstreamError:
     if isinstance(exc, aiohttp.ServerDisconnectedError) and not started:
         # The server closed the (pooled) connection without answering: either an idle
         # keep-alive race or a crash; in both cases no work is left running there.
-        return UpstreamConnectError("server closed the connection before answering", before_send=True)
+        return UpstreamDisconnected("server closed the connection before answering", before_send=True)
     if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return UpstreamReadTimeout("upstream read timed out")
     return UpstreamBroken(f"{type(exc).__name__}: {exc}")

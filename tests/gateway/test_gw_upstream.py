@@ -8,8 +8,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.config import ReplicaConfig, UpstreamSettings
-from gateway.errors import UpstreamBroken, UpstreamConnectError, UpstreamReadTimeout
+from gateway.config import HealthSettings, ReplicaConfig, UpstreamSettings
+from gateway.errors import UpstreamBroken, UpstreamConnectError, UpstreamDisconnected, UpstreamReadTimeout
+from gateway.proxy.handler import report_failure
+from gateway.replicas.pool import Replica
 from gateway.upstream.aiohttp_client import AiohttpUpstream, _translate
 
 
@@ -71,3 +73,22 @@ async def test_redirects_are_never_followed(redirecting: tuple[str, list[str]]) 
     finally:
         await client.close()
     assert hits == []
+
+
+def test_a_close_before_answering_is_retryable_and_only_counts_like_a_5xx() -> None:
+    mapped = _translate(aiohttp.ServerDisconnectedError(), started=False)
+    assert isinstance(mapped, UpstreamDisconnected) and mapped.before_send
+    assert isinstance(_translate(aiohttp.ServerDisconnectedError(), started=True), UpstreamBroken)
+
+    settings = HealthSettings(passive_5xx_threshold=2, eject_s=10)
+    replica = Replica(ReplicaConfig(name="r0", url="http://h:1"), None, settings)  # type: ignore[arg-type]
+    report_failure(replica, mapped)  # one stale keep-alive close: still in
+    assert replica.healthy
+    report_failure(replica, UpstreamReadTimeout("slow"))  # slow is not broken
+    assert replica.healthy and replica.passive_5xx == 1
+    report_failure(replica, UpstreamBroken("reset mid-request"))  # a second failure in a row: out
+    assert not replica.healthy
+
+    refused = Replica(ReplicaConfig(name="r1", url="http://h:2"), None, settings)  # type: ignore[arg-type]
+    report_failure(refused, UpstreamConnectError("refused", before_send=True))
+    assert not refused.healthy  # unreachable ejects at once
