@@ -280,13 +280,17 @@ class Exchange:
             o.predicted_cached_tokens = self.plan.predicted_cached_tokens
 
     def _translate(self, exc: UpstreamError, plan: Plan, tried: list[str]) -> GatewayError:
+        # the detail (addresses, ports, OS errors) goes to the log; the client gets names only
+        rid = self.request_id
+        log.warning("request %s: upstream %s failed: %s", rid, tried[-1], exc)
         if isinstance(exc, UpstreamReadTimeout):
-            return UpstreamTimeout(f"replica {tried[-1]!r} did not answer in time")
+            return UpstreamTimeout(f"replica {tried[-1]!r} did not answer in time (request id {rid})")
         if plan.route.runner.healthy_count() == 0:
             return NoHealthyReplica(
-                f"no healthy replica for route {plan.route.name!r}: every attempt failed ({', '.join(tried)}: {exc})"
+                f"no healthy replica for route {plan.route.name!r}: every attempt failed "
+                f"({', '.join(tried)}; request id {rid})"
             )
-        return UpstreamUnavailable(f"could not get an answer from {', '.join(tried)}: {exc}")
+        return UpstreamUnavailable(f"could not get an answer from {', '.join(tried)} (request id {rid})")
 
     # -- relaying ----------------------------------------------------------------------
     def _response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
@@ -311,8 +315,9 @@ class Exchange:
             response.abort()
             if replica is not None:
                 report_failure(replica, exc)
+            log.warning("request %s: replica %s failed while answering: %s", self.request_id, self.outcome.replica, exc)
             raise (UpstreamTimeout if isinstance(exc, UpstreamReadTimeout) else UpstreamUnavailable)(
-                f"replica {self.outcome.replica!r} failed while answering: {exc}"
+                f"replica {self.outcome.replica!r} failed while answering (request id {self.request_id})"
             ) from exc
         response.release()
         status = response.status
@@ -362,7 +367,9 @@ class Exchange:
             self.outcome.error_kind = f"upstream_{exc.kind}"
             if self.replica is not None:
                 report_failure(self.replica, exc)
-            error = {"error": {"message": f"upstream stream failed: {exc}", "type": "server_error", "code": 502}}
+            log.warning("request %s: stream from replica %s failed: %s", self.request_id, self.outcome.replica, exc)
+            message = f"upstream stream failed: replica {self.outcome.replica!r} (request id {self.request_id})"
+            error = {"error": {"message": message, "type": "server_error", "code": 502}}
             self.done = True
             await send({"type": "http.response.body", "body": b"data: " + dumps(error) + b"\n\n", "more_body": False})
             return

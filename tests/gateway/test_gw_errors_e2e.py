@@ -87,7 +87,9 @@ def test_no_healthy_replica_is_503_with_a_clear_message() -> None:
         with pytest.raises(openai.InternalServerError) as info:
             client(gw).chat.completions.create(model=MODEL, messages=chat("x"))
         assert info.value.status_code == 503
-        assert "no healthy replica for route 'main'" in info.value.body["message"]
+        message = info.value.body["message"]
+        assert "no healthy replica for route 'main'" in message
+        assert "127.0.0.1" not in message  # replica names only, never addresses
         ready = httpx.get(f"{gw.url}/ready")
         assert ready.status_code == 503 and ready.json()["routes"]["main"]["healthy_replicas"] == 0
 
@@ -169,9 +171,10 @@ def test_upstream_failing_mid_stream_ends_the_stream_with_an_error_event(
     with running_gateway(sims[2:3], upstream=upstream) as gw:
         stream = client(gw).chat.completions.create(model=MODEL, messages=chat("x"), max_tokens=10, stream=True)
         received = []
-        with pytest.raises(openai.APIError, match="upstream stream failed"):
+        with pytest.raises(openai.APIError, match="upstream stream failed: replica 'r0'") as info:
             for chunk in stream:
                 received.append(chunk)
+        assert "127.0.0.1" not in str(info.value)  # the detail is logged, not sent
         assert 0 < len(received) <= 3  # what arrived before the failure was passed on
         text = httpx.get(f"{gw.url}/metrics").text
         assert metric_sum(text, "prefix_gateway_errors_total", kind=kind) == 1
