@@ -31,7 +31,10 @@ def test_peek_equals_choose_and_records_nothing() -> None:
     assert policy.snapshot() == before  # the affinity index did not learn the peeked request
     assert all(p == peeked[0] for p in peeked)
     assert peeked[0].reason == "affinity" and peeked[0].replica == placed.replica
-    assert policy.choose(follow_up, views) == peeked[0]
+    real = policy.choose(follow_up, views)
+    assert (real.replica, real.reason) == (peeked[0].replica, peeked[0].reason)
+    # the real decision carries the cheap fields only; peek adds the explain table on top
+    assert real.detail.items() <= peeked[0].detail.items()
     assert policy.snapshot() != before
     short = RequestView("", "main", MODEL, "chat")  # no keys: least loaded, ties by a turn counter
     peeks = {policy.peek(short, views).replica for _ in range(4)}

@@ -91,9 +91,10 @@ def test_bound_is_never_exceeded_when_a_replica_is_under_it(
     textbook = load_bounds({v.name: v.in_flight for v in eligible}, {v.name: v.weight for v in eligible}, c)
     in_flight = {v.name: v.in_flight for v in eligible}
     for conv in range(6):
+        probe = p.peek(req(head + chain(6, conv)), eligible)  # the candidate table is explain-only
         d = p.choose(req(head + chain(6, conv)), eligible)
-        assert d.reason in REASONS
-        bounds = {cand["replica"]: cand["bound"] for cand in d.detail["candidates"]}
+        assert d.reason in REASONS and (probe.replica, probe.reason) == (d.replica, d.reason)
+        bounds = {cand["replica"]: cand["bound"] for cand in probe.detail["candidates"]}
         if any(in_flight[n] < bounds[n] for n in names):
             assert in_flight[d.replica] < bounds[d.replica]
         if extra[0] == 0:
@@ -101,7 +102,7 @@ def test_bound_is_never_exceeded_when_a_replica_is_under_it(
             if any(in_flight[n] < textbook[n] for n in names):
                 assert in_flight[d.replica] < textbook[d.replica]
         for n in names:  # extra room only where enough of the prompt is cached
-            matched = next(x["matched_blocks"] for x in d.detail["candidates"] if x["replica"] == n)
+            matched = next(x["matched_blocks"] for x in probe.detail["candidates"] if x["replica"] == n)
             deep = matched * 16 >= max(16, extra[1])
             assert bounds[n] == textbook[n] + (extra[0] if deep else 0)
 
@@ -230,15 +231,18 @@ def test_session_key_is_the_ring_key() -> None:
 def test_key_depth() -> None:
     p = policy(key_depth_tokens=64)
     keys = chain(20, 1)
-    d = p.choose(req(keys), views())
+    d = p.peek(req(keys), views())
     assert d.detail["key"] == f"{keys[3]:016x}" and d.detail["key_depth_blocks"] == 4
-    short = p.choose(req(keys[:2]), views())
+    short = p.peek(req(keys[:2]), views())
     assert short.detail["key"] == f"{keys[1]:016x}" and short.detail["key_depth_blocks"] == 2
 
 
 def test_detail_lists_candidates_for_explain() -> None:
     p = policy()
-    d = p.choose(req(chain(20, 1)), views({"r0": 1}))
+    real = p.choose(req(chain(20, 2)), views({"r0": 1}))
+    assert "candidates" not in real.detail and "key" not in real.detail  # explain-only: not on the hot path
+    assert real.detail["predicted_cached_tokens"] == 0
+    d = p.peek(req(chain(20, 1)), views({"r0": 1}))
     cands = d.detail["candidates"]
     assert sorted(c["replica"] for c in cands) == NAMES
     assert [c["ring_rank"] for c in cands] == [0, 1, 2, 3]

@@ -219,15 +219,18 @@ class PrefixPolicy:
             "predicted_cached_tokens": max(0, predicted),
             "matched_blocks": matched,
             "best_matched_blocks": best_any,
-            "key": f"{ring_key:016x}",
             "key_source": key_source,
             "key_depth_blocks": key_depth,
             "blocks": len(keys),
             "block_size": block_size,
-            "load_factor": settings.load_factor,
-            "total_in_flight": sum(in_flight.values()),
-            "candidates": self._candidates(ring_key, replicas, bounds, depth, scores),
         }
+        if not commit:
+            # The explain-only part (hex key, per-candidate table) costs a ring walk and string
+            # formatting: real requests only need the cheap fields above.
+            detail["key"] = f"{ring_key:016x}"
+            detail["load_factor"] = settings.load_factor
+            detail["total_in_flight"] = sum(in_flight.values())
+            detail["candidates"] = self._candidates(ring_key, replicas, bounds, depth, scores)
         return Decision(pick, reason, detail)
 
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
