@@ -20,6 +20,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -93,12 +94,21 @@ class UpstreamSettings(_Strict):
     )
 
 
+def _absolute_path(value: str) -> str:
+    """An upstream path is appended to the replica's base URL: it must start with ``/``."""
+    if not value.startswith("/"):
+        raise ValueError(f"must start with '/' (got {value!r})")
+    return value
+
+
 class HealthSettings(_Strict):
     """Active (``GET /health``) and passive (errors on real traffic) health checking."""
 
     interval_s: float = Field(5.0, gt=0, description="active check period per replica")
     timeout_s: float = Field(2.0, gt=0, description="active check timeout")
-    path: str = Field("/health", description="path probed on each replica")
+    path: str = Field("/health", description="path probed on each replica (starts with /)")
+
+    _path = field_validator("path")(lambda cls, value: _absolute_path(value))
     unhealthy_threshold: int = Field(2, ge=1, description="consecutive failed active checks that mark a replica down")
     healthy_threshold: int = Field(1, ge=1, description="consecutive good active checks that bring it back")
     passive_5xx_threshold: int = Field(
@@ -113,7 +123,9 @@ class ScrapeSettings(_Strict):
     enabled: bool = Field(True, description="scrape engine metrics (KV usage, queue, prefix-cache counters)")
     interval_s: float = Field(5.0, gt=0, description="scrape period")
     timeout_s: float = Field(2.0, gt=0, description="scrape timeout")
-    path: str = Field("/metrics", description="path scraped on each replica")
+    path: str = Field("/metrics", description="path scraped on each replica (starts with /)")
+
+    _path = field_validator("path")(lambda cls, value: _absolute_path(value))
 
 
 class LoggingSettings(_Strict):
@@ -182,6 +194,10 @@ class ReplicaConfig(_Strict):
     def _url(cls, value: str) -> str:
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
+        parts = urlsplit(value)
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            # the gateway appends /v1/...: a base path would make /v1/v1/... (or worse)
+            raise ValueError(f"must be scheme://host:port only, without a path (got path {parts.path!r})")
         return value.rstrip("/")
 
     @field_validator("name")

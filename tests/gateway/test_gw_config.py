@@ -146,3 +146,15 @@ def test_docs_config_reference_is_current() -> None:
     assert generated == markdown_reference(), (
         "docs/config.md is out of date: run `python -m gateway.config --update docs/config.md`"
     )
+
+
+def test_upstream_paths_start_with_a_slash_and_replica_urls_carry_no_path() -> None:
+    with pytest.raises(ConfigError, match=r"health\.path: must start with '/'"):
+        parse_config({**BASE, "health": {"path": "health"}})
+    with pytest.raises(ConfigError, match=r"scrape\.path: must start with '/'"):
+        parse_config({**BASE, "scrape": {"path": "metrics"}})
+    with pytest.raises(ConfigError, match=r"replicas\[0\]\.url: .*without a path .*'/v1'"):
+        parse_config({"replicas": [{"name": "a", "url": "http://127.0.0.1:1/v1"}]})
+    assert parse_config({"replicas": [{"name": "a", "url": "http://127.0.0.1:1/"}]}).replicas[0].url == (
+        "http://127.0.0.1:1"
+    )
