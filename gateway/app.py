@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admin import router as admin_router
-from gateway.errors import GatewayError, NotFound, error_body, error_bytes
+from gateway.errors import GatewayError, NotFound, error_bytes, status_error_body
 from gateway.middleware import RequestContextMiddleware
 from gateway.proxy.handler import ProxyEndpoint
 from gateway.service import ENDPOINT_PATHS, Gateway
@@ -55,9 +55,8 @@ class FastPaths:
         await self.fallback(scope, receive, send)
 
 
-def _error_response(status: int, message: str, type_: str | None = None, code: Any = None) -> JSONResponse:
-    type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse(error_body(message, type_, code if code is not None else status), status_code=status)
+def _error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse(status_error_body(status, message, code), status_code=status)
 
 
 def build_fastapi(gateway: Gateway) -> FastAPI:

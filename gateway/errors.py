@@ -102,6 +102,15 @@ class InternalError(GatewayError):
     kind = "internal"
 
 
+class UpstreamStreamFailed(GatewayError):
+    """The replica failed after the stream started: sent as a final SSE ``data:`` event, not a status."""
+
+    status = 502
+    type = "server_error"
+    code = "upstream_stream_failed"
+    kind = "upstream_broken"
+
+
 class UpstreamError(Exception):
     """A transport failure talking to one replica (raised by ``gateway.upstream`` clients).
 
@@ -145,12 +154,33 @@ class ClientDisconnected(Exception):
     """The client went away; nothing can be answered (not a GatewayError on purpose)."""
 
 
-def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape."""
+#: machine-readable ``code`` for errors rendered from a bare HTTP status (router 404/405, ...)
+STATUS_CODES: dict[int, str] = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    422: "invalid_request",
+    429: "rate_limited",
+    500: "internal_error",
+    502: "upstream_unavailable",
+    503: "service_unavailable",
+    504: "upstream_timeout",
+}
+
+
+def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: the one renderer every error goes through (``code`` is always a string)."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_bytes(status: int, message: str) -> bytes:
-    """Render an ad-hoc error (e.g. 404/405 from the router) in OpenAI's shape."""
+def status_error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """An ad-hoc error (e.g. 404/405 from the router) from its HTTP status, in OpenAI's shape."""
     type_ = "invalid_request_error" if status < 500 else "server_error"
-    return json.dumps(error_body(message, type_, status)).encode()
+    return error_body(message, type_, code or STATUS_CODES.get(status, f"http_{status}"))
+
+
+def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
+    return json.dumps(status_error_body(status, message, code)).encode()

@@ -26,6 +26,7 @@ from gateway.errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamReadTimeout,
+    UpstreamStreamFailed,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
@@ -368,10 +369,12 @@ class Exchange:
             if self.replica is not None:
                 report_failure(self.replica, exc)
             log.warning("request %s: stream from replica %s failed: %s", self.request_id, self.outcome.replica, exc)
-            message = f"upstream stream failed: replica {self.outcome.replica!r} (request id {self.request_id})"
-            error = {"error": {"message": message, "type": "server_error", "code": 502}}
+            error = UpstreamStreamFailed(
+                f"upstream stream failed: replica {self.outcome.replica!r} (request id {self.request_id})"
+            )
             self.done = True
-            await send({"type": "http.response.body", "body": b"data: " + dumps(error) + b"\n\n", "more_body": False})
+            event = b"data: " + error.to_bytes() + b"\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": False})
             return
         self.usage = relay.usage
         tail = relay.finish()

@@ -71,8 +71,8 @@ def test_unknown_model_on_a_catch_all_route_passes_the_replica_404_through(gw: R
 
 
 def test_wrong_method_and_unknown_path_are_openai_shaped(gw: RunningGateway) -> None:
-    assert_openai_error(httpx.get(f"{gw.url}/v1/chat/completions"), 405)
-    assert_openai_error(httpx.get(f"{gw.url}/v1/nothing-here"), 404)
+    assert assert_openai_error(httpx.get(f"{gw.url}/v1/chat/completions"), 405)["code"] == "method_not_allowed"
+    assert assert_openai_error(httpx.get(f"{gw.url}/v1/nothing-here"), 404)["code"] == "not_found"
 
 
 def closed_port_url() -> str:
@@ -175,6 +175,7 @@ def test_upstream_failing_mid_stream_ends_the_stream_with_an_error_event(
             for chunk in stream:
                 received.append(chunk)
         assert "127.0.0.1" not in str(info.value)  # the detail is logged, not sent
+        assert info.value.code == "upstream_stream_failed"  # string codes, like every other error
         assert 0 < len(received) <= 3  # what arrived before the failure was passed on
         text = httpx.get(f"{gw.url}/metrics").text
         assert metric_sum(text, "prefix_gateway_errors_total", kind=kind) == 1
