@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import (
+    DEFAULT_ADMIN_KEY_ENV,
     ConfigError,
     GatewayConfig,
     default_config_path,
@@ -222,7 +223,7 @@ def add_explain(sub: Any) -> None:
     )
     p.add_argument("file", metavar="FILE.json")
     p.add_argument("--gateway", metavar="URL", help="a running gateway's base URL, e.g. http://127.0.0.1:8080")
-    p.add_argument("--admin-key", help="admin key for --gateway (default: env PREFIX_GATEWAY_ADMIN_KEY)")
+    p.add_argument("--admin-key", help=f"admin key for --gateway (default: env {DEFAULT_ADMIN_KEY_ENV})")
     p.add_argument("--config", "-c", help="offline: config to plan with (default: config/gateway.yaml or packaged)")
     p.add_argument("--endpoint", choices=["chat", "completions", "embeddings"], help="instead of inferring it")
     p.add_argument(
@@ -263,7 +264,7 @@ def _explain_remote(args: argparse.Namespace, payload: Any) -> dict[str, Any] | 
     import httpx
 
     base = args.gateway.rstrip("/").removesuffix("/v1")
-    key = args.admin_key if args.admin_key is not None else os.environ.get("PREFIX_GATEWAY_ADMIN_KEY")
+    key = args.admin_key if args.admin_key is not None else os.environ.get(DEFAULT_ADMIN_KEY_ENV)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         response = httpx.post(f"{base}/admin/explain", json=payload, headers=headers, timeout=args.timeout)

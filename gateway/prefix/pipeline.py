@@ -32,7 +32,6 @@ class PreparedPrompt:
     spans_moved: int = 0  # volatile spans moved out of the stable prefix (0 in report mode)
     canonicalized: bool = False  # tool schemas were re-ordered
     changes: tuple[Relocation, ...] = ()  # the normalization diff, for /admin/explain only (holds prompt text)
-    seed: int = 0  # first-block seed (model, LoRA, cache_salt)
     lora: str | None = None  # the LoRA adapter that went into the seed, if any
 
 
@@ -68,7 +67,6 @@ class PrefixPipeline:
             spans_moved=len(result.changes),
             canonicalized=result.canonicalized,
             changes=result.changes,
-            seed=seed,
             lora=lora,
         )
 
