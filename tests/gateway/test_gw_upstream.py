@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -92,3 +93,22 @@ def test_a_close_before_answering_is_retryable_and_only_counts_like_a_5xx() -> N
     refused = Replica(ReplicaConfig(name="r1", url="http://h:2"), None, settings)  # type: ignore[arg-type]
     report_failure(refused, UpstreamConnectError("refused", before_send=True))
     assert not refused.healthy  # unreachable ejects at once
+
+
+async def test_a_server_closing_without_answering_raises_a_retryable_disconnect() -> None:
+    async def close_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")  # the request arrived; close like a stale keep-alive peer
+        writer.close()
+
+    server = await asyncio.start_server(close_at_once, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = AiohttpUpstream(ReplicaConfig(name="r0", url=f"http://127.0.0.1:{port}"), UpstreamSettings())
+    await client.start()
+    try:
+        with pytest.raises(UpstreamDisconnected) as info:
+            await client.post("/v1/chat/completions", b"{}", {"Content-Type": "application/json"})
+        assert info.value.before_send
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
