@@ -28,7 +28,8 @@ class SessionSettings(PolicySettings):
     max_load_factor: float | None = Field(
         None,
         gt=1.0,
-        description="if set, skip a replica whose in-flight load exceeds ceil(factor x mean) (spill); "
+        description="if set, spill past a replica whose in-flight count reaches its weighted CHWBL bound "
+        "ceil(factor x (total + 1) x weight / total weight); "
         "default: pin strictly",
     )
 
