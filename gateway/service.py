@@ -139,27 +139,17 @@ class Gateway:
         model = body["model"]
         route = self.route_for(endpoint, model, headers)
         prepared = route.pipeline.prepare(endpoint, body) if route.needs_keys(endpoint) else None  # type: ignore[union-attr]
-        if prepared is None:
-            request = RequestView(
-                request_id,
-                route.name,
-                model,
-                endpoint,
-                session_key=headers.get(route.session_header),
-                stream=body.get("stream") is True,
-            )
-        else:
-            request = RequestView(
-                request_id,
-                route.name,
-                model,
-                endpoint,
-                session_key=headers.get(route.session_header),
-                block_keys=prepared.block_keys,
-                block_size=prepared.block_size,
-                prompt_tokens=prepared.window_tokens,
-                stream=body.get("stream") is True,
-            )
+        request = RequestView(
+            request_id,
+            route.name,
+            model,
+            endpoint,
+            session_key=headers.get(route.session_header),
+            block_keys=prepared.block_keys if prepared else (),
+            block_size=prepared.block_size if prepared else 0,
+            prompt_tokens=prepared.window_tokens if prepared else None,
+            stream=body.get("stream") is True,
+        )
         decision, replica = route.runner.decide(request, dry_run=dry_run)
         return Plan(route, endpoint, prepared, request, decision, replica)
 
