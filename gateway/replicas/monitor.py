@@ -31,6 +31,7 @@ class ReplicaMonitor:
         self.scrape = scrape
         self._tasks: list[asyncio.Task[None]] = []
         self._models_cache: tuple[float, list[tuple[Replica, list[dict[str, Any]]]]] | None = None
+        self._models_lock = asyncio.Lock()
 
     async def start(self) -> None:
         for replica in self.replicas:
@@ -82,10 +83,20 @@ class ReplicaMonitor:
 
     # -- models ------------------------------------------------------------------------
     async def models(self, ttl_s: float = 5.0) -> list[tuple[Replica, list[dict[str, Any]]]]:
-        """``(replica, its /v1/models entries)`` for healthy replicas, cached for ``ttl_s``."""
-        now = time.monotonic()
-        if self._models_cache and now - self._models_cache[0] < ttl_s:
-            return self._models_cache[1]
+        """``(replica, its /v1/models entries)`` for healthy replicas, cached for ``ttl_s``.
+
+        One refresh at a time: concurrent callers after expiry wait for it instead of each
+        asking every replica.
+        """
+        async with self._models_lock:
+            now = time.monotonic()
+            if self._models_cache and now - self._models_cache[0] < ttl_s:
+                return self._models_cache[1]
+            listing = await self._fetch_models()
+            self._models_cache = (now, listing)
+            return listing
+
+    async def _fetch_models(self) -> list[tuple[Replica, list[dict[str, Any]]]]:
 
         async def one(replica: Replica) -> tuple[Replica, list[dict[str, Any]]] | None:
             try:
@@ -99,6 +110,4 @@ class ReplicaMonitor:
             return replica, [e for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)]
 
         results = await asyncio.gather(*(one(r) for r in self.replicas if r.healthy))
-        listing = [r for r in results if r is not None]
-        self._models_cache = (now, listing)
-        return listing
+        return [r for r in results if r is not None]
