@@ -46,6 +46,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.procstat import cpu_seconds  # noqa: E402
 from gateway.sim import DEFAULT_MODEL  # noqa: E402
 from gateway.sim.launcher import run_replicas  # noqa: E402
 
@@ -60,12 +61,6 @@ TARGETS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "peak_rps": 1000.0, "gap_de
 
 
 # -- processes ---------------------------------------------------------------------------------
-def _cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 @contextmanager
@@ -280,7 +275,7 @@ def phase_peak(
     body = json.dumps({**SMALL_CHAT, "stream": stream}).encode()
     out: dict[str, Any] = {"concurrency": concurrency, "stream": stream}
     for name, base in (("direct", direct), ("gateway", through)):
-        cpu0, wall0 = _cpu_seconds(gateway_pid), time.perf_counter()
+        cpu0, wall0 = cpu_seconds(gateway_pid), time.perf_counter()
         result = run_async(closed_loop(base + "/v1/chat/completions", body, concurrency, duration, stream))
         wall = time.perf_counter() - wall0
         out[f"{name}_rps"] = round(result["rps"], 1)
@@ -288,7 +283,7 @@ def phase_peak(
         out[f"{name}_p99_ms"] = ms(pct(result["latencies"], 0.99))
         out[f"{name}_errors"] = result["errors"]
         if name == "gateway":
-            cpu = _cpu_seconds(gateway_pid) - cpu0
+            cpu = cpu_seconds(gateway_pid) - cpu0
             out["gateway_cpu_pct"] = round(cpu / wall * 100, 1)
             # CPU time per request is robust to a busy machine: it bounds one process's ceiling.
             served = len(result["latencies"]) + result["warmup_requests"]

@@ -34,6 +34,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.procstat import cpu_seconds  # noqa: E402
 from gateway.sim import DEFAULT_MODEL  # noqa: E402
 from gateway.sim.launcher import ReplicaGroup  # noqa: E402
 
@@ -96,15 +97,6 @@ class Result:
     headline: bool
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process from /proc (Linux); 0 where unavailable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
 async def _load(
     url: str, body: bytes, concurrency: int, duration: float, pid: int
 ) -> tuple[int, int, float, list[float], float]:
@@ -129,11 +121,11 @@ async def _load(
 
         warm_until = time.perf_counter() + min(1.0, duration / 4)
         await asyncio.gather(*(worker(warm_until, False) for _ in range(concurrency)))
-        cpu0 = _cpu_seconds(pid)
+        cpu0 = cpu_seconds(pid)
         start = time.perf_counter()
         await asyncio.gather(*(worker(start + duration, True) for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
-        cpu = _cpu_seconds(pid) - cpu0
+        cpu = cpu_seconds(pid) - cpu0
     return len(latencies), errors, elapsed, latencies, cpu
 
 

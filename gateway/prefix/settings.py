@@ -8,21 +8,9 @@ be put in scope), so a bad route fails at config load, never on a request.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, Field, field_validator, model_validator
-
-#: Built-in detectors, in priority order (an earlier one wins when two match at the same place).
-DETECTORS: tuple[str, ...] = (
-    "rfc2822_datetime",
-    "iso_datetime",
-    "uuid",
-    "unix_timestamp",
-    "date",
-    "time",
-    "hex_id",
-    "base64_id",
-)
 
 DetectorName = Literal[
     "rfc2822_datetime",
@@ -34,6 +22,8 @@ DetectorName = Literal[
     "hex_id",
     "base64_id",
 ]
+#: Built-in detectors, in priority order (an earlier one wins when two match at the same place).
+DETECTORS: tuple[str, ...] = get_args(DetectorName)
 
 _RULE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
