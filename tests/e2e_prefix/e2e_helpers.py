@@ -12,9 +12,10 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.chat_template import chat_tokens
-from gateway.config import GatewayConfig, parse_config
+from gateway.config import GatewayConfig
 from gateway.server import RunningGateway, serve_in_thread
 from gateway.tokenizer import get_tokenizer
+from tests.configs import gateway_config
 from tests.polling import wait_for as _wait_for
 
 MODEL = "demo-model"
@@ -28,17 +29,8 @@ def prefix_route(name: str = "main", mode: str = "relocate", **extra: Any) -> di
 
 
 def config(urls: Sequence[str], routes: list[dict[str, Any]] | None = None, **overrides: Any) -> GatewayConfig:
-    """Replicas r0..rN over ``urls``, fast health checks and scrapes, no summary loop."""
-    data: dict[str, Any] = {
-        "server": {"port": 0},
-        "health": {"interval_s": 0.2, "timeout_s": 1.0, "unhealthy_threshold": 1, "eject_s": 0.5},
-        "scrape": {"interval_s": 0.2},
-        "logging": {"summary_interval_s": 0},
-        "replicas": [{"name": f"r{i}", "url": url} for i, url in enumerate(urls)],
-        "routes": routes or [prefix_route()],
-        **overrides,
-    }
-    return parse_config(data, "<e2e>")
+    """The shared test config with prefix routes (default: one ``relocate`` route)."""
+    return gateway_config(urls, routes=routes or [prefix_route()], **overrides)
 
 
 @contextlib.contextmanager
