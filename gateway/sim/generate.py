@@ -116,15 +116,12 @@ async def _generate(
         job.stream_usage = (bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
         return await _stream(replica, job, receive, send)
     if engine.instant:
-        try:
-            replica.run(job.reqs)
-        except EngineError as exc:
-            raise APIError(503, str(exc)) from None
+        _start(replica, job.reqs)
     else:
         waiter = asyncio.Event()
         for r in job.reqs:
             r.waiter = waiter
-        replica.run(job.reqs)
+        _start(replica, job.reqs)
         if not await _wait_all(replica, job.reqs, waiter, receive):
             return None  # client gone: nothing to send
         for r in job.reqs:
@@ -248,6 +245,15 @@ class _ChunkSink:
         await self.send({"type": "http.response.body", "body": b"".join(self.pending), "more_body": False})
 
 
+def _start(replica: Replica, reqs: list[EngineRequest]) -> None:
+    """Hand requests to the engine.  At time_scale 0 they complete right here, so an engine
+    error (KV cache too small) becomes the response's 503 before anything was sent."""
+    try:
+        replica.run(reqs)
+    except EngineError as exc:
+        raise APIError(503, str(exc)) from None
+
+
 async def _stream(replica: Replica, job: _Job, receive: Receive, send: Send) -> None:
     engine = replica.engine
     faults = replica.faults.settings
@@ -255,13 +261,7 @@ async def _stream(replica: Replica, job: _Job, receive: Receive, send: Send) -> 
     for r in job.reqs:
         r.waiter = waiter
         r.stream = True
-    if engine.instant:
-        try:
-            replica.run(job.reqs)
-        except EngineError as exc:
-            raise APIError(503, str(exc)) from None
-    else:
-        replica.run(job.reqs)
+    _start(replica, job.reqs)
     await start_stream(send)  # from here on errors go into the stream, not the status
     sink = _ChunkSink(send, faults, batch=engine.instant)
     gone = None if engine.instant and faults.stall_after_chunks is None else _watch(receive, waiter)
