@@ -309,11 +309,10 @@ async def _emit_events(
     }
     include_usage, continuous = job.stream_usage
     make: Callable[[int, str, str | None], dict[str, Any]]
+    # Like vLLM, the role chunks go out with the engine's first output (after the prefill),
+    # not when the request arrives: the first byte of a chat stream marks the first token.
+    roles_pending = job.chat
     if job.chat:
-        for index in range(len(reqs)):
-            delta = {"role": "assistant", "content": ""}
-            role = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-            await sink.emit(sse({**base, "choices": [role]}))
 
         def make(index: int, piece: str, finish: str | None) -> dict[str, Any]:
             choice = {"index": index, "delta": {"content": piece}, "logprobs": None, "finish_reason": finish}
@@ -329,6 +328,12 @@ async def _emit_events(
     sent = [0] * len(reqs)
     generated = 0
     while True:
+        if roles_pending and any(r.num_output or r.finished for r in reqs if r.error is None):
+            roles_pending = False
+            for index in range(len(reqs)):
+                delta = {"role": "assistant", "content": ""}
+                role = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                await sink.emit(sse({**base, "choices": [role]}))
         for index, r in enumerate(reqs):
             if r.error is not None:
                 err = APIError(503, r.error)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import httpx
 import openai
 import pytest
-from sim_helpers import client
+from sim_helpers import client, scrape
 
 from gateway.chat_template import chat_tokens
 from gateway.sim import DEFAULT_MODEL
@@ -30,6 +32,19 @@ def test_chat_non_streaming_parses_with_exact_usage(oai: openai.OpenAI) -> None:
     assert resp.usage.prompt_tokens_details.cached_tokens == 0
     # the reply is exactly 7 tokens of the same tokenizer
     assert len(get_tokenizer().encode(choice.message.content)) == 7
+
+
+def test_chat_role_chunk_comes_with_the_first_token_not_before_the_prefill(make_sim: Callable[..., str]) -> None:
+    """vLLM sends the role chunk on the engine's first output: a stream's first byte is its TTFT."""
+    url = make_sim(time_scale=1.0, prefill_tokens_per_s=2000.0, decode_ms_per_token=200.0)
+    long_messages = [{"role": "user", "content": "Explain the prefix cache. " * 120}]  # ~0.4 s of prefill
+    stream = client(url).chat.completions.create(model=DEFAULT_MODEL, messages=long_messages, max_tokens=4, stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "assistant"
+    # when the role chunk arrives the prompt has been prefilled and a first token exists
+    assert scrape(url)["vllm:generation_tokens_total"] >= 1
+    assert scrape(url)["vllm:prompt_tokens_total"] > 600
+    stream.close()
 
 
 def test_chat_streaming_chunks_usage_and_done(oai: openai.OpenAI, sim: str) -> None:
