@@ -148,6 +148,7 @@ class Gateway:
             block_keys=prepared.block_keys if prepared else (),
             block_size=prepared.block_size if prepared else 0,
             prompt_tokens=prepared.window_tokens if prepared else None,
+            prompt_tokens_estimate=prepared.prompt_tokens_estimate if prepared else None,
             stream=body.get("stream") is True,
         )
         decision, replica = route.runner.decide(request, dry_run=dry_run)

@@ -160,6 +160,11 @@ class ReplicaCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         p = "prefix_gateway_"
         in_flight = GaugeMetricFamily(p + "replica_in_flight", "Requests in flight per replica", labels=["replica"])
+        pending = GaugeMetricFamily(
+            p + "replica_pending_prefill_tokens",
+            "Uncached prompt tokens of requests sent to the replica that have no first byte yet (estimated)",
+            labels=["replica"],
+        )
         healthy = GaugeMetricFamily(p + "replica_healthy", "1 if the replica takes traffic", labels=["replica"])
         changes = CounterMetricFamily(p + "replica_health_changes", "Health state transitions", labels=["replica"])
         gauges = {
@@ -199,6 +204,7 @@ class ReplicaCollector(Collector):
         for replica in self._replicas():
             name = [replica.name]
             in_flight.add_metric(name, replica.in_flight)
+            pending.add_metric(name, replica.pending_prefill_tokens)
             healthy.add_metric(name, 1.0 if replica.healthy else 0.0)
             changes.add_metric(name, replica.health_changes)
             engine = replica.engine
@@ -210,6 +216,7 @@ class ReplicaCollector(Collector):
                 if value is not None:
                     family.add_metric(name, value)
         yield in_flight
+        yield pending
         yield healthy
         yield changes
         yield age

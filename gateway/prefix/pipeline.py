@@ -18,6 +18,8 @@ from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 from gateway.prefix.tokenize import WindowTokenizer
 from gateway.tokenizer import get_tokenizer
 
+_CHARS_PER_TOKEN = 4  # estimate past the window (see PrefixPipeline._estimate_total)
+
 
 @dataclass(frozen=True, slots=True)
 class PreparedPrompt:
@@ -27,6 +29,7 @@ class PreparedPrompt:
     block_keys: tuple[int, ...]  # chained keys of the full blocks of the leading window
     block_size: int
     window_tokens: int  # tokens in the leading window that was tokenized
+    prompt_tokens_estimate: int = 0  # whole prompt: exact when it fits the window or is token ids, else ~chars/4
     normalized: dict[str, int] = field(default_factory=dict)  # rule name -> spans found (report) or moved
     relocated: bool = False  # True when the body was rewritten (spans moved and/or tools canonicalized)
     spans_moved: int = 0  # volatile spans moved out of the stable prefix (0 in report mode)
@@ -62,6 +65,7 @@ class PrefixPipeline:
             block_keys=tuple(keys),
             block_size=self.settings.block_size,
             window_tokens=len(tokens),
+            prompt_tokens_estimate=self._estimate_total(endpoint, body, len(tokens)),
             normalized=result.counts,
             relocated=result.rewritten,
             spans_moved=len(result.changes),
@@ -69,6 +73,33 @@ class PrefixPipeline:
             changes=result.changes,
             lora=lora,
         )
+
+    def _estimate_total(self, endpoint: str, body: dict[str, Any], window_tokens: int) -> int:
+        """Tokens of the whole prompt, for the load signal (uncached prefill work queued).
+
+        Only the leading window is tokenized (cost must not grow with the prompt), so past
+        the window the rest is estimated from its length in characters: English averages
+        about 4 characters per token in cl100k/o200k.  Token-id prompts are counted exactly.
+        """
+        if window_tokens < self.tokens.window:
+            return window_tokens
+        chars = 0
+        if endpoint == "chat":
+            for message in body.get("messages") or ():
+                content = message.get("content") if isinstance(message, dict) else None
+                if isinstance(content, str):
+                    chars += len(content)
+                elif isinstance(content, list):
+                    chars += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+                prompt = prompt[0]
+            if isinstance(prompt, list):
+                return max(window_tokens, len(prompt))
+            if isinstance(prompt, str):
+                chars = len(prompt)
+        return max(window_tokens, chars // _CHARS_PER_TOKEN)
 
     def _window(self, endpoint: str, body: dict[str, Any]) -> array[int]:
         if endpoint == "chat":

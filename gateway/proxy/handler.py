@@ -35,6 +35,7 @@ from gateway.proxy.parse import parse_body, read_body
 from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
 from gateway.replicas.pool import Replica
 from gateway.routing.base import Decision
+from gateway.routing.runner import PolicyRunner
 from gateway.service import ENDPOINT_PATHS, Gateway, Plan
 from gateway.upstream.client import UpstreamResponse
 
@@ -117,6 +118,7 @@ class Exchange:
         self.outcome = Outcome(route="none", endpoint=self.endpoint, status=0)
         self.plan: Plan | None = None
         self.replica: Replica | None = None  # holds an in-flight slot while set
+        self._prefill_charge = 0  # prompt tokens charged to the replica's queued prefill (see PolicyRunner.acquire)
         self.decision: Decision | None = None
         self.response: UpstreamResponse | None = None
         self.usage: Usage | None = None
@@ -201,12 +203,20 @@ class Exchange:
     # -- upstream with retries ---------------------------------------------------------
     def _hold(self, plan: Plan, decision: Decision, replica: Replica) -> None:
         self.decision, self.replica = decision, replica
-        plan.route.runner.acquire(replica)  # the runner owns both halves: acquire here, release in _let_go
+        # the runner owns both halves: acquire here, release in _let_go
+        self._prefill_charge = plan.route.runner.acquire(replica, plan.request, decision)
+
+    def _prefill_answered(self) -> None:
+        """The replica sent its first byte: this request's prefill no longer queues ahead of others."""
+        if self._prefill_charge and self.replica is not None:
+            PolicyRunner.prefill_done(self.replica, self._prefill_charge)
+        self._prefill_charge = 0
 
     def _let_go(self, completed: bool) -> None:
         replica, plan = self.replica, self.plan
         if replica is None or plan is None or self.decision is None:
             return
+        self._prefill_answered()
         self.replica = None
         cached = self.usage.cached_tokens if self.usage is not None else None
         plan.route.runner.release(replica, plan.request, self.decision, cached, completed)
@@ -359,6 +369,7 @@ class Exchange:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                     if first:
                         now = perf_counter()
+                        self._prefill_answered()
                         self.outcome.ttft_s = now - self.t0
                         self.added = (self.t_upstream - self.t0) + (now - t_in)
                         first = False

@@ -43,6 +43,7 @@ class Replica:
         self._health = health
         self.healthy = True
         self.in_flight = 0
+        self.pending_prefill_tokens = 0  # see ReplicaView.pending_prefill_tokens
         self.active_failures = 0
         self.active_successes = 0
         self.passive_5xx = 0
@@ -56,9 +57,14 @@ class Replica:
     # -- views -------------------------------------------------------------------------
     def view(self) -> ReplicaView:
         engine = self.engine
-        if engine is None:
-            return ReplicaView(self.name, self.weight, self.in_flight)
-        return ReplicaView(self.name, self.weight, self.in_flight, engine.kv_cache_usage, engine.waiting)
+        return ReplicaView(
+            self.name,
+            self.weight,
+            self.in_flight,
+            None if engine is None else engine.kv_cache_usage,
+            None if engine is None else engine.waiting,
+            self.pending_prefill_tokens,
+        )
 
     # -- health transitions ------------------------------------------------------------
     def _down(self, reason: str, *, eject: bool, now: float) -> None:
@@ -123,6 +129,7 @@ class Replica:
             "weight": self.weight,
             "healthy": self.healthy,
             "in_flight": self.in_flight,
+            "pending_prefill_tokens": self.pending_prefill_tokens,
             "last_error": self.last_error,
             "engine": None
             if engine is None

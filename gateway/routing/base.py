@@ -28,6 +28,7 @@ class RequestView:
     block_keys: tuple[int, ...] = ()  # chained prefix-block hashes, leading window only
     block_size: int = 0  # tokens per block in ``block_keys``
     prompt_tokens: int | None = None  # tokens in the (bounded) leading window
+    prompt_tokens_estimate: int | None = None  # the whole prompt (estimated past the window)
     stream: bool = False
 
 
@@ -40,6 +41,9 @@ class ReplicaView:
     in_flight: int = 0  # counted by the gateway itself, never only by a scrape
     kv_cache_usage: float | None = None  # scraped, may be stale or absent
     num_waiting: float | None = None  # scraped, may be stale or absent
+    # Uncached prompt tokens of requests sent here that have not produced a first byte yet
+    # (the prefill work queued ahead of a new request), counted by the gateway.
+    pending_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

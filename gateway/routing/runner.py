@@ -89,8 +89,26 @@ class PolicyRunner:
         return decision, replica
 
     @staticmethod
-    def acquire(replica: Replica) -> None:
+    def acquire(replica: Replica, request: RequestView, decision: Decision) -> int:
+        """Count the request in flight on ``replica`` and charge its uncached prefill work.
+
+        Returns the prompt tokens charged to ``replica.pending_prefill_tokens`` (the prompt
+        minus what the policy predicted cached there; 0 when the route computes no prompt
+        estimate): the caller hands exactly that back to :meth:`prefill_done` at the first
+        byte of the answer, or when the attempt ends without one.
+        """
         replica.in_flight += 1
+        total = request.prompt_tokens_estimate
+        if not total:
+            return 0
+        charge = max(0, total - int(decision.detail.get("predicted_cached_tokens") or 0))
+        replica.pending_prefill_tokens += charge
+        return charge
+
+    @staticmethod
+    def prefill_done(replica: Replica, charged: int) -> None:
+        """The replica answered (first byte) or the attempt ended: its prefill is no longer queued."""
+        replica.pending_prefill_tokens = max(0, replica.pending_prefill_tokens - charged)
 
     def release(
         self,

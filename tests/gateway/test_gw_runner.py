@@ -65,15 +65,36 @@ def test_in_flight_is_counted_at_decision_time_and_observe_gets_cached_tokens() 
     policy = Recording()
     runner = PolicyRunner("route", "recording", policy, pool)
     decision, replica = runner.decide(REQ)
-    runner.acquire(replica)
+    runner.acquire(replica, REQ, decision)
     runner.decide(REQ)
     assert {v.name: v.in_flight for v in policy.seen[-1]} == {"r0": 0, "r1": 1}
     runner.release(replica, REQ, decision, 48, completed=True)
     assert replica.in_flight == 0
     assert policy.observed == [("r1", 48)]
-    runner.acquire(replica)
+    runner.acquire(replica, REQ, decision)
     runner.release(replica, REQ, decision, None, completed=False)
     assert policy.observed == [("r1", 48)]  # failed requests teach nothing
+
+
+def test_uncached_prompt_tokens_are_queued_prefill_until_handed_back() -> None:
+    """acquire() charges prompt minus predicted-cached tokens; policies see it until prefill_done()."""
+    pool = replicas(2)
+    policy = Recording()
+    runner = PolicyRunner("route", "recording", policy, pool)
+    request = RequestView("id", "route", "m", "chat", prompt_tokens=4096, prompt_tokens_estimate=10_000)
+    decision, replica = runner.decide(request)
+    cached = Decision(decision.replica, decision.reason, {"predicted_cached_tokens": 6_000})
+    first = runner.acquire(replica, request, cached)
+    second = runner.acquire(replica, request, Decision(decision.replica, decision.reason))
+    assert (first, second) == (4_000, 10_000)
+    runner.decide(request)
+    assert {v.name: v.pending_prefill_tokens for v in policy.seen[-1]} == {"r0": 0, "r1": 14_000}
+    runner.prefill_done(replica, first)
+    assert replica.pending_prefill_tokens == 10_000
+    runner.prefill_done(replica, second)
+    assert replica.pending_prefill_tokens == 0
+    # a route without prompt estimates (a cache-blind policy) charges nothing
+    assert runner.acquire(replica, REQ, decision) == 0 and replica.pending_prefill_tokens == 0
 
 
 def test_no_healthy_replica_is_a_503_naming_the_route() -> None:
