@@ -33,7 +33,9 @@ class AffinityIndex:
         self.stride = stride
         self.replica_capacity = replica_capacity
         self._holders: dict[int, int] = {}
-        self._lru: dict[str, OrderedDict[int, None]] = {}
+        # per replica: key -> prompt tokens of the request that last recorded it as its deepest
+        # key (the prompt ran past the window), else None
+        self._lru: dict[str, OrderedDict[int, int | None]] = {}
         self._slot: dict[str, int] = {}
         self._names: dict[int, str] = {}
 
@@ -127,8 +129,13 @@ class AffinityIndex:
                 break
         return depth
 
-    def record(self, name: str, keys: Sequence[int]) -> None:
-        """``name`` is serving a prompt with these keys: it will hold them (most recent)."""
+    def record(self, name: str, keys: Sequence[int], prompt_tokens: int | None = None) -> None:
+        """``name`` is serving a prompt with these keys: it will hold them (most recent).
+
+        ``prompt_tokens``: the whole prompt's length when it runs past the keyed window; it is
+        kept with the deepest key so that a later request whose whole window matches can
+        estimate how much more than the window is cached (see :meth:`extent`).
+        """
         if not keys:
             return
         is_new = name not in self._slot
@@ -144,13 +151,20 @@ class AffinityIndex:
             key = keys[i]
             if key in lru:
                 lru.move_to_end(key)
+                if i == last and prompt_tokens is not None:
+                    lru[key] = prompt_tokens
             else:
-                lru[key] = None
+                lru[key] = prompt_tokens if i == last else None
                 holders[key] = holders.get(key, 0) | bit
         if is_new:
             self._trim_all()
         else:
             self._trim(name, self.capacity())
+
+    def extent(self, name: str, key: int) -> int | None:
+        """Prompt tokens of the last request ``name`` served whose window ended at ``key``."""
+        lru = self._lru.get(name)
+        return None if lru is None else lru.get(key)
 
     # -- introspection -----------------------------------------------------------------
     def __len__(self) -> int:

@@ -68,6 +68,8 @@ class Fleet:
     st.floats(0.0, 5000.0),
     st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=6, max_size=6),
     st.sampled_from([(0, 0), (2, 0), (2, 160)]),
+    st.lists(st.integers(0, 20_000), min_size=6, max_size=6),
+    st.sampled_from([0.0, 1.0]),
 )
 def test_bound_is_never_exceeded_when_a_replica_is_under_it(
     loads: list[int],
@@ -77,17 +79,27 @@ def test_bound_is_never_exceeded_when_a_replica_is_under_it(
     cost: float,
     weights: list[float],
     extra: tuple[int, int],
+    pending: list[int],
+    queue_weight: float,
 ) -> None:
     names = [f"n{i}" for i in range(len(loads))]
     members = [ReplicaView(n, weight=weights[i]) for i, n in enumerate(names)]
     s = PrefixPolicySettings(
-        load_factor=c, ring_slack=slack, load_cost_tokens=cost, bound_extra=extra[0], bound_extra_min_tokens=extra[1]
+        load_factor=c,
+        ring_slack=slack,
+        load_cost_tokens=cost,
+        bound_extra=extra[0],
+        bound_extra_min_tokens=extra[1],
+        prefill_queue_weight=queue_weight,
     )
     p = PrefixPolicy(s, members)
     head = chain(6, 1)
     for conv, replica in history:  # some prefixes already live on some replicas
         p.index.record(names[replica % len(names)], head + chain(4, conv))
-    eligible = [ReplicaView(n, weight=weights[i], in_flight=loads[i]) for i, n in enumerate(names)]
+    eligible = [
+        ReplicaView(n, weight=weights[i], in_flight=loads[i], pending_prefill_tokens=pending[i])
+        for i, n in enumerate(names)
+    ]
     textbook = load_bounds({v.name: v.in_flight for v in eligible}, {v.name: v.weight for v in eligible}, c)
     in_flight = {v.name: v.in_flight for v in eligible}
     for conv in range(6):

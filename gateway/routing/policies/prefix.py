@@ -1,7 +1,11 @@
 """The ``prefix`` policy: send a request where its prefix is cached, without hot spots.
 
-Inputs are the request's chained block keys (leading window, see :mod:`gateway.prefix`) and
-each eligible replica's in-flight count.  The decision, in order:
+Inputs are the request's chained block keys (leading window, see :mod:`gateway.prefix`), its
+whole prompt length (estimated past the window), and each eligible replica's in-flight count
+and queued prefill (uncached prompt tokens of requests sent there that have no first byte
+yet, counted by the gateway).  Cached and queued work are compared in one unit, tokens: a
+new request's time to first token is roughly the prefill queued ahead of it plus its own
+uncached tokens.  The decision, in order:
 
 1. **Load bound (CHWBL).**  Replica *r* may take the request only while
    ``in_flight_r < ceil(c x (total_in_flight + 1) x w_r / W)`` (c = ``load_factor``), plus
@@ -11,9 +15,14 @@ each eligible replica's in-flight count.  The decision, in order:
    short popular prefixes must not pile up.  Some replica is always under its bound, so the
    bound is never exceeded.
 2. **Affinity.**  The affinity index gives each replica the depth (in blocks) of the longest
-   prefix of this request it recently served.  If an under-bound replica has a match, pick
-   the under-bound replica with the best ``matched_tokens - load_cost_tokens x load``
-   (load = in-flight per unit of weight): the deepest match wins unless it is much busier.
+   prefix of this request it recently served; a replica matching the whole window is
+   credited with the length of the prompt that last ended its window there (a conversation's
+   previous turn), since only the window is keyed.  If an under-bound replica has a match,
+   pick the under-bound replica with the best ``cached_tokens - load_cost_tokens x load -
+   prefill_queue_weight x queued_prefill`` (both per unit of weight): the deepest match wins
+   unless that replica is much busier.  When some replica holds ``bound_extra_min_tokens``
+   of the prompt, the queued-prefill term is left out: moving would recompute that history,
+   which costs the whole fleet more than the wait it saves this request.
    A prefix shared by *every* request (the Mooncake conversation trace's common 512-token
    head) is matched equally everywhere, so it adds nothing to any score and the load term
    spreads those requests; a conversation's own history is matched on one replica only and
@@ -21,9 +30,10 @@ each eligible replica's in-flight count.  The decision, in order:
    ``spill`` (a deeper match sits on a replica that was over its bound or too busy).
 3. **Ring.**  No under-bound replica has a match: walk the consistent-hash ring from the
    request's key (the chain key at ``key_depth_tokens``, or the session key) and take the
-   first under-bound replica whose load is at most the least load + ``ring_slack``.  With the
-   default slack 0 a request that shares nothing is placed exactly like ``least_loaded``
-   (only ties follow the ring, so idle fleets still agree across gateway processes); a larger
+   first under-bound replica whose load (the same in-flight and queued-prefill cost) is at
+   most the least + ``ring_slack`` requests.  With the default slack 0 a request that shares
+   nothing goes to the replica with the least work ahead of it (only ties follow the ring,
+   so idle fleets still agree across gateway processes); a larger
    slack, or ``null`` (pure CHWBL), trades load balance for placement that several gateway
    processes agree on without sharing state.  Reason ``ring`` (the key's home) or ``spill``.
 4. **Fallback.**  No keys at all (prompt shorter than one block, embeddings): least loaded.
@@ -84,11 +94,20 @@ class PrefixPolicySettings(PolicySettings):
         description="affinity score: one more in-flight request (per unit of weight) costs as much as "
         "this many uncached prompt tokens",
     )
+    prefill_queue_weight: float = Field(
+        0.5,
+        ge=0.0,
+        description="each uncached prompt token queued on a replica (sent, no first byte yet; per unit of "
+        "weight) costs this many cached tokens, unless a replica holds bound_extra_min_tokens of the prompt: "
+        "1 = this request's shortest estimated time to first token, lower = also count the recompute a move "
+        "costs the fleet, 0 = in-flight counts only",
+    )
     ring_slack: int | None = Field(
         0,
         ge=0,
-        description="no affinity: the ring's choice may have this many more in-flight requests than the least "
-        "loaded replica (0: least loaded, ties by ring order; null: pure CHWBL, only the load bound)",
+        description="no affinity: the ring's choice may be this many in-flight requests (x load_cost_tokens, "
+        "queued prefill included) busier than the least busy replica (0: least busy, ties by ring order; "
+        "null: pure CHWBL, only the load bound)",
     )
     bound_extra: int = Field(
         2,
@@ -99,8 +118,14 @@ class PrefixPolicySettings(PolicySettings):
     bound_extra_min_tokens: int = Field(
         2048,
         ge=0,
-        description="matched (cached) prompt tokens a replica needs to get bound_extra: long histories stay "
-        "home at low load, short popular prefixes cannot pile up",
+        description="matched (cached) prompt tokens that make a replica the prompt's home: it gets bound_extra, "
+        "and queued prefill does not move the request away (long histories stay home at low load, short "
+        "popular prefixes cannot pile up)",
+    )
+    estimate_past_window: bool = Field(
+        True,
+        description="a replica that matches the whole keyed window is credited with the length of the prompt "
+        "that last ended its window there (a conversation's previous turn); off: credit the window only",
     )
     use_session_key: bool = Field(True, description="use the route's session header value as the ring key if present")
 
@@ -187,37 +212,53 @@ class PrefixPolicy:
             name: in_flight[name] * mean_weight / weights[name] if weights[name] > 0 else 1e9 + in_flight[name]
             for name in in_flight
         }
+        # What already waits for prefill on each replica, in tokens per unit of weight, plus
+        # the in-flight term: the cost a replica's current work adds to this request's wait.
+        queue_weight = settings.prefill_queue_weight
+        busy = {
+            r.name: settings.load_cost_tokens * load[r.name]
+            + (queue_weight * r.pending_prefill_tokens * mean_weight / weights[r.name] if weights[r.name] > 0 else 0.0)
+            for r in replicas
+        }
         under = [r.name for r in replicas if in_flight[r.name] < bounds[r.name]]
         if not under:  # impossible with load_factor >= 1; stay total anyway
             under = [r.name for r in replicas]
         tie_key = keys[-1] if keys else ring_key
 
+        matched = self._matched_tokens(request, depth)
+        if settings.prefill_queue_weight and max(matched.values(), default=0) >= settings.bound_extra_min_tokens:
+            # A replica holds a long prefix of this prompt: moving would recompute it, which
+            # queued prefill elsewhere rarely repays — decide by in-flight counts alone.
+            busy = {name: settings.load_cost_tokens * load[name] for name in busy}
         scores: dict[str, float] = {}
         if any(depth.get(name, 0) for name in under):
-            cost = settings.load_cost_tokens
             for name in under:
-                scores[name] = depth.get(name, 0) * block_size - cost * load[name]
+                scores[name] = matched.get(name, 0) - busy[name]
             top = max(scores.values())
             tied = [name for name in under if scores[name] == top]
             pick = tied[0] if len(tied) == 1 else next(self.ring.walk(tie_key, tied))
-            reason = "affinity" if depth.get(pick, 0) == best_any else "spill"
+            reason = "affinity" if matched.get(pick, 0) == max(matched.values()) else "spill"
         else:
             home = next(self.ring.walk(ring_key, in_flight))
             slack = settings.ring_slack
-            limit = float("inf") if slack is None else min(load[name] for name in under) + slack
-            pick = next(name for name in self.ring.walk(ring_key, under) if load[name] <= limit)
+            limit = (
+                float("inf")
+                if slack is None
+                else min(busy[name] for name in under) + slack * max(settings.load_cost_tokens, 1e-9)
+            )
+            pick = next(name for name in self.ring.walk(ring_key, under) if busy[name] <= limit)
             reason = "ring" if pick == home and best_any == 0 else "spill"
 
         if commit:
-            self.index.record(pick, keys)
-        matched = depth.get(pick, 0)
-        predicted = matched * block_size
-        if request.prompt_tokens:
+            self.index.record(pick, keys, self._beyond_window(request))
+        predicted = matched.get(pick, 0)
+        prompt_tokens = request.prompt_tokens_estimate or request.prompt_tokens
+        if prompt_tokens:
             # vLLM always recomputes a prompt's last token, so a full hit stops one block short.
-            predicted = min(predicted, (request.prompt_tokens - 1) // block_size * block_size)
+            predicted = min(predicted, (prompt_tokens - 1) // block_size * block_size)
         detail: dict[str, Any] = {
             "predicted_cached_tokens": max(0, predicted),
-            "matched_blocks": matched,
+            "matched_blocks": depth.get(pick, 0),
             "best_matched_blocks": best_any,
             "key_source": key_source,
             "key_depth_blocks": key_depth,
@@ -250,6 +291,35 @@ class PrefixPolicy:
         }
 
     # -- helpers -----------------------------------------------------------------------
+    @staticmethod
+    def _beyond_window(request: RequestView) -> int | None:
+        """The whole prompt's length when it runs past the keyed window, else None."""
+        total = request.prompt_tokens_estimate
+        keyed = len(request.block_keys) * (request.block_size or 1)
+        return total if total and total > keyed + (request.block_size or 1) else None
+
+    def _matched_tokens(self, request: RequestView, depth: dict[str, int]) -> dict[str, int]:
+        """Cached tokens per replica: the matched blocks, and past the window an estimate.
+
+        Only the leading window is keyed, so a long conversation's history matches at most
+        the window.  When a replica matches the *whole* window and the prompt runs past it,
+        the index remembers how long the prompt was that last ended its window there (the
+        previous turn of the conversation, typically): that much is cached, up to this prompt.
+        """
+        keys = request.block_keys
+        block_size = request.block_size or 1
+        matched = {name: d * block_size for name, d in depth.items()}
+        total = self._beyond_window(request)
+        if total is None or not self.settings.estimate_past_window:
+            return matched
+        full = len(keys)
+        for name, d in depth.items():
+            if d == full:
+                extent = self.index.extent(name, keys[-1])
+                if extent:
+                    matched[name] = max(matched[name], min(extent, total))
+        return matched
+
     def _ring_key(self, request: RequestView) -> tuple[int | None, str, int]:
         keys = request.block_keys
         if self.settings.use_session_key and request.session_key:
@@ -285,6 +355,7 @@ class PrefixPolicy:
                 "ring_rank": rank,
                 "weight": r.weight,
                 "in_flight": r.in_flight,
+                "pending_prefill_tokens": r.pending_prefill_tokens,
                 "bound": bounds[name],
                 "under_bound": r.in_flight < bounds[name],
                 "matched_blocks": depth.get(name, 0),

@@ -1,0 +1,137 @@
+"""Queued prefill work as the prefix policy's load signal, and cached tokens past the window.
+
+In-flight counts are dominated by decoding requests, while a new request's time to first
+token is the prefill work queued ahead of it plus its own uncached tokens.  The gateway
+counts, per replica, the uncached prompt tokens of requests that have no first byte yet
+(``pending_prefill_tokens``); these tests pin down how the policy uses that, and how it
+estimates what a replica holds past the keyed window.
+"""
+
+from __future__ import annotations
+
+import random
+
+from gateway.prefix.pipeline import PrefixPipeline
+from gateway.prefix.settings import NormalizeSettings, PrefixSettings
+from gateway.routing.affinity import AffinityIndex
+from gateway.routing.base import ReplicaView, RequestView
+from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings
+
+NAMES = ["r0", "r1", "r2", "r3"]
+
+
+def policy(**kw: object) -> PrefixPolicy:
+    return PrefixPolicy(PrefixPolicySettings(**kw), [ReplicaView(n) for n in NAMES])  # type: ignore[arg-type]
+
+
+def chain(n: int, seed: int) -> tuple[int, ...]:
+    rnd = random.Random(seed)
+    return tuple(rnd.getrandbits(64) for _ in range(n))
+
+
+def req(keys: tuple[int, ...], total: int | None = None) -> RequestView:
+    window = len(keys) * 16
+    return RequestView("x", "route", "m", "completions", None, keys, 16, window, total or window)
+
+
+def views(pending: dict[str, int] | None = None, loads: dict[str, int] | None = None) -> list[ReplicaView]:
+    pending, loads = pending or {}, loads or {}
+    return [ReplicaView(n, in_flight=loads.get(n, 0), pending_prefill_tokens=pending.get(n, 0)) for n in NAMES]
+
+
+def test_without_affinity_the_least_queued_prefill_wins_over_fewer_requests() -> None:
+    # r0 has one request more in flight, but all of them are decoding; each of the others
+    # has a long prompt waiting for its prefill.
+    pending = {"r1": 9_000, "r2": 9_000, "r3": 9_000}
+    loads = {"r0": 3, "r1": 2, "r2": 2, "r3": 2}
+    assert policy().choose(req(chain(20, 1)), views(pending, loads)).replica == "r0"
+    # ... while weight 0 is the old behaviour: fewest requests in flight.
+    assert policy(prefill_queue_weight=0).choose(req(chain(20, 2)), views(pending, loads)).replica != "r0"
+
+
+def test_a_short_shared_prefix_goes_where_the_wait_is_shortest() -> None:
+    p = policy()
+    head = chain(8, 3)  # 128 tokens shared with an earlier request on r2
+    p.index.record("r2", head + chain(4, 4))
+    d = p.peek(req(head + chain(30, 5)), views({"r2": 5_000}))
+    assert d.replica != "r2"  # 128 cached tokens do not repay waiting behind 5,000
+    d = p.choose(req(head + chain(30, 6)), views({"r2": 100}))
+    assert d.replica == "r2" and d.reason == "affinity"
+
+
+def test_a_long_cached_history_stays_home_despite_queued_prefill() -> None:
+    """Moving a conversation recomputes its history: queued prefill does not move it."""
+    p = policy()
+    history = chain(200, 7)  # 3,200 tokens >= bound_extra_min_tokens (2,048)
+    p.index.record("r1", history)
+    d = p.choose(req(history + chain(10, 8)), views({"r1": 20_000}))
+    assert d.replica == "r1" and d.reason == "affinity"
+    # ... it still moves when the replica is over its load bound
+    d = p.choose(req(history + chain(10, 9)), views({"r1": 20_000}, {"r1": 4, "r0": 1}))
+    assert d.replica != "r1" and d.reason == "spill"
+
+
+def test_weights_scale_queued_prefill() -> None:
+    members = [ReplicaView("big", weight=4.0), ReplicaView("small", weight=1.0)]
+    p = PrefixPolicy(PrefixPolicySettings(), members)
+    # 4,000 queued tokens on a 4x replica wait like 1,000 on a 1x one
+    eligible = [
+        ReplicaView("big", weight=4.0, pending_prefill_tokens=4_000),
+        ReplicaView("small", weight=1.0, pending_prefill_tokens=2_000),
+    ]
+    assert p.choose(req(chain(20, 10)), eligible).replica == "big"
+
+
+def test_explain_candidates_show_queued_prefill() -> None:
+    d = policy().peek(req(chain(20, 11)), views({"r3": 1234}))
+    by_name = {c["replica"]: c for c in d.detail["candidates"]}
+    assert by_name["r3"]["pending_prefill_tokens"] == 1234 and by_name["r0"]["pending_prefill_tokens"] == 0
+
+
+# --- past the window ---------------------------------------------------------------------------
+def test_index_remembers_the_prompt_length_at_the_deepest_key() -> None:
+    index = AffinityIndex(1000, stride=4)
+    keys = chain(10, 12)
+    index.record("a", keys, prompt_tokens=9_000)
+    assert index.extent("a", keys[-1]) == 9_000
+    assert index.extent("a", keys[3]) is None  # only the deepest key carries it
+    index.record("a", keys)  # a later request that fits its window does not erase it
+    assert index.extent("a", keys[-1]) == 9_000
+    index.record("a", keys, prompt_tokens=12_000)
+    assert index.extent("a", keys[-1]) == 12_000
+    assert index.extent("b", keys[-1]) is None
+
+
+def test_a_conversation_longer_than_the_window_is_credited_with_its_history() -> None:
+    p = policy()
+    window = chain(256, 13)  # a full 4,096-token window
+    first = p.choose(req(window, total=10_000), views())
+    assert first.detail["predicted_cached_tokens"] == 0
+    d = p.choose(req(window, total=12_000), views())
+    assert d.replica == first.replica
+    assert d.detail["matched_blocks"] == 256 and d.detail["predicted_cached_tokens"] == 10_000
+    # never more than the prompt (minus vLLM's recomputed last token)
+    d = p.choose(req(window, total=9_000), views())
+    assert d.detail["predicted_cached_tokens"] == (9_000 - 1) // 16 * 16
+    # off: the window only
+    q = policy(estimate_past_window=False)
+    q.choose(req(window, total=10_000), views())
+    assert q.choose(req(window, total=12_000), views()).detail["predicted_cached_tokens"] == 256 * 16
+
+
+def test_pipeline_estimates_the_whole_prompt() -> None:
+    p = PrefixPipeline(NormalizeSettings(), PrefixSettings(window_tokens=64, block_size=16))
+    ids = list(range(1000, 1500))
+    assert p.prepare("completions", {"model": "m", "prompt": ids}).prompt_tokens_estimate == 500
+    short = p.prepare("completions", {"model": "m", "prompt": "hello world"})
+    assert short.prompt_tokens_estimate == short.window_tokens < 64
+    text = "word " * 2000  # 10,000 characters
+    assert p.prepare("completions", {"model": "m", "prompt": text}).prompt_tokens_estimate == 2500
+    chat = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": text},
+            {"role": "user", "content": [{"type": "text", "text": text}]},
+        ],
+    }
+    assert p.prepare("chat", chat).prompt_tokens_estimate == 5000
