@@ -85,14 +85,16 @@ ORACLE_SIM: dict[str, Any] = {
 }
 
 # Offered load per level, as a multiple of the fleet's prefill capacity for the workload's
-# prompt tokens *as if nothing were cached*.  Chosen per workload from round-robin's measured
-# hit rate (agent ~0 %: without normalization the timestamp on top defeats every cache;
-# conversation ~8 %; synthetic ~25 %; control 0 %) so that round-robin's uncached work is
-# ~60 % of the fleet's capacity at "moderate" and ~125 % at "saturated".
+# prompt tokens *as if nothing were cached*.  Chosen per workload and level from round-robin's
+# measured hit rate on that level's sample (agent ~0 %: without normalization the timestamp on
+# top defeats every cache; conversation ~9 % / ~7 %; synthetic ~25 % / ~13 %: the saturated
+# sample holds twice the sessions, so less of it fits in the caches; control 0 %) so that
+# round-robin's uncached work is ~60 % of the fleet's capacity at "moderate" and ~125 % at
+# "saturated".
 LOADS: dict[str, dict[str, float]] = {
     "agent": {"moderate": 0.6, "saturated": 1.25},
     "mooncake_conversation": {"moderate": 0.65, "saturated": 1.35},
-    "mooncake_synthetic": {"moderate": 0.8, "saturated": 1.7},
+    "mooncake_synthetic": {"moderate": 0.8, "saturated": 1.45},
     "control": {"moderate": 0.6, "saturated": 1.25},
 }
 MODERATE_RATE_RPS = 55.0  # wall-clock arrival rate of the moderate level (sets each workload's time_scale)
@@ -173,22 +175,24 @@ class GatewayProcess:
                 self.process.wait()
 
 
-def gateway_config(replicas: Sequence[tuple[str, str]], policy: str, normalize: str, port: int) -> dict[str, Any]:
+def gateway_config(replicas: Sequence[tuple[str, str]], variant: Variant, port: int) -> dict[str, Any]:
     """The whole gateway config of one run: one route, one policy, quiet logs."""
+    route: dict[str, Any] = {"name": "bench", "policy": variant.policy, "normalize": {"mode": variant.normalize}}
+    if variant.settings:
+        route["policy_settings"] = dict(variant.settings)
     return {
         "server": {"host": "127.0.0.1", "port": port},
         "logging": {"level": "warning", "access_log": False, "summary_interval_s": 0},
         "replicas": [{"name": name, "url": url} for name, url in replicas],
-        "routes": [{"name": "bench", "policy": policy, "normalize": {"mode": normalize}}],
+        "routes": [route],
     }
 
 
-def start_gateway(
-    name: str, replicas: Sequence[tuple[str, str]], policy: str, normalize: str, workdir: Path
-) -> GatewayProcess:
+def start_gateway(variant: Variant, replicas: Sequence[tuple[str, str]], workdir: Path) -> GatewayProcess:
+    name = variant.name
     port = free_port()
     config = workdir / f"gateway-{name}.yaml"
-    config.write_text(yaml.safe_dump(gateway_config(replicas, policy, normalize, port), sort_keys=False))
+    config.write_text(yaml.safe_dump(gateway_config(replicas, variant, port), sort_keys=False))
     log_path = workdir / f"gateway-{name}.log"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -206,11 +210,29 @@ def start_gateway(
 
 @dataclass(frozen=True)
 class Variant:
-    """One row of the table: a policy behind a gateway with a normalization mode."""
+    """One row of the table: a policy behind a gateway with a normalization mode (and settings)."""
 
     name: str
     policy: str
     normalize: str
+    settings: tuple[tuple[str, Any], ...] = ()
+
+
+def parse_variant(text: str) -> tuple[str, str, tuple[tuple[str, Any], ...]]:
+    """``NAME:POLICY[:key=value,...]`` → an extra table row, e.g. ``strict:prefix:bound_extra=0``.
+
+    Values are YAML scalars (``0``, ``1.5``, ``null``, ``true``).
+    """
+    parts = text.split(":", 2)
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise argparse.ArgumentTypeError(f"expected NAME:POLICY[:key=value,...], got {text!r}")
+    settings = []
+    for item in filter(None, (parts[2] if len(parts) == 3 else "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"expected key=value in {text!r}, got {item!r}")
+        settings.append((key.strip(), yaml.safe_load(value)))
+    return parts[0], parts[1], tuple(settings)
 
 
 @contextlib.contextmanager
@@ -225,7 +247,7 @@ def gateways(
     started: dict[str, GatewayProcess] = {}
     try:
         for variant, replicas in specs:
-            started[variant.name] = start_gateway(variant.name, replicas, variant.policy, variant.normalize, workdir)
+            started[variant.name] = start_gateway(variant, replicas, workdir)
         ready: dict[str, GatewayProcess] = {}
         for name, gw in started.items():
             try:
@@ -331,12 +353,15 @@ def fmt_short(name: str, s: dict[str, Any]) -> str:
 # -- the benchmark ----------------------------------------------------------------------------
 
 
-def variants_for(workload: Workload, policies: Sequence[str]) -> list[Variant]:
+def variants_for(workload: Workload, plan: Plan) -> list[Variant]:
     """Every policy with the workload's normalization; for a workload that needs normalization,
-    also the prefix policy with it turned off, to show what the volatile header costs."""
+    also the prefix policy with it turned off, to show what the volatile header costs; then
+    the extra ``--variant`` rows."""
+    policies = plan.policies
     variants = [Variant(p, p, workload.normalize) for p in policies]
     if workload.normalize != "off" and "prefix" in policies:
         variants.append(Variant("prefix_norm_off", "prefix", "off"))
+    variants += [Variant(name, policy, workload.normalize, settings) for name, policy, settings in plan.extra]
     return variants
 
 
@@ -378,6 +403,7 @@ class Plan:
     policies: list[str]
     direct: bool
     workdir: Path
+    extra: tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...] = ()  # --variant rows
 
 
 def run_level(
@@ -411,7 +437,7 @@ def run_level(
         ldata["oracle"] = s
         print(fmt_short("oracle", s))
         return ldata
-    variants = variants_for(wl, plan.policies)
+    variants = variants_for(wl, plan)
     replicas = list(zip(names, fleet, strict=True))
     specs = [(v, replicas) for v in variants]
     # The oracle must see the prompts the policy under test sends: for a workload that needs
@@ -427,6 +453,8 @@ def run_level(
                 continue
             s = run_once(wire, gws[v.name].url, fleet, names, deadline, via_gateway=True)
             s["policy"], s["normalize"] = v.policy, v.normalize
+            if v.settings:
+                s["policy_settings"] = dict(v.settings)
             s["gateway"] = gateway_stats(gws[v.name].url)
             ldata["runs"][v.name] = s
             print(fmt_short(v.name, s))
@@ -470,6 +498,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--size", type=float, default=None, help="workload size factor (default 1, quick 0.3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--variant",
+        action="append",
+        type=parse_variant,
+        default=[],
+        metavar="NAME:POLICY[:k=v,...]",
+        help="extra row: a policy with settings, e.g. strict:prefix:bound_extra=0 (repeatable)",
+    )
     parser.add_argument("--no-gateway", action="store_true", help="client-side round-robin only (harness check)")
     args = parser.parse_args(argv)
 
@@ -508,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workloads": {},
     }
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as tmp:
-        plan = Plan(levels, policies, direct, Path(tmp))
+        plan = Plan(levels, policies, direct, Path(tmp), tuple(args.variant))
         for wname in workloads:
             t_build = time.monotonic()
             by_level: dict[str, Workload] = {}
