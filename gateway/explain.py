@@ -209,6 +209,7 @@ def _replica_rows(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> li
             "eligible": replica.healthy,
             "weight": replica.weight,
             "in_flight": replica.in_flight,
+            "pending_prefill_tokens": replica.pending_prefill_tokens,
             "chosen": replica.name == plan.decision.replica,
             "engine": None
             if engine is None
@@ -220,7 +221,7 @@ def _replica_rows(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> li
         }
         candidate = candidates.get(replica.name)
         if candidate is not None:
-            for key in ("ring_rank", "bound", "under_bound", "matched_blocks", "score"):
+            for key in ("ring_rank", "bound", "under_bound", "matched_blocks", "matched_tokens", "score"):
                 if key in candidate:
                     row[key] = candidate[key]
         rows.append(row)
@@ -244,13 +245,20 @@ def why(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> str:
     block_size = int(detail.get("block_size") or plan.request.block_size or 1)
     mine = candidates.get(pick, {})
     matched = int(mine.get("matched_blocks", 0))
-    load = f"{mine.get('in_flight', 0)} in flight, bound {mine.get('bound', '?')}"
+    cached = int(mine.get("matched_tokens", matched * block_size))
+    cached_text = f"{matched} blocks = {cached} tokens" + (
+        " with the history past the window" if cached > matched * block_size else ""
+    )
+    load = (
+        f"{mine.get('in_flight', 0)} in flight, bound {mine.get('bound', '?')}, "
+        f"{mine.get('pending_prefill_tokens', 0)} tokens queued for prefill"
+    )
     if decision.reason == "fallback":
         return f"no routing key (the prompt is shorter than one {block_size}-token block): least loaded replica"
     if decision.reason == "affinity":
         return (
-            f"{pick} recently served the longest prefix of this request ({matched} blocks = "
-            f"{matched * block_size} tokens) and is under its load bound ({load})"
+            f"{pick} recently served the longest prefix of this request ({cached_text}) and is under its "
+            f"load bound ({load})"
         )
     key_text = (
         "the session key"
@@ -264,18 +272,18 @@ def why(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> str:
         )
     # spill: from the affinity branch (scores were computed) or from the ring walk
     if any("score" in c for c in candidates.values()):
-        best = int(detail.get("best_matched_blocks", 0))
-        deeper = [name for name, c in candidates.items() if c.get("matched_blocks", 0) == best and name != pick]
+        best = max((int(c.get("matched_tokens", 0)) for c in candidates.values()), default=0)
+        deeper = [name for name, c in candidates.items() if c.get("matched_tokens", 0) == best and name != pick]
         holder = ", ".join(deeper) or "another replica"
         return (
-            f"{holder} holds a deeper match ({best} blocks) but is over its load bound or too busy; {pick} has "
-            f"the best score of the rest (matched {matched} blocks, {load})"
+            f"{holder} holds a longer cached prefix ({best} tokens) but is over its load bound or busier; {pick} "
+            f"has the best score of the rest ({cached_text}, {load})"
         )
     ranked = sorted(candidates.values(), key=lambda c: c.get("ring_rank", 0))
     home = ranked[0]["replica"] if ranked else "the ring's home"
     return (
-        f"{home}, the home of {key_text} on the ring, is over its load bound or busier than the least loaded "
-        f"replica; {pick} is the next acceptable replica on the ring ({load})"
+        f"{home}, the home of {key_text} on the ring, is over its load bound or busier (in flight and queued "
+        f"prefill) than the least busy replica; {pick} is the next acceptable replica on the ring ({load})"
     )
 
 
@@ -342,6 +350,7 @@ def render_text(report: Mapping[str, Any]) -> str:
                 r["replica"],
                 "yes" if r["healthy"] else "NO",
                 str(r["in_flight"]),
+                str(r.get("pending_prefill_tokens", 0)),
                 str(r.get("bound", "-")),
                 str(r.get("matched_blocks", "-")),
                 "-" if score is None else f"{score:.1f}",
@@ -350,7 +359,8 @@ def render_text(report: Mapping[str, Any]) -> str:
                 "<- chosen" if r["chosen"] else "",
             ]
         )
-    lines += _table(["replica", "healthy", "in-flight", "bound", "matched", "score", "ring", "engine hit", ""], rows)
+    header = ["replica", "healthy", "in-flight", "queued", "bound", "matched", "score", "ring", "engine hit", ""]
+    lines += _table(header, rows)
     decision = report["decision"]
     predicted = decision.get("predicted_cached_tokens")
     lines += [

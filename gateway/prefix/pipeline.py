@@ -90,7 +90,8 @@ class PrefixPipeline:
                 if isinstance(content, str):
                     chars += len(content)
                 elif isinstance(content, list):
-                    chars += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+                    texts = (p.get("text") for p in content if isinstance(p, dict))
+                    chars += sum(len(t) for t in texts if isinstance(t, str))
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):

@@ -366,10 +366,10 @@ class Exchange:
                 if out:
                     if first:
                         t_in = perf_counter()
+                        self._prefill_answered()  # the replica is done prefilling, however slow the client
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                     if first:
                         now = perf_counter()
-                        self._prefill_answered()
                         self.outcome.ttft_s = now - self.t0
                         self.added = (self.t_upstream - self.t0) + (now - t_in)
                         first = False
@@ -418,6 +418,9 @@ class Exchange:
                 usage.completion_tokens,
                 usage.cached_tokens,
             )
+            if o.predicted_cached_tokens is not None and o.prompt_tokens is not None:
+                # past the window the prompt length is an estimate: never predict more than the prompt
+                o.predicted_cached_tokens = min(o.predicted_cached_tokens, o.prompt_tokens)
         if self.added:
             o.added_s = self.added
         o.duration_s = perf_counter() - self.t0

@@ -71,6 +71,25 @@ def test_a_long_cached_history_stays_home_despite_queued_prefill() -> None:
     assert d.replica != "r1" and d.reason == "spill"
 
 
+def test_a_zero_home_threshold_keeps_the_signal() -> None:
+    """bound_extra_min_tokens 0 must not switch queued prefill off for requests with no match."""
+    pending = {"r1": 9_000, "r2": 9_000, "r3": 9_000}
+    loads = {"r0": 3, "r1": 2, "r2": 2, "r3": 2}
+    assert policy(bound_extra_min_tokens=0).choose(req(chain(20, 20)), views(pending, loads)).replica == "r0"
+
+
+def test_when_the_home_is_over_its_bound_queued_prefill_picks_the_next_replica() -> None:
+    p = policy()
+    history = chain(200, 21)  # 3,200 cached tokens on r1
+    p.index.record("r1", history)
+    # r1 is over its bound (ceil(1.25 x 8 / 4) + 2 = 5): the request moves, and the replica
+    # with nothing queued wins over the one with a long prefill queue.
+    pending = {"r0": 30_000, "r2": 0, "r3": 30_000}
+    loads = {"r1": 5, "r0": 1, "r2": 1, "r3": 0}
+    d = p.choose(req(history + chain(10, 22)), views(pending, loads))
+    assert d.replica == "r2" and d.reason == "spill"
+
+
 def test_weights_scale_queued_prefill() -> None:
     members = [ReplicaView("big", weight=4.0), ReplicaView("small", weight=1.0)]
     p = PrefixPolicy(PrefixPolicySettings(), members)
@@ -135,3 +154,5 @@ def test_pipeline_estimates_the_whole_prompt() -> None:
         ],
     }
     assert p.prepare("chat", chat).prompt_tokens_estimate == 5000
+    odd = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": text}, {"text": 123}]}]}
+    assert p.prepare("chat", odd).prompt_tokens_estimate == 2500  # a malformed part is not counted, not an error

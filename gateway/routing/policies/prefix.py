@@ -212,28 +212,30 @@ class PrefixPolicy:
             name: in_flight[name] * mean_weight / weights[name] if weights[name] > 0 else 1e9 + in_flight[name]
             for name in in_flight
         }
-        # What already waits for prefill on each replica, in tokens per unit of weight, plus
-        # the in-flight term: the cost a replica's current work adds to this request's wait.
-        queue_weight = settings.prefill_queue_weight
-        busy = {
-            r.name: settings.load_cost_tokens * load[r.name]
-            + (queue_weight * r.pending_prefill_tokens * mean_weight / weights[r.name] if weights[r.name] > 0 else 0.0)
-            for r in replicas
-        }
         under = [r.name for r in replicas if in_flight[r.name] < bounds[r.name]]
         if not under:  # impossible with load_factor >= 1; stay total anyway
             under = [r.name for r in replicas]
         tie_key = keys[-1] if keys else ring_key
-
         matched = self._matched_tokens(request, depth)
-        if settings.prefill_queue_weight and max(matched.values(), default=0) >= settings.bound_extra_min_tokens:
-            # A replica holds a long prefix of this prompt: moving would recompute it, which
-            # queued prefill elsewhere rarely repays — decide by in-flight counts alone.
-            busy = {name: settings.load_cost_tokens * load[name] for name in busy}
+
+        # The prefill already waiting on each replica (tokens per unit of weight), as a cost in
+        # cached tokens.  Left out when a replica that may take the request holds a long
+        # prefix of it: moving would recompute that history, which queued prefill elsewhere
+        # rarely repays — then in-flight counts alone decide.
+        queue_weight = settings.prefill_queue_weight
+        home_tokens = max(block_size, settings.bound_extra_min_tokens)
+        if queue_weight and max((matched.get(name, 0) for name in under), default=0) >= home_tokens:
+            queue_weight = 0.0
+        queued = {
+            r.name: queue_weight * r.pending_prefill_tokens * mean_weight / weights[r.name]
+            if weights[r.name] > 0
+            else 0.0
+            for r in replicas
+        }
         scores: dict[str, float] = {}
         if any(depth.get(name, 0) for name in under):
             for name in under:
-                scores[name] = matched.get(name, 0) - busy[name]
+                scores[name] = matched.get(name, 0) - settings.load_cost_tokens * load[name] - queued[name]
             top = max(scores.values())
             tied = [name for name in under if scores[name] == top]
             pick = tied[0] if len(tied) == 1 else next(self.ring.walk(tie_key, tied))
@@ -241,12 +243,12 @@ class PrefixPolicy:
         else:
             home = next(self.ring.walk(ring_key, in_flight))
             slack = settings.ring_slack
-            limit = (
-                float("inf")
-                if slack is None
-                else min(busy[name] for name in under) + slack * max(settings.load_cost_tokens, 1e-9)
-            )
-            pick = next(name for name in self.ring.walk(ring_key, under) if busy[name] <= limit)
+            # in requests: queued tokens count load_cost_tokens per request (with load_cost_tokens
+            # 0, any queued prefill outweighs request counts, which still break its ties)
+            per_request = max(settings.load_cost_tokens, 1.0)
+            cost = {name: load[name] + queued[name] / per_request for name in under}
+            limit = float("inf") if slack is None else min(cost.values()) + slack
+            pick = next(name for name in self.ring.walk(ring_key, under) if cost[name] <= limit)
             reason = "ring" if pick == home and best_any == 0 else "spill"
 
         if commit:
@@ -271,7 +273,7 @@ class PrefixPolicy:
             detail["key"] = f"{ring_key:016x}"
             detail["load_factor"] = settings.load_factor
             detail["total_in_flight"] = sum(in_flight.values())
-            detail["candidates"] = self._candidates(ring_key, replicas, bounds, depth, scores)
+            detail["candidates"] = self._candidates(ring_key, replicas, bounds, depth, matched, scores)
         return Decision(pick, reason, detail)
 
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
@@ -344,6 +346,7 @@ class PrefixPolicy:
         replicas: Sequence[ReplicaView],
         bounds: dict[str, int],
         depth: dict[str, int],
+        matched: dict[str, int],
         scores: dict[str, float],
     ) -> list[dict[str, Any]]:
         by_name = {r.name: r for r in replicas}
@@ -359,6 +362,7 @@ class PrefixPolicy:
                 "bound": bounds[name],
                 "under_bound": r.in_flight < bounds[name],
                 "matched_blocks": depth.get(name, 0),
+                "matched_tokens": matched.get(name, 0),
             }
             if name in scores:
                 entry["score"] = scores[name]
