@@ -49,14 +49,18 @@ def test_without_affinity_the_least_queued_prefill_wins_over_fewer_requests() ->
     assert policy(prefill_queue_weight=0).choose(req(chain(20, 2)), views(pending, loads)).replica != "r0"
 
 
-def test_a_short_shared_prefix_goes_where_the_wait_is_shortest() -> None:
+def test_queued_prefill_never_pulls_a_request_from_more_of_its_prompt() -> None:
+    """Queued work chooses among equally good caches; a cache advantage is left to the load bound."""
     p = policy()
-    head = chain(8, 3)  # 128 tokens shared with an earlier request on r2
+    head = chain(8, 3)  # 128 tokens of this prompt cached on r2 only
     p.index.record("r2", head + chain(4, 4))
-    d = p.peek(req(head + chain(30, 5)), views({"r2": 5_000}))
-    assert d.replica != "r2"  # 128 cached tokens do not repay waiting behind 5,000
-    d = p.choose(req(head + chain(30, 6)), views({"r2": 100}))
+    d = p.peek(req(head + chain(30, 5)), views({"r2": 50_000}))
     assert d.replica == "r2" and d.reason == "affinity"
+    # the same prefix cached everywhere: now the shortest queue wins
+    for name in ("r0", "r1", "r3"):
+        p.index.record(name, head + chain(4, 4))
+    d = p.peek(req(head + chain(30, 6)), views({"r2": 50_000, "r0": 900, "r1": 800, "r3": 700}))
+    assert d.replica == "r3"
 
 
 def test_a_long_cached_history_stays_home_despite_queued_prefill() -> None:
@@ -69,13 +73,6 @@ def test_a_long_cached_history_stays_home_despite_queued_prefill() -> None:
     # ... it still moves when the replica is over its load bound
     d = p.choose(req(history + chain(10, 9)), views({"r1": 20_000}, {"r1": 4, "r0": 1}))
     assert d.replica != "r1" and d.reason == "spill"
-
-
-def test_a_zero_home_threshold_keeps_the_signal() -> None:
-    """bound_extra_min_tokens 0 must not switch queued prefill off for requests with no match."""
-    pending = {"r1": 9_000, "r2": 9_000, "r3": 9_000}
-    loads = {"r0": 3, "r1": 2, "r2": 2, "r3": 2}
-    assert policy(bound_extra_min_tokens=0).choose(req(chain(20, 20)), views(pending, loads)).replica == "r0"
 
 
 def test_when_the_home_is_over_its_bound_queued_prefill_picks_the_next_replica() -> None:

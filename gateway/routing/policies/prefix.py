@@ -20,9 +20,10 @@ uncached tokens.  The decision, in order:
    previous turn), since only the window is keyed.  If an under-bound replica has a match,
    pick the under-bound replica with the best ``cached_tokens - load_cost_tokens x load -
    prefill_queue_weight x queued_prefill`` (both per unit of weight): the deepest match wins
-   unless that replica is much busier.  When some replica holds ``bound_extra_min_tokens``
-   of the prompt, the queued-prefill term is left out: moving would recompute that history,
-   which costs the whole fleet more than the wait it saves this request.
+   unless that replica is much busier.  The queued-prefill term only counts while every
+   under-bound replica holds the same cached prefix (within a block) — a shared head, or
+   nothing: queued work then picks the shortest wait, but it never pulls a request away
+   from more of its prompt, which the fleet would have to recompute.
    A prefix shared by *every* request (the Mooncake conversation trace's common 512-token
    head) is matched equally everywhere, so it adds nothing to any score and the load term
    spreads those requests; a conversation's own history is matched on one replica only and
@@ -95,12 +96,11 @@ class PrefixPolicySettings(PolicySettings):
         "this many uncached prompt tokens",
     )
     prefill_queue_weight: float = Field(
-        0.5,
+        1.0,
         ge=0.0,
-        description="each uncached prompt token queued on a replica (sent, no first byte yet; per unit of "
-        "weight) costs this many cached tokens, unless a replica holds bound_extra_min_tokens of the prompt: "
-        "1 = this request's shortest estimated time to first token, lower = also count the recompute a move "
-        "costs the fleet, 0 = in-flight counts only",
+        description="among replicas holding the same cached prefix of the request, each uncached prompt token "
+        "queued on one (sent, no first byte yet; per unit of weight) counts like this many tokens of work: "
+        "1 = the shortest estimated time to first token, 0 = in-flight counts only",
     )
     ring_slack: int | None = Field(
         0,
@@ -118,9 +118,8 @@ class PrefixPolicySettings(PolicySettings):
     bound_extra_min_tokens: int = Field(
         2048,
         ge=0,
-        description="matched (cached) prompt tokens that make a replica the prompt's home: it gets bound_extra, "
-        "and queued prefill does not move the request away (long histories stay home at low load, short "
-        "popular prefixes cannot pile up)",
+        description="matched (cached) prompt tokens a replica needs to get bound_extra: long histories stay "
+        "home at low load, short popular prefixes cannot pile up",
     )
     estimate_past_window: bool = Field(
         True,
@@ -219,12 +218,13 @@ class PrefixPolicy:
         matched = self._matched_tokens(request, depth)
 
         # The prefill already waiting on each replica (tokens per unit of weight), as a cost in
-        # cached tokens.  Left out when a replica that may take the request holds a long
-        # prefix of it: moving would recompute that history, which queued prefill elsewhere
-        # rarely repays — then in-flight counts alone decide.
+        # cached tokens — but only while the replicas that may take the request hold the same
+        # cached prefix of it (within a block): queued work picks the shortest wait among
+        # equally good caches and never pulls a request away from more of its prompt, which
+        # the fleet would recompute (measured: that trade loses more hits than it saves time).
         queue_weight = settings.prefill_queue_weight
-        home_tokens = max(block_size, settings.bound_extra_min_tokens)
-        if queue_weight and max((matched.get(name, 0) for name in under), default=0) >= home_tokens:
+        cached_under = [matched.get(name, 0) for name in under]
+        if queue_weight and max(cached_under) - min(cached_under) >= block_size:
             queue_weight = 0.0
         queued = {
             r.name: queue_weight * r.pending_prefill_tokens * mean_weight / weights[r.name]
