@@ -180,6 +180,45 @@ class AuthSettings(_Strict):
         return list(self.api_keys_sha256) + [sha256_hex(k) for k in plain]
 
 
+class StateSettings(_Strict):
+    """Where routing state lives: this process only, or shared by every gateway process via Redis.
+
+    With ``redis``, each gateway publishes the prefix-affinity records it makes (which replica
+    got which prompt prefix) and applies everyone else's, so a conversation whose turns reach
+    different gateway pods still finds the replica holding its history.  Publishing is
+    write-behind: a request never waits on Redis, and a Redis outage only degrades affinity
+    to per-process until it is back.
+    """
+
+    backend: Literal["memory", "redis"] = Field("memory", description="memory: per process; redis: shared")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL (overridden by redis_url_env when set)"
+    )
+    redis_url_env: str = Field(
+        "PREFIX_GATEWAY_REDIS_URL", description="env var holding the Redis URL (e.g. with a password, from a Secret)"
+    )
+    channel: str = Field(
+        "prefix-gateway:affinity",
+        min_length=1,
+        description="pub/sub channel; gateways sharing a fleet (same replica names) must share it",
+    )
+    max_pending: int = Field(
+        10_000, ge=1, description="affinity records waiting to be published; the oldest are dropped beyond this"
+    )
+    batch_interval_ms: float = Field(5.0, ge=0.5, le=1000.0, description="how often pending records are published")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+    def resolved_redis_url(self, environ: Mapping[str, str] | None = None) -> str:
+        env = os.environ if environ is None else environ
+        return env.get(self.redis_url_env) or self.redis_url
+
+
 class ReplicaConfig(_Strict):
     """One upstream vLLM (or simulated) server."""
 
@@ -267,6 +306,7 @@ class GatewayConfig(_Strict):
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
+    state: StateSettings = Field(default_factory=StateSettings)
     replicas: list[ReplicaConfig] = Field(..., min_length=1)
     routes: list[RouteConfig] = Field(
         default_factory=lambda: [RouteConfig(name="default")],

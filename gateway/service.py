@@ -20,15 +20,17 @@ from gateway.auth import KeyChecker
 from gateway.config import GatewayConfig
 from gateway.errors import ModelNotFound
 from gateway.observe.logs import AccessLog
-from gateway.observe.metrics import GatewayMetrics, ReplicaCollector
+from gateway.observe.metrics import GatewayMetrics, ReplicaCollector, SyncCollector
 from gateway.observe.outcome import Outcome
 from gateway.observe.stats import StatsBook
 from gateway.observe.summary import SummaryReporter
 from gateway.prefix.pipeline import PreparedPrompt
 from gateway.replicas.monitor import ReplicaMonitor
 from gateway.replicas.pool import Replica
+from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import Decision, RequestView
 from gateway.routing.routes import Route, RouteTable, build_route
+from gateway.state.affinity_sync import AffinitySync
 from gateway.upstream.aiohttp_client import aiohttp_factory
 from gateway.upstream.client import ClientFactory
 
@@ -96,14 +98,39 @@ class Gateway:
         self.access_log = AccessLog(config.logging)
         self.admin_keys = KeyChecker(config.admin.key_hashes(env))
         self.client_keys = KeyChecker(config.auth.key_hashes(env))
+        self.state_sync = self._build_state_sync(env)
+        if self.state_sync is not None:
+            self.metrics.registry.register(SyncCollector(self.state_sync.stats))
         self.started_at = time.time()
+
+    def _build_state_sync(self, env: Mapping[str, str]) -> AffinitySync | None:
+        """With ``state.backend: redis``, share every prefix route's affinity index with peers."""
+        state = self.config.state
+        if state.backend != "redis":
+            return None
+        indexes = {}
+        for route in self.routes.routes:
+            index = getattr(route.runner.policy, "index", None)
+            if isinstance(index, AffinityIndex):
+                indexes[route.name] = index
+        return AffinitySync(
+            state.resolved_redis_url(env),
+            state.channel,
+            indexes,
+            max_pending=state.max_pending,
+            batch_interval_s=state.batch_interval_ms / 1000.0,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         await self.monitor.start()
         self.summary.start()
+        if self.state_sync is not None:
+            await self.state_sync.start()
 
     async def stop(self) -> None:
+        if self.state_sync is not None:
+            await self.state_sync.stop()
         await self.summary.stop()
         await self.monitor.stop()
 
@@ -213,7 +240,14 @@ class Gateway:
             "uptime_s": round(time.time() - self.started_at, 3),
             "routes": routes,
             "replicas": {name: replica.snapshot() for name, replica in self.replicas.items()},
+            "state": self._state_snapshot(),
         }
+
+    def _state_snapshot(self) -> dict[str, Any]:
+        sync = self.state_sync
+        if sync is None:
+            return {"backend": self.config.state.backend}
+        return {"backend": "redis", "channel": sync.channel, "pod": sync.pod_id, **sync.stats.as_dict()}
 
 
 def _policy_state(route: Route) -> dict[str, Any] | None:

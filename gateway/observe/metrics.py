@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from gateway.observe.outcome import Outcome
 from gateway.replicas.pool import Replica
+from gateway.state.affinity_sync import SyncStats
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -222,3 +223,28 @@ class ReplicaCollector(Collector):
         yield age
         yield from gauges.values()
         yield from counters.values()
+
+
+class SyncCollector(Collector):
+    """Affinity sharing between gateway processes (``state.backend: redis``), read at scrape time."""
+
+    def __init__(self, stats: SyncStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        p = "prefix_gateway_state_sync_"
+        stats = self._stats
+        connected = GaugeMetricFamily(p + "connected", "1 while the Redis channel is subscribed")
+        connected.add_metric([], 1.0 if stats.connected else 0.0)
+        records = CounterMetricFamily(
+            p + "records",
+            "Affinity records: published (ours), applied (peers'), ignored (unknown route/replica), dropped (unsent)",
+            labels=["outcome"],
+        )
+        for outcome in ("published", "applied", "ignored", "dropped"):
+            records.add_metric([outcome], getattr(stats, outcome))
+        errors = CounterMetricFamily(p + "errors", "Failed Redis calls and malformed messages")
+        errors.add_metric([], stats.errors)
+        yield connected
+        yield records
+        yield errors

@@ -20,7 +20,7 @@ Not thread-safe; the gateway runs it on one event loop.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 class AffinityIndex:
@@ -38,6 +38,8 @@ class AffinityIndex:
         self._lru: dict[str, OrderedDict[int, int | None]] = {}
         self._slot: dict[str, int] = {}
         self._names: dict[int, str] = {}
+        # Called with (replica, stored keys deepest first, prompt_tokens) after each local record.
+        self.listener: Callable[[str, list[int], int | None], None] | None = None
 
     # -- membership --------------------------------------------------------------------
     def set_members(self, names: Iterable[str]) -> None:
@@ -134,32 +136,51 @@ class AffinityIndex:
 
         ``prompt_tokens``: the whole prompt's length when it runs past the keyed window; it is
         kept with the deepest key so that a later request whose whole window matches can
-        estimate how much more than the window is cached (see :meth:`extent`).
+        estimate how much more than the window is cached (see :meth:`extent`).  A set
+        ``listener`` hears of every local record (to share it with other gateway processes).
         """
         if not keys:
+            return
+        stored = self.stored_keys(keys)
+        self.record_stored(name, stored, prompt_tokens)
+        if self.listener is not None:
+            self.listener(name, stored, prompt_tokens)
+
+    def stored_keys(self, keys: Sequence[int]) -> list[int]:
+        """The keys :meth:`record` keeps, deepest first: every ``stride``-th and the deepest."""
+        stride = self.stride
+        last = len(keys) - 1
+        return [keys[i] for i in range(last, -1, -1) if i == last or (i + 1) % stride == 0]
+
+    def record_stored(self, name: str, stored: Sequence[int], prompt_tokens: int | None = None) -> None:
+        """Record keys already chosen by :meth:`stored_keys` (deepest first), e.g. from a peer.
+
+        Deepest first, so the shared head of the prompt ends up most recently used;
+        ``prompt_tokens`` goes with the deepest key.
+        """
+        if not stored:
             return
         is_new = name not in self._slot
         bit = 1 << self._ensure(name)
         lru = self._lru[name]
         holders = self._holders
-        stride = self.stride
-        last = len(keys) - 1
-        # Deepest first, so the shared head of the prompt ends up most recently used.
-        for i in range(last, -1, -1):
-            if i != last and (i + 1) % stride:
-                continue
-            key = keys[i]
+        for i, key in enumerate(stored):
+            extent = prompt_tokens if i == 0 else None
             if key in lru:
                 lru.move_to_end(key)
-                if i == last and prompt_tokens is not None:
-                    lru[key] = prompt_tokens
+                if extent is not None:
+                    lru[key] = extent
             else:
-                lru[key] = prompt_tokens if i == last else None
+                lru[key] = extent
                 holders[key] = holders.get(key, 0) | bit
         if is_new:
             self._trim_all()
         else:
             self._trim(name, self.capacity())
+
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is a tracked replica (records for others are ignored by callers)."""
+        return name in self._slot
 
     def extent(self, name: str, key: int) -> int | None:
         """Prompt tokens of the last request ``name`` served whose window ended at ``key``."""

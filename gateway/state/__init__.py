@@ -1,0 +1,1 @@
+"""Routing state shared between gateway processes."""

@@ -1,0 +1,242 @@
+"""Share prefix-affinity records between gateway processes through Redis pub/sub.
+
+Several gateway pods behind one Kubernetes Service each see only the requests the Service
+sends them, so with per-process state turn 2 of a conversation can reach a pod that never
+saw turn 1 and miss the replica holding its history.  Every pod therefore publishes the
+affinity records it makes — (route, replica, the prompt's stored block keys, its length
+past the window) — and applies every other pod's, so all indexes converge to the fleet's.
+
+Why pub/sub and write-behind, not a Redis lookup per request: the request path must never
+wait on a network round trip, and affinity is a hint (a lost record costs at most one cache
+miss, never a wrong answer).  A record is queued in memory (bounded; the oldest are dropped
+first), published in small batches every ``batch_interval_ms``, and applied by peers within
+milliseconds.  While Redis is unreachable the gateway keeps routing on its own index,
+retries with backoff, and says so once in the log and in ``prefix_gateway_state_sync_*``
+metrics.  A pod that starts later learns from new traffic only (no snapshot): within one
+conversation turn its records are as good as everyone's.
+
+Wire format (one pub/sub message per batch, JSON)::
+
+    {"v": 1, "pod": "<id>", "records": [[route, replica, prompt_tokens or 0, "<keys>"], ...]}
+
+where ``<keys>`` is the base64 of the stored block keys as little-endian u64, deepest first.
+Messages from this process, for unknown routes or replicas, or malformed, are skipped and
+counted; none of them can raise into the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+import logging
+import struct
+import uuid
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from gateway.routing.affinity import AffinityIndex
+from gateway.tasks import cancel_and_wait
+
+log = logging.getLogger("prefix_gateway.state")
+
+WIRE_VERSION = 1
+MAX_RECORDS_PER_MESSAGE = 512
+MAX_KEYS_PER_RECORD = 8192
+_BACKOFF_START_S = 0.5
+_BACKOFF_MAX_S = 10.0
+
+Record = tuple[str, str, list[int], int | None]  # route, replica, stored keys (deepest first), prompt tokens
+
+
+@dataclass
+class SyncStats:
+    """Counters for ``/metrics`` and ``/admin/stats`` (read at scrape time)."""
+
+    connected: bool = False
+    published: int = 0  # records sent to Redis
+    applied: int = 0  # records from peers applied to a local index
+    ignored: int = 0  # records from peers for a route or replica this process does not have
+    dropped: int = 0  # local records never published (queue full, or Redis down)
+    errors: int = 0  # failed Redis calls and malformed messages
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def encode(pod: str, records: Sequence[Record]) -> bytes:
+    """One batch as a pub/sub payload (see the module docstring)."""
+    rows = [
+        [route, replica, prompt_tokens or 0, base64.b64encode(struct.pack(f"<{len(keys)}Q", *keys)).decode()]
+        for route, replica, keys, prompt_tokens in records
+    ]
+    return json.dumps({"v": WIRE_VERSION, "pod": pod, "records": rows}, separators=(",", ":")).encode()
+
+
+def decode(payload: bytes | str) -> tuple[str, list[Record]]:
+    """``(pod, records)`` from a payload; ``ValueError`` if it is not a valid batch."""
+    try:
+        message = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(message, dict) or message.get("v") != WIRE_VERSION:
+        raise ValueError("not a version-1 affinity batch")
+    pod, rows = message.get("pod"), message.get("records")
+    if not isinstance(pod, str) or not isinstance(rows, list) or len(rows) > MAX_RECORDS_PER_MESSAGE:
+        raise ValueError("bad pod or records")
+    records: list[Record] = []
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 4):
+            raise ValueError("a record must be [route, replica, prompt_tokens, keys]")
+        route, replica, prompt_tokens, packed = row
+        if not (isinstance(route, str) and isinstance(replica, str) and isinstance(packed, str)):
+            raise ValueError("bad record field types")
+        if type(prompt_tokens) is not int or prompt_tokens < 0:
+            raise ValueError("prompt_tokens must be an int >= 0")
+        try:
+            raw = base64.b64decode(packed, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("keys are not base64") from None
+        if len(raw) % 8 or not raw or len(raw) // 8 > MAX_KEYS_PER_RECORD:
+            raise ValueError("keys must be 1..8192 u64 values")
+        keys = list(struct.unpack(f"<{len(raw) // 8}Q", raw))
+        records.append((route, replica, keys, prompt_tokens or None))
+    return pod, records
+
+
+class AffinitySync:
+    """Publishes this process's affinity records and applies its peers', via one Redis channel."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        channel: str,
+        indexes: Mapping[str, AffinityIndex],
+        *,
+        max_pending: int = 10_000,
+        batch_interval_s: float = 0.005,
+        pod_id: str | None = None,
+    ) -> None:
+        self.redis_url = redis_url
+        self.channel = channel
+        self.pod_id = pod_id or uuid.uuid4().hex[:16]
+        self.stats = SyncStats()
+        self._indexes = dict(indexes)
+        self._pending: deque[Record] = deque()
+        self._max_pending = max_pending
+        self._interval = batch_interval_s
+        self._wake = asyncio.Event()
+        self._redis: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        for route, index in self._indexes.items():
+            index.listener = partial(self._enqueue, route)
+
+    # -- the request path: O(1), never waits ----------------------------------------------
+    def _enqueue(self, route: str, replica: str, stored: list[int], prompt_tokens: int | None) -> None:
+        if len(self._pending) >= self._max_pending:
+            self._pending.popleft()
+            self.stats.dropped += 1
+        self._pending.append((route, replica, stored, prompt_tokens))
+        self._wake.set()
+
+    # -- peers' records -------------------------------------------------------------------
+    def apply(self, payload: bytes | str) -> int:
+        """Apply one pub/sub payload from a peer; returns the records applied (never raises)."""
+        try:
+            pod, records = decode(payload)
+        except ValueError as exc:
+            self.stats.errors += 1
+            log.warning("affinity sync: skipped a malformed message on %s: %s", self.channel, exc)
+            return 0
+        if pod == self.pod_id:
+            return 0
+        applied = 0
+        for route, replica, keys, prompt_tokens in records:
+            index = self._indexes.get(route)
+            if index is None or not index.knows(replica):
+                self.stats.ignored += 1
+                continue
+            index.record_stored(replica, keys, prompt_tokens)
+            applied += 1
+        self.stats.applied += applied
+        return applied
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect lazily in the background: a Redis outage must not stop the gateway starting."""
+        import redis.asyncio as aioredis  # imported here: a memory-only gateway never loads it
+
+        self._redis = aioredis.from_url(self.redis_url, socket_connect_timeout=2.0, health_check_interval=15)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._subscribe_loop()), loop.create_task(self._publish_loop())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            await cancel_and_wait(task)
+        self._tasks = []
+        for index in self._indexes.values():
+            index.listener = None
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+
+    def _set_connected(self, connected: bool, error: BaseException | None = None) -> None:
+        if connected and not self.stats.connected:
+            log.info("affinity sync: connected to Redis, channel %s (pod %s)", self.channel, self.pod_id)
+        elif not connected and self.stats.connected:
+            log.warning("affinity sync: lost Redis (%s); routing on this process's own index until it is back", error)
+        elif not connected and error is not None and self.stats.errors == 1:
+            log.warning("affinity sync: cannot reach Redis (%s); retrying in the background", error)
+        self.stats.connected = connected
+
+    async def _subscribe_loop(self) -> None:
+        backoff = _BACKOFF_START_S
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                await pubsub.subscribe(self.channel)
+                self._set_connected(True)
+                backoff = _BACKOFF_START_S
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is not None and message.get("type") == "message":
+                        self.apply(message["data"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # connection refused/reset, timeouts, protocol errors
+                self.stats.errors += 1
+                self._set_connected(False, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            finally:
+                with contextlib.suppress(Exception):  # closing a broken connection may fail too
+                    await pubsub.aclose()
+
+    async def _publish_loop(self) -> None:
+        backoff = _BACKOFF_START_S
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(self._interval)  # let a burst of placements share one message
+            while self._pending:
+                batch = [self._pending.popleft() for _ in range(min(len(self._pending), MAX_RECORDS_PER_MESSAGE))]
+                try:
+                    await self._redis.publish(self.channel, encode(self.pod_id, batch))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    # affinity is a hint: records made while Redis is away are dropped, not replayed
+                    self.stats.errors += 1
+                    self.stats.dropped += len(batch) + len(self._pending)
+                    self._pending.clear()
+                    self._set_connected(False, exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                    break
+                self.stats.published += len(batch)
+                backoff = _BACKOFF_START_S

@@ -1,0 +1,73 @@
+"""Two gateway processes sharing affinity through Redis (``state.backend: redis``).
+
+Behind a Kubernetes Service, a conversation's turns reach different gateway pods.  Turn 1
+goes through gateway A; gateway B, which never saw it, must then know where its history is
+cached: its dry run says ``affinity`` with the blocks matched (a gateway with per-process
+state would fall back to the ring), and the real turn 2 through B lands there with cache hits.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from e2e_helpers import ADMIN_KEY, MODEL, admin, ask, client, gateway, metric_sum, wait_for
+
+from gateway.sim.launcher import ReplicaGroup
+
+SYSTEM = {"role": "system", "content": "You are the support desk for a railway company. " * 40}
+
+
+def shared(channel: str) -> dict[str, Any]:
+    return {"backend": "redis", "redis_url": "redis://127.0.0.1:6379/0", "channel": channel, "batch_interval_ms": 1}
+
+
+def explain(gw: Any, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    with admin(gw) as http:
+        response = http.post("/admin/explain", json={"model": MODEL, "messages": messages, "max_tokens": 8})
+    response.raise_for_status()
+    return response.json()["decision"]
+
+
+def test_a_conversation_keeps_its_replica_across_gateways(fleet: ReplicaGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
+    channel = f"test-e2e-affinity-{uuid.uuid4().hex}"
+    with gateway(fleet.urls, state=shared(channel)) as gw_a, gateway(fleet.urls, state=shared(channel)) as gw_b:
+        for gw in (gw_a, gw_b):
+            wait_for(lambda gw=gw: gw.gateway.state_sync.stats.connected, what="subscribed to Redis")
+        messages = [SYSTEM, {"role": "user", "content": "My train was late, can I get a refund?"}]
+        first = ask(client(gw_a), messages)
+        messages += [
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": "And for the return trip?"},
+        ]
+        # B learns where turn 1 went without having served it
+        wait_for(lambda: gw_b.gateway.state_sync.stats.applied >= 1, what="B applied A's record")
+        plan = explain(gw_b, messages)
+        assert plan["replica"] == first.replica and plan["reason"] == "affinity"
+        assert plan["matched_blocks"] > 0
+        second = ask(client(gw_b), messages)
+        assert second.replica == first.replica
+        assert second.cached_tokens and second.cached_tokens >= first.prompt_tokens // 16 * 16 - 16
+        with admin(gw_b) as http:
+            text = http.get("/metrics").text
+            state = http.get("/admin/stats").json()["state"]
+        assert metric_sum(text, "prefix_gateway_state_sync_connected") == 1
+        assert metric_sum(text, "prefix_gateway_state_sync_records_total", outcome="applied") >= 1
+        assert state["backend"] == "redis" and state["channel"] == channel and state["applied"] >= 1
+
+
+def test_without_shared_state_the_other_gateway_does_not_know(
+    fleet: ReplicaGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control: per-process state (the default) — B's plan has no affinity for turn 2."""
+    monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
+    with gateway(fleet.urls) as gw_a, gateway(fleet.urls) as gw_b:
+        messages = [SYSTEM, {"role": "user", "content": "Where is my luggage?"}]
+        first = ask(client(gw_a), messages)
+        messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "Thanks."}]
+        assert explain(gw_a, messages)["reason"] == "affinity"
+        assert explain(gw_b, messages)["reason"] != "affinity"
+        with admin(gw_b) as http:
+            assert http.get("/admin/stats").json()["state"] == {"backend": "memory"}

@@ -1,0 +1,127 @@
+"""Affinity records shared between gateway processes through a real Redis (127.0.0.1:6379).
+
+Each test uses its own channel, so runs (and other tests) never see each other's messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import random
+import uuid
+from collections.abc import Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.routing.affinity import AffinityIndex
+from gateway.state.affinity_sync import AffinitySync, decode, encode
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+NAMES = ["r0", "r1", "r2", "r3"]
+
+
+def index() -> AffinityIndex:
+    idx = AffinityIndex(10_000, stride=4)
+    idx.set_members(NAMES)
+    return idx
+
+
+def chain(n: int, seed: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.getrandbits(64) for _ in range(n)]
+
+
+async def until(check: Callable[[], object], timeout: float = 10.0) -> None:
+    """Poll with a deadline (no fixed sleeps)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+def test_wire_format_round_trips_64_bit_keys() -> None:
+    keys = [0, 1, 2**64 - 1, 12345678901234567890]
+    pod, records = decode(encode("pod-a", [("chat", "r1", keys, 9000), ("chat", "r2", keys[:1], None)]))
+    assert pod == "pod-a"
+    assert records == [("chat", "r1", keys, 9000), ("chat", "r2", keys[:1], None)]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"not json",
+        b'{"v": 2, "pod": "x", "records": []}',
+        b'{"v": 1, "pod": 7, "records": []}',
+        b'{"v": 1, "pod": "x", "records": [["chat", "r1", 0]]}',
+        b'{"v": 1, "pod": "x", "records": [["chat", "r1", -1, "AAAAAAAAAAA="]]}',
+        b'{"v": 1, "pod": "x", "records": [["chat", "r1", 0, "not base64!"]]}',
+        (
+            '{"v": 1, "pod": "x", "records": [["chat", "r1", 0, "' + base64.b64encode(b"1234567").decode() + '"]]}'
+        ).encode(),
+    ],
+)
+def test_malformed_messages_are_rejected(payload: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode(payload)
+
+
+async def test_a_record_made_by_one_gateway_reaches_the_other() -> None:
+    channel = f"test-affinity-{uuid.uuid4().hex}"
+    a_index, b_index = index(), index()
+    a = AffinitySync(REDIS_URL, channel, {"chat": a_index}, batch_interval_s=0.001)
+    b = AffinitySync(REDIS_URL, channel, {"chat": b_index}, batch_interval_s=0.001)
+    await a.start()
+    await b.start()
+    try:
+        await until(lambda: a.stats.connected and b.stats.connected)
+        keys = chain(64, 1)
+        a_index.record("r2", keys, prompt_tokens=12_000)
+        await until(lambda: b.stats.applied == 1)
+        assert b_index.match(keys, NAMES) == {"r2": 64}
+        assert b_index.extent("r2", keys[-1]) == 12_000
+        assert a.stats.published == 1 and a.stats.applied == 0  # its own message is not applied twice
+        # b's peers' records are not re-published by b (no echo storms)
+        await asyncio.sleep(0)
+        assert b.stats.published == 0
+
+        # a record for a replica b does not know is skipped, and counted
+        a_index.set_members([*NAMES, "r9"])
+        a_index.record("r9", chain(8, 2))
+        await until(lambda: b.stats.ignored == 1)
+        # a malformed message is counted, and later ones still apply
+        raw = aioredis.from_url(REDIS_URL)
+        await raw.publish(channel, b"garbage")
+        await raw.aclose()
+        await until(lambda: b.stats.errors == 1)
+        a_index.record("r0", chain(8, 3))
+        await until(lambda: b.stats.applied == 2)
+    finally:
+        await a.stop()
+        await b.stop()
+    assert a_index.listener is None  # stop() detaches from the index
+
+
+async def test_without_redis_the_gateway_keeps_routing_and_says_so() -> None:
+    idx = index()
+    sync = AffinitySync("redis://127.0.0.1:1/0", "unused", {"chat": idx}, batch_interval_s=0.001)
+    await sync.start()
+    try:
+        keys = chain(16, 4)
+        idx.record("r1", keys)  # the request path never waits on, or fails because of, Redis
+        assert idx.match(keys, NAMES) == {"r1": 16}
+        await until(lambda: sync.stats.errors >= 2 and sync.stats.dropped >= 1)
+        assert not sync.stats.connected
+    finally:
+        await sync.stop()
+
+
+async def test_the_pending_queue_is_bounded() -> None:
+    idx = index()
+    sync = AffinitySync(REDIS_URL, "unused", {"chat": idx}, max_pending=3)
+    for seed in range(5):  # not started: nothing is published, the queue keeps the newest 3
+        idx.record("r0", chain(4, seed))
+    assert sync.stats.dropped == 2
+    await sync.stop()
