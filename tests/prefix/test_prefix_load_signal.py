@@ -9,24 +9,12 @@ estimates what a replica holds past the keyed window.
 
 from __future__ import annotations
 
-import random
-
 from gateway.prefix.pipeline import PrefixPipeline
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings
-
-NAMES = ["r0", "r1", "r2", "r3"]
-
-
-def policy(**kw: object) -> PrefixPolicy:
-    return PrefixPolicy(PrefixPolicySettings(**kw), [ReplicaView(n) for n in NAMES])  # type: ignore[arg-type]
-
-
-def chain(n: int, seed: int) -> tuple[int, ...]:
-    rnd = random.Random(seed)
-    return tuple(rnd.getrandbits(64) for _ in range(n))
+from tests.prefix.policy_helpers import NAMES, chain, policy
 
 
 def req(keys: tuple[int, ...], total: int | None = None) -> RequestView:

@@ -15,18 +15,9 @@ from hypothesis import strategies as st
 from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.policies.prefix import REASONS, PrefixPolicy, PrefixPolicySettings
 from gateway.routing.ring import load_bounds
+from tests.prefix.policy_helpers import NAMES, chain, policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-NAMES = ["r0", "r1", "r2", "r3"]
-
-
-def policy(**kw: object) -> PrefixPolicy:
-    return PrefixPolicy(PrefixPolicySettings(**kw), [ReplicaView(n) for n in NAMES])  # type: ignore[arg-type]
-
-
-def chain(n: int, seed: int) -> tuple[int, ...]:
-    rnd = random.Random(seed)
-    return tuple(rnd.getrandbits(64) for _ in range(n))
 
 
 def req(keys: tuple[int, ...], session: str | None = None, rid: str = "x") -> RequestView:
