@@ -10,7 +10,8 @@ flight), one line of ``Key: value`` pairs separated by ", " — parse it key by 
 
 (one line in the log).  Unknown values read ``n/a``.  The engine hit rate is the change of
 the route's replicas' scraped ``vllm:prefix_cache_hits_total / queries_total`` over the
-window (replicas shared by several routes count for each).
+window (replicas shared by several routes count for each); the first line's window starts
+at the gateway's first scrape of each replica, not at the replica's own start.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class SummaryReporter:
             engine = replica.engine
             if engine is None or engine.prefix_cache_hits is None or engine.prefix_cache_queries is None:
                 continue
-            before = self._engine_seen.get(replica.name, (0.0, 0.0))
+            # the first line's window starts at the gateway's first scrape, not the engine's start
+            before = self._engine_seen.get(replica.name) or replica.engine_baseline or (0.0, 0.0)
             seen[replica.name] = (engine.prefix_cache_hits, engine.prefix_cache_queries)
             dh, dq = engine.prefix_cache_hits - before[0], engine.prefix_cache_queries - before[1]
             if dq < 0 or dh < 0:  # the replica restarted: its counters did too

@@ -73,8 +73,7 @@ class ReplicaMonitor:
             status, body = await replica.client.get(self.scrape.path, self.scrape.timeout_s)
             if status != 200:
                 raise UpstreamError(f"HTTP {status}")
-            replica.engine = parse_engine_metrics(body.decode("utf-8", "replace"))
-            replica.engine_error = None
+            replica.set_engine(parse_engine_metrics(body.decode("utf-8", "replace")))
         except (UpstreamError, ValueError) as exc:
             replica.engine_error = str(exc) or type(exc).__name__
 

@@ -51,6 +51,9 @@ class Replica:
         self.last_error: str | None = None
         self.last_probe: float | None = None
         self.engine: EngineStats | None = None
+        # (prefix_cache_hits, prefix_cache_queries) at the first scrape that had them: the
+        # engine's counters run since *it* started, windows of this gateway start here.
+        self.engine_baseline: tuple[float, float] | None = None
         self.engine_error: str | None = None
         self.health_changes = 0
 
@@ -65,6 +68,17 @@ class Replica:
             None if engine is None else engine.waiting,
             self.pending_prefill_tokens,
         )
+
+    def set_engine(self, engine: EngineStats) -> None:
+        """A fresh scrape of the engine's metrics."""
+        self.engine = engine
+        self.engine_error = None
+        if (
+            self.engine_baseline is None
+            and engine.prefix_cache_hits is not None
+            and engine.prefix_cache_queries is not None
+        ):
+            self.engine_baseline = (engine.prefix_cache_hits, engine.prefix_cache_queries)
 
     # -- health transitions ------------------------------------------------------------
     def _down(self, reason: str, *, eject: bool, now: float) -> None:

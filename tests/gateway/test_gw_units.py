@@ -184,3 +184,24 @@ def test_relay_handles_crlf_streams_and_usage_split_across_chunks() -> None:
     assert passing.feed(upstream[:cut]) + passing.feed(upstream[cut:]) == upstream
     passing.finish()
     assert passing.usage.cached_tokens == 8
+
+
+def test_summary_engine_hit_rate_window_starts_at_the_first_scrape() -> None:
+    """A gateway started in front of warm replicas must not report their lifetime hit rate."""
+    from gateway.config import HealthSettings, ReplicaConfig
+    from gateway.observe.outcome import Outcome
+    from gateway.observe.stats import StatsBook
+    from gateway.observe.summary import SummaryReporter
+    from gateway.replicas.engine import EngineStats
+    from gateway.replicas.pool import Replica
+
+    replica = Replica(ReplicaConfig(name="r0", url="http://h:1"), object(), HealthSettings())  # type: ignore[arg-type]
+    # the replica served 1,000,000 prompt tokens at 90 % hits before this gateway existed
+    replica.set_engine(EngineStats(0.0, prefix_cache_queries=1_000_000, prefix_cache_hits=900_000))
+    # then this gateway's window: 1,000 more tokens, 100 of them hits
+    replica.set_engine(EngineStats(1.0, prefix_cache_queries=1_001_000, prefix_cache_hits=900_100))
+    stats = StatsBook()
+    stats.record(Outcome(route="main", endpoint="chat", status=200, prompt_tokens=1000, cached_tokens=100))
+    summary = SummaryReporter(stats, lambda: [("main", [replica])], 10.0)
+    (_, fields), = summary.lines()
+    assert fields["hit_rate_engine"] == pytest.approx(0.1)
