@@ -91,6 +91,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from gateway.server import serve
 
     config = build_serve_config(args)
+    if config.state.backend == "redis":
+        config.state.resolved_redis_url()  # a bad URL in the environment: a clear error, not a traceback
     _exit_cleanly_on_signals()
     serve(config)
     return 0

@@ -180,6 +180,10 @@ class AuthSettings(_Strict):
         return list(self.api_keys_sha256) + [sha256_hex(k) for k in plain]
 
 
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_REDIS_URL_RULE = "a Redis URL must start with redis://, rediss:// or unix://"
+
+
 class StateSettings(_Strict):
     """Where routing state lives: this process only, or shared by every gateway process via Redis.
 
@@ -210,13 +214,19 @@ class StateSettings(_Strict):
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
+        if not value.startswith(_REDIS_SCHEMES):
+            raise ValueError(_REDIS_URL_RULE)
         return value
 
     def resolved_redis_url(self, environ: Mapping[str, str] | None = None) -> str:
+        """The URL to use; one from the environment is checked like the file's (without echoing it)."""
         env = os.environ if environ is None else environ
-        return env.get(self.redis_url_env) or self.redis_url
+        value = env.get(self.redis_url_env)
+        if not value:
+            return self.redis_url
+        if not value.startswith(_REDIS_SCHEMES):
+            raise ConfigError(f"environment variable {self.redis_url_env}", [("", _REDIS_URL_RULE)])
+        return value
 
 
 class ReplicaConfig(_Strict):

@@ -114,7 +114,7 @@ class Gateway:
             if isinstance(index, AffinityIndex):
                 indexes[route.name] = index
         return AffinitySync(
-            state.resolved_redis_url(env),
+            state.resolved_redis_url(env),  # ValueError naming the env var if it holds no Redis URL
             state.channel,
             indexes,
             max_pending=state.max_pending,

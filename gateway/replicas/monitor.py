@@ -39,6 +39,8 @@ class ReplicaMonitor:
         await self.probe_all()  # so /ready and routing reflect reality from the first request
         self._tasks.append(asyncio.create_task(self._loop(self.probe_all, self.health.interval_s), name="health"))
         if self.scrape.enabled:
+            # before serving: the engine counters' baseline (summary windows) predates our traffic
+            await self.scrape_all()
             self._tasks.append(asyncio.create_task(self._loop(self.scrape_all, self.scrape.interval_s), name="scrape"))
 
     async def stop(self) -> None:

@@ -47,7 +47,10 @@ log = logging.getLogger("prefix_gateway.state")
 
 WIRE_VERSION = 1
 MAX_RECORDS_PER_MESSAGE = 512
-MAX_KEYS_PER_RECORD = 8192
+MAX_KEYS_PER_RECORD = 65_536
+MAX_MESSAGE_BYTES = 8 << 20
+_SILENCE_PING_S = 15.0  # no message for this long: ping the server ...
+_PONG_WAIT_S = 5.0  # ... and reconnect if nothing answers within this
 _BACKOFF_START_S = 0.5
 _BACKOFF_MAX_S = 10.0
 
@@ -80,10 +83,12 @@ def encode(pod: str, records: Sequence[Record]) -> bytes:
 
 def decode(payload: bytes | str) -> tuple[str, list[Record]]:
     """``(pod, records)`` from a payload; ``ValueError`` if it is not a valid batch."""
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {len(payload)} bytes is over {MAX_MESSAGE_BYTES}")
     try:
         message = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"not JSON: {exc}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"not JSON: {type(exc).__name__}") from None
     if not isinstance(message, dict) or message.get("v") != WIRE_VERSION:
         raise ValueError("not a version-1 affinity batch")
     pod, rows = message.get("pod"), message.get("records")
@@ -103,7 +108,7 @@ def decode(payload: bytes | str) -> tuple[str, list[Record]]:
         except (binascii.Error, ValueError):
             raise ValueError("keys are not base64") from None
         if len(raw) % 8 or not raw or len(raw) // 8 > MAX_KEYS_PER_RECORD:
-            raise ValueError("keys must be 1..8192 u64 values")
+            raise ValueError(f"keys must be 1..{MAX_KEYS_PER_RECORD} u64 values")
         keys = list(struct.unpack(f"<{len(raw) // 8}Q", raw))
         records.append((route, replica, keys, prompt_tokens or None))
     return pod, records
@@ -133,11 +138,18 @@ class AffinitySync:
         self._wake = asyncio.Event()
         self._redis: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._publish_failing = False
+        self._attach()
+
+    def _attach(self) -> None:
         for route, index in self._indexes.items():
             index.listener = partial(self._enqueue, route)
 
     # -- the request path: O(1), never waits ----------------------------------------------
     def _enqueue(self, route: str, replica: str, stored: list[int], prompt_tokens: int | None) -> None:
+        if len(stored) > MAX_KEYS_PER_RECORD:  # peers would reject the batch: keep it local
+            self.stats.dropped += 1
+            return
         if len(self._pending) >= self._max_pending:
             self._pending.popleft()
             self.stats.dropped += 1
@@ -149,7 +161,7 @@ class AffinitySync:
         """Apply one pub/sub payload from a peer; returns the records applied (never raises)."""
         try:
             pod, records = decode(payload)
-        except ValueError as exc:
+        except Exception as exc:  # ValueError, or anything a hostile payload finds
             self.stats.errors += 1
             log.warning("affinity sync: skipped a malformed message on %s: %s", self.channel, exc)
             return 0
@@ -171,7 +183,11 @@ class AffinitySync:
         """Connect lazily in the background: a Redis outage must not stop the gateway starting."""
         import redis.asyncio as aioredis  # imported here: a memory-only gateway never loads it
 
-        self._redis = aioredis.from_url(self.redis_url, socket_connect_timeout=2.0, health_check_interval=15)
+        self._attach()
+        # timeouts and keepalive: a silently dropped path to Redis must fail calls, not hang them
+        self._redis = aioredis.from_url(
+            self.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0, socket_keepalive=True
+        )
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._subscribe_loop()), loop.create_task(self._publish_loop())]
 
@@ -186,8 +202,9 @@ class AffinitySync:
             self._redis = None
 
     def _set_connected(self, connected: bool, error: BaseException | None = None) -> None:
+        """The subscription's state (only the subscriber loop calls this): the ``connected`` gauge."""
         if connected and not self.stats.connected:
-            log.info("affinity sync: connected to Redis, channel %s (pod %s)", self.channel, self.pod_id)
+            log.info("affinity sync: subscribed to Redis channel %s (pod %s)", self.channel, self.pod_id)
         elif not connected and self.stats.connected:
             log.warning("affinity sync: lost Redis (%s); routing on this process's own index until it is back", error)
         elif not connected and error is not None and self.stats.errors == 1:
@@ -202,10 +219,21 @@ class AffinitySync:
                 await pubsub.subscribe(self.channel)
                 self._set_connected(True)
                 backoff = _BACKOFF_START_S
+                loop = asyncio.get_running_loop()
+                heard = loop.time()
+                pinged: float | None = None
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if message is not None and message.get("type") == "message":
-                        self.apply(message["data"])
+                    now = loop.time()
+                    if message is not None:
+                        heard, pinged = now, None
+                        if message.get("type") == "message":
+                            self.apply(message["data"])
+                    elif pinged is not None and now - pinged > _PONG_WAIT_S:
+                        raise ConnectionError(f"no reply from Redis within {_PONG_WAIT_S:.0f} s")
+                    elif pinged is None and now - heard > _SILENCE_PING_S:
+                        await pubsub.ping()  # a quiet channel or a dead path: the pong tells
+                        pinged = now
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # connection refused/reset, timeouts, protocol errors
@@ -234,9 +262,12 @@ class AffinitySync:
                     self.stats.errors += 1
                     self.stats.dropped += len(batch) + len(self._pending)
                     self._pending.clear()
-                    self._set_connected(False, exc)
+                    if not self._publish_failing:
+                        log.warning("affinity sync: cannot publish to Redis (%s); dropping records meanwhile", exc)
+                        self._publish_failing = True
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, _BACKOFF_MAX_S)
                     break
                 self.stats.published += len(batch)
+                self._publish_failing = False
                 backoff = _BACKOFF_START_S

@@ -203,5 +203,5 @@ def test_summary_engine_hit_rate_window_starts_at_the_first_scrape() -> None:
     stats = StatsBook()
     stats.record(Outcome(route="main", endpoint="chat", status=200, prompt_tokens=1000, cached_tokens=100))
     summary = SummaryReporter(stats, lambda: [("main", [replica])], 10.0)
-    (_, fields), = summary.lines()
+    ((_, fields),) = summary.lines()
     assert fields["hit_rate_engine"] == pytest.approx(0.1)
