@@ -24,6 +24,7 @@ def drive(gw, n_prompts: int = 4, repeats: int = 3) -> tuple[dict[str, collectio
     per_replica: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     streamed = 0
     tag = uuid.uuid4().hex
+    recorded_before = sum(t.requests for t in gw.gateway.stats.by_route.values())
     for p in range(n_prompts):
         system = f"You are assistant {tag}-{p}. " + "Follow the rules carefully. " * 30
         messages = [{"role": "system", "content": system}, {"role": "user", "content": f"question {SECRET_WORD}"}]
@@ -42,6 +43,11 @@ def drive(gw, n_prompts: int = 4, repeats: int = 3) -> tuple[dict[str, collectio
             totals["prompt"] += usage.prompt_tokens
             totals["completion"] += usage.completion_tokens
             totals["cached"] += usage.prompt_tokens_details.cached_tokens
+    # the gateway records a request just after its last byte: wait until it has recorded all of them
+    wait_for(
+        lambda: sum(t.requests for t in gw.gateway.stats.by_route.values()) >= recorded_before + n_prompts * repeats,
+        what="every request recorded",
+    )
     return per_replica, streamed
 
 
