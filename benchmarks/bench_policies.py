@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` and `gatew
 import yaml  # noqa: E402
 
 from benchmarks import report  # noqa: E402
-from benchmarks.replay import prepare, replay, summarize  # noqa: E402
+from benchmarks.replay import median_of_runs, prepare, replay, summarize  # noqa: E402
 from benchmarks.workloads import WORKLOAD_NAMES, Workload, build  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -404,6 +404,7 @@ class Plan:
     direct: bool
     workdir: Path
     extra: tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...] = ()  # --variant rows
+    repeat: int = 1  # runs per cell; the table shows their medians
 
 
 def run_level(
@@ -446,24 +447,45 @@ def run_level(
     if oracle_via_gateway:
         specs.append((Variant("oracle", "prefix", wl.normalize), [("oracle", oracle_url)]))
     failed: dict[str, str] = {}
-    with gateways(specs, plan.workdir, failed) as gws:
-        for v in variants:
-            if v.name in failed:
-                ldata["runs"][v.name] = {"policy": v.policy, "normalize": v.normalize, "error": failed[v.name]}
-                continue
-            s = run_once(wire, gws[v.name].url, fleet, names, deadline, via_gateway=True)
-            s["policy"], s["normalize"] = v.policy, v.normalize
-            if v.settings:
-                s["policy_settings"] = dict(v.settings)
-            s["gateway"] = gateway_stats(gws[v.name].url)
-            ldata["runs"][v.name] = s
-            print(fmt_short(v.name, s))
-        oracle_via_gateway = oracle_via_gateway and "oracle" in gws
-        target = gws["oracle"].url if oracle_via_gateway else oracle_url
-        s = run_once(wire, target, [oracle_url], ["oracle"], deadline, via_gateway=oracle_via_gateway)
-        ldata["oracle"] = s
-        print(fmt_short("oracle", s))
+    runs: dict[str, list[dict[str, Any]]] = {}
+    # Every repetition starts fresh gateways (cold affinity indexes, like the flushed replica
+    # caches) and goes round every variant in turn, so a slow moment on the machine hits one
+    # run of each variant rather than every run of one.
+    for rep in range(plan.repeat):
+        tag = f" [{rep + 1}/{plan.repeat}]" if plan.repeat > 1 else ""
+        with gateways(specs, plan.workdir, failed) as gws:
+            for v in variants:
+                if v.name in failed:
+                    continue
+                s = run_once(wire, gws[v.name].url, fleet, names, deadline, via_gateway=True)
+                s["gateway"] = gateway_stats(gws[v.name].url)
+                runs.setdefault(v.name, []).append(s)
+                print(fmt_short(v.name, s) + tag)
+            via = oracle_via_gateway and "oracle" in gws
+            target = gws["oracle"].url if via else oracle_url
+            s = run_once(wire, target, [oracle_url], ["oracle"], deadline, via_gateway=via)
+            runs.setdefault("oracle", []).append(s)
+            print(fmt_short("oracle", s) + tag)
+    for v in variants:
+        if v.name not in runs:
+            ldata["runs"][v.name] = {"policy": v.policy, "normalize": v.normalize, "error": failed.get(v.name)}
+            continue
+        ldata["runs"][v.name] = _merged(runs[v.name])
+        ldata["runs"][v.name].update(policy=v.policy, normalize=v.normalize)
+        if v.settings:
+            ldata["runs"][v.name]["policy_settings"] = dict(v.settings)
+    ldata["oracle"] = _merged(runs["oracle"])
     return ldata
+
+
+def _merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell from its repetitions: medians (see ``median_of_runs``), every run kept beside them."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = median_of_runs(runs)
+    merged["gateway"] = runs[0].get("gateway")  # decisions by reason: one run's, as in a single run
+    merged["repeats"] = runs
+    return merged
 
 
 def run_workload(by_level: dict[str, Workload], plan: Plan) -> dict[str, Any]:
@@ -506,6 +528,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="NAME:POLICY[:k=v,...]",
         help="extra row: a policy with settings, e.g. strict:prefix:bound_extra=0 (repeatable)",
     )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs per cell; the table and verdicts use their medians (default 1)"
+    )
     parser.add_argument("--no-gateway", action="store_true", help="client-side round-robin only (harness check)")
     args = parser.parse_args(argv)
 
@@ -538,13 +563,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "loads": {w: LOADS[w] for w in workloads},
             "size": size,
             "seed": args.seed,
+            "repeat": max(1, args.repeat),
             "deadline": f"arrival span x {DEADLINE_FACTOR} + {DEADLINE_SLACK_S} s",
         },
         "missing_policies": missing,
         "workloads": {},
     }
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as tmp:
-        plan = Plan(levels, policies, direct, Path(tmp), tuple(args.variant))
+        plan = Plan(levels, policies, direct, Path(tmp), tuple(args.variant), max(1, args.repeat))
         for wname in workloads:
             t_build = time.monotonic()
             by_level: dict[str, Workload] = {}

@@ -435,3 +435,32 @@ def summarize(result: ReplayResult) -> RunSummary:
         max_dispatch_lag_ms=lag * 1000,
         load=asdict(stats),
     )
+
+
+def median_of_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One summary from repeated runs of the same cell: the median of every numeric field.
+
+    Nested dicts (TTFT percentiles, load statistics) are merged field by field; a field that
+    some runs lack (None) takes the median of the runs that have it; anything else (error
+    samples, names) comes from the first run.  Medians, not means: one run that a neighbour
+    on the machine slowed down must not move the verdict.
+    """
+    if not runs:
+        return {}
+    if len(runs) == 1:
+        return dict(runs[0])
+    out: dict[str, Any] = {}
+    for key, first in runs[0].items():
+        values = [run.get(key) for run in runs]
+        if all(isinstance(v, dict) for v in values):
+            out[key] = median_of_runs(values)  # type: ignore[arg-type]
+            continue
+        numeric = all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in values)
+        numbers = [v for v in values if v is not None and not math.isnan(v)] if numeric else []
+        if not numbers:
+            out[key] = first
+            continue
+        median = float(np.median(numbers))
+        # counts stay ints where the median is whole (the table prints "320/320", not "320.0")
+        out[key] = int(median) if median.is_integer() and all(isinstance(v, int) for v in numbers) else median
+    return out

@@ -269,6 +269,10 @@ def render_text(results: Mapping[str, Any]) -> str:
         parts.append("Policies not available in this checkout (skipped): " + ", ".join(results["missing_policies"]))
     if meta.get("mode"):
         parts.append(f"Mode: {meta['mode']}")
+    if (meta.get("repeat") or 1) > 1:
+        parts.append(
+            f"Each cell: the median of {meta['repeat']} runs, metric by metric (every run is kept in the JSON)."
+        )
     for name, wl in results.get("workloads", {}).items():
         summary = wl.get("summary", {})
         parts.append(f"\n## {name}: {wl.get('description', '')}")

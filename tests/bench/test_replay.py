@@ -104,3 +104,18 @@ def test_assignment_bound_is_checked_at_each_dispatch():
     # with a 50 ms skew nothing before a request is certain any more: no violation is provable
     loose = load_stats(outs, ["a", "b"], end=5.0, step=0.01, skew_s=0.05)
     assert loose.assign_certain_ok_share == 1.0
+
+
+def test_median_of_runs_merges_repeated_cells_field_by_field():
+    from benchmarks.replay import median_of_runs
+
+    runs = [
+        {"hit_rate": 0.50, "ttft_ms": {"p50": 10.0, "p90": None}, "ok": 10, "error_samples": ["a"], "flag": True},
+        {"hit_rate": 0.90, "ttft_ms": {"p50": 30.0, "p90": 50.0}, "ok": 12, "error_samples": [], "flag": False},
+        {"hit_rate": 0.60, "ttft_ms": {"p50": 20.0, "p90": 70.0}, "ok": 11, "error_samples": [], "flag": False},
+    ]
+    merged = median_of_runs(runs)
+    assert merged["hit_rate"] == 0.60 and merged["ok"] == 11 and isinstance(merged["ok"], int)
+    assert merged["ttft_ms"] == {"p50": 20.0, "p90": 60.0}  # a missing value is left out, not zero
+    assert merged["error_samples"] == ["a"] and merged["flag"] is True  # non-numbers: the first run's
+    assert median_of_runs(runs[:1]) == runs[0]
