@@ -210,6 +210,15 @@ class StateSettings(_Strict):
         10_000, ge=1, description="affinity records waiting to be published; the oldest are dropped beyond this"
     )
     batch_interval_ms: float = Field(5.0, ge=0.5, le=1000.0, description="how often pending records are published")
+    share_load: bool = Field(
+        True,
+        description="also publish this process's per-replica in-flight and queued-prefill counts and add the "
+        "peers' to what policies see (the load bound then covers every gateway's requests)",
+    )
+    load_interval_ms: float = Field(100.0, ge=10.0, le=10_000.0, description="how often load is published")
+    peer_load_ttl_s: float = Field(
+        3.0, gt=0.0, le=600.0, description="a peer's load report older than this is dropped (the peer is gone)"
+    )
 
     @field_validator("redis_url")
     @classmethod

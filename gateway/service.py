@@ -31,6 +31,7 @@ from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import Decision, RequestView
 from gateway.routing.routes import Route, RouteTable, build_route
 from gateway.state.affinity_sync import AffinitySync
+from gateway.state.peer_load import PeerLoad
 from gateway.upstream.aiohttp_client import aiohttp_factory
 from gateway.upstream.client import ClientFactory
 
@@ -114,11 +115,13 @@ class Gateway:
             if isinstance(index, AffinityIndex):
                 indexes[route.name] = index
         return AffinitySync(
-            state.resolved_redis_url(env),  # ValueError naming the env var if it holds no Redis URL
+            state.resolved_redis_url(env),  # ConfigError naming the env var if it holds no Redis URL
             state.channel,
             indexes,
             max_pending=state.max_pending,
             batch_interval_s=state.batch_interval_ms / 1000.0,
+            peer_load=PeerLoad(self.replicas, state.peer_load_ttl_s) if state.share_load else None,
+            load_interval_s=state.load_interval_ms / 1000.0,
         )
 
     # -- lifecycle ---------------------------------------------------------------------

@@ -245,6 +245,9 @@ class SyncCollector(Collector):
             records.add_metric([outcome], getattr(stats, outcome))
         errors = CounterMetricFamily(p + "errors", "Failed Redis calls and malformed messages")
         errors.add_metric([], stats.errors)
+        peers = GaugeMetricFamily(p + "peers", "Other gateway processes whose load reports are current")
+        peers.add_metric([], stats.peers)
         yield connected
         yield records
         yield errors
+        yield peers

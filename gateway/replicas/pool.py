@@ -44,6 +44,9 @@ class Replica:
         self.healthy = True
         self.in_flight = 0
         self.pending_prefill_tokens = 0  # see ReplicaView.pending_prefill_tokens
+        # what other gateway processes report for this replica (state.backend: redis)
+        self.peer_in_flight = 0
+        self.peer_pending_prefill_tokens = 0
         self.active_failures = 0
         self.active_successes = 0
         self.passive_5xx = 0
@@ -63,10 +66,10 @@ class Replica:
         return ReplicaView(
             self.name,
             self.weight,
-            self.in_flight,
+            self.in_flight + self.peer_in_flight,
             None if engine is None else engine.kv_cache_usage,
             None if engine is None else engine.waiting,
-            self.pending_prefill_tokens,
+            self.pending_prefill_tokens + self.peer_pending_prefill_tokens,
         )
 
     def set_engine(self, engine: EngineStats) -> None:
@@ -144,6 +147,8 @@ class Replica:
             "healthy": self.healthy,
             "in_flight": self.in_flight,
             "pending_prefill_tokens": self.pending_prefill_tokens,
+            "peer_in_flight": self.peer_in_flight,
+            "peer_pending_prefill_tokens": self.peer_pending_prefill_tokens,
             "last_error": self.last_error,
             "engine": None
             if engine is None

@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import struct
+import time
 import uuid
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,7 @@ from functools import partial
 from typing import Any
 
 from gateway.routing.affinity import AffinityIndex
+from gateway.state.peer_load import PeerLoad, Report, load_rows, parse_load
 from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_gateway.state")
@@ -49,6 +51,7 @@ WIRE_VERSION = 1
 MAX_RECORDS_PER_MESSAGE = 512
 MAX_KEYS_PER_RECORD = 65_536
 MAX_MESSAGE_BYTES = 8 << 20
+_LOAD_HEARTBEAT_S = 1.0  # a load report goes out at least this often, changed or not
 _SILENCE_PING_S = 15.0  # no message for this long: ping the server ...
 _PONG_WAIT_S = 5.0  # ... and reconnect if nothing answers within this
 _BACKOFF_START_S = 0.5
@@ -67,6 +70,7 @@ class SyncStats:
     ignored: int = 0  # records from peers for a route or replica this process does not have
     dropped: int = 0  # local records never published (queue full, or Redis down)
     errors: int = 0  # failed Redis calls and malformed messages
+    peers: int = 0  # other gateway processes whose load reports are current
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -81,19 +85,34 @@ def encode(pod: str, records: Sequence[Record]) -> bytes:
     return json.dumps({"v": WIRE_VERSION, "pod": pod, "records": rows}, separators=(",", ":")).encode()
 
 
-def decode(payload: bytes | str) -> tuple[str, list[Record]]:
-    """``(pod, records)`` from a payload; ``ValueError`` if it is not a valid batch."""
+def encode_load(pod: str, report: Report) -> bytes:
+    """This process's per-replica load as a pub/sub payload (see :mod:`gateway.state.peer_load`)."""
+    return json.dumps({"v": WIRE_VERSION, "pod": pod, "load": load_rows(report)}, separators=(",", ":")).encode()
+
+
+def parse_message(payload: bytes | str) -> dict[str, Any]:
+    """A version-1 message with a string ``pod``; ``ValueError`` otherwise."""
     if len(payload) > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {len(payload)} bytes is over {MAX_MESSAGE_BYTES}")
     try:
         message = json.loads(payload)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ValueError(f"not JSON: {type(exc).__name__}") from None
-    if not isinstance(message, dict) or message.get("v") != WIRE_VERSION:
-        raise ValueError("not a version-1 affinity batch")
-    pod, rows = message.get("pod"), message.get("records")
-    if not isinstance(pod, str) or not isinstance(rows, list) or len(rows) > MAX_RECORDS_PER_MESSAGE:
-        raise ValueError("bad pod or records")
+    if not isinstance(message, dict) or message.get("v") != WIRE_VERSION or not isinstance(message.get("pod"), str):
+        raise ValueError("not a version-1 message from a pod")
+    return message
+
+
+def decode(payload: bytes | str) -> tuple[str, list[Record]]:
+    """``(pod, records)`` from an affinity batch; ``ValueError`` if it is not a valid one."""
+    message = parse_message(payload)
+    return message["pod"], decode_records(message)
+
+
+def decode_records(message: Mapping[str, Any]) -> list[Record]:
+    rows = message.get("records")
+    if not isinstance(rows, list) or len(rows) > MAX_RECORDS_PER_MESSAGE:
+        raise ValueError("bad records")
     records: list[Record] = []
     for row in rows:
         if not (isinstance(row, list) and len(row) == 4):
@@ -111,7 +130,7 @@ def decode(payload: bytes | str) -> tuple[str, list[Record]]:
             raise ValueError(f"keys must be 1..{MAX_KEYS_PER_RECORD} u64 values")
         keys = list(struct.unpack(f"<{len(raw) // 8}Q", raw))
         records.append((route, replica, keys, prompt_tokens or None))
-    return pod, records
+    return records
 
 
 class AffinitySync:
@@ -126,6 +145,8 @@ class AffinitySync:
         max_pending: int = 10_000,
         batch_interval_s: float = 0.005,
         pod_id: str | None = None,
+        peer_load: PeerLoad | None = None,
+        load_interval_s: float = 0.1,
     ) -> None:
         self.redis_url = redis_url
         self.channel = channel
@@ -139,6 +160,8 @@ class AffinitySync:
         self._redis: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._publish_failing = False
+        self.peer_load = peer_load
+        self._load_interval = load_interval_s
         self._attach()
 
     def _attach(self) -> None:
@@ -160,12 +183,18 @@ class AffinitySync:
     def apply(self, payload: bytes | str) -> int:
         """Apply one pub/sub payload from a peer; returns the records applied (never raises)."""
         try:
-            pod, records = decode(payload)
+            message = parse_message(payload)
+            pod = message["pod"]
+            if pod == self.pod_id:
+                return 0
+            if "load" in message:
+                if self.peer_load is not None:
+                    self.peer_load.apply(pod, parse_load(message["load"]), time.monotonic())
+                return 0
+            records = decode_records(message)
         except Exception as exc:  # ValueError, or anything a hostile payload finds
             self.stats.errors += 1
             log.warning("affinity sync: skipped a malformed message on %s: %s", self.channel, exc)
-            return 0
-        if pod == self.pod_id:
             return 0
         applied = 0
         for route, replica, keys, prompt_tokens in records:
@@ -190,6 +219,8 @@ class AffinitySync:
         )
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._subscribe_loop()), loop.create_task(self._publish_loop())]
+        if self.peer_load is not None:
+            self._tasks.append(loop.create_task(self._load_loop()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -197,6 +228,8 @@ class AffinitySync:
         self._tasks = []
         for index in self._indexes.values():
             index.listener = None
+        if self.peer_load is not None:
+            self.peer_load.forget_all()
         if self._redis is not None:
             await self._redis.aclose()
             self._redis = None
@@ -271,3 +304,24 @@ class AffinitySync:
                 self.stats.published += len(batch)
                 self._publish_failing = False
                 backoff = _BACKOFF_START_S
+
+    async def _load_loop(self) -> None:
+        """Publish this process's per-replica load every interval (when it changed, or each second)."""
+        assert self.peer_load is not None
+        last: Report | None = None
+        sent_at = 0.0
+        while True:
+            await asyncio.sleep(self._load_interval)
+            now = time.monotonic()
+            self.peer_load.expire(now)
+            self.stats.peers = self.peer_load.peers
+            report = self.peer_load.local_report()
+            if report == last and now - sent_at < _LOAD_HEARTBEAT_S:
+                continue
+            try:
+                await self._redis.publish(self.channel, encode_load(self.pod_id, report))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the subscriber loop logs and counts the outage
+                continue
+            last, sent_at = report, now

@@ -10,7 +10,7 @@ import base64
 import contextlib
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 
 from gateway.routing.affinity import AffinityIndex
 from gateway.state.affinity_sync import AffinitySync, decode, encode
+from tests.polling import until
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 NAMES = ["r0", "r1", "r2", "r3"]
@@ -32,16 +33,6 @@ def index() -> AffinityIndex:
 def chain(n: int, seed: int) -> list[int]:
     rnd = random.Random(seed)
     return [rnd.getrandbits(64) for _ in range(n)]
-
-
-async def until(check: Callable[[], object], timeout: float = 10.0) -> None:
-    """Poll with a deadline (no fixed sleeps)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 def test_wire_format_round_trips_64_bit_keys() -> None:
