@@ -20,6 +20,9 @@ Wire format (one pub/sub message per batch, JSON)::
     {"v": 1, "pod": "<id>", "records": [[route, replica, prompt_tokens or 0, "<keys>"], ...]}
 
 where ``<keys>`` is the base64 of the stored block keys as little-endian u64, deepest first.
+The same channel carries each process's load reports (:mod:`gateway.state.peer_load`),
+``{"v": 1, "pod": "<id>", "load": {"<replica>": [in_flight, queued_prefill_tokens], ...}}``,
+published every ``load_interval_ms`` when ``state.share_load`` is on.
 Messages from this process, for unknown routes or replicas, or malformed, are skipped and
 counted; none of them can raise into the gateway.
 """
