@@ -220,6 +220,16 @@ class StateSettings(_Strict):
         3.0, gt=0.0, le=600.0, description="a peer's load report older than this is dropped (the peer is gone)"
     )
 
+    @model_validator(mode="after")
+    def _ttl_outlives_reports(self) -> StateSettings:
+        every = max(1.0, self.load_interval_ms / 1000.0)  # a report goes out at least this often
+        if self.peer_load_ttl_s <= 2 * every:
+            raise ValueError(
+                f"peer_load_ttl_s ({self.peer_load_ttl_s}) must exceed twice the report interval ({every:g} s), "
+                "or peers' load would flicker out between reports"
+            )
+        return self
+
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, value: str) -> str:

@@ -208,8 +208,10 @@ def _replica_rows(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> li
             "healthy": replica.healthy,
             "eligible": replica.healthy,
             "weight": replica.weight,
-            "in_flight": replica.in_flight,
-            "pending_prefill_tokens": replica.pending_prefill_tokens,
+            # as the policy sees them: this gateway's requests plus its peers' (state.share_load)
+            "in_flight": replica.in_flight + replica.peer_in_flight,
+            "pending_prefill_tokens": replica.pending_prefill_tokens + replica.peer_pending_prefill_tokens,
+            "peer_in_flight": replica.peer_in_flight,
             "chosen": replica.name == plan.decision.replica,
             "engine": None
             if engine is None

@@ -20,7 +20,8 @@ Wire format (one pub/sub message per batch, JSON)::
     {"v": 1, "pod": "<id>", "records": [[route, replica, prompt_tokens or 0, "<keys>"], ...]}
 
 where ``<keys>`` is the base64 of the stored block keys as little-endian u64, deepest first.
-The same channel carries each process's load reports (:mod:`gateway.state.peer_load`),
+The channel ``<channel>:load`` carries each process's load reports
+(:mod:`gateway.state.peer_load`),
 ``{"v": 1, "pod": "<id>", "load": {"<replica>": [in_flight, queued_prefill_tokens], ...}}``,
 published every ``load_interval_ms`` when ``state.share_load`` is on.
 Messages from this process, for unknown routes or replicas, or malformed, are skipped and
@@ -153,6 +154,8 @@ class AffinitySync:
     ) -> None:
         self.redis_url = redis_url
         self.channel = channel
+        # load reports on their own channel: a process that does not share load never sees them
+        self.load_channel = channel + ":load"
         self.pod_id = pod_id or uuid.uuid4().hex[:16]
         self.stats = SyncStats()
         self._indexes = dict(indexes)
@@ -252,7 +255,7 @@ class AffinitySync:
         while True:
             pubsub = self._redis.pubsub()
             try:
-                await pubsub.subscribe(self.channel)
+                await pubsub.subscribe(self.channel, self.load_channel)
                 self._set_connected(True)
                 backoff = _BACKOFF_START_S
                 loop = asyncio.get_running_loop()
@@ -309,22 +312,31 @@ class AffinitySync:
                 backoff = _BACKOFF_START_S
 
     async def _load_loop(self) -> None:
-        """Publish this process's per-replica load every interval (when it changed, or each second)."""
+        """Publish this process's per-replica load every interval (when it changed, or each second).
+
+        Also where stale peer reports expire, so nothing in the body may block for long (the
+        publish is bounded by one second) or end the loop (a failure is logged once).
+        """
         assert self.peer_load is not None
         last: Report | None = None
         sent_at = 0.0
+        failing = False
         while True:
             await asyncio.sleep(self._load_interval)
-            now = time.monotonic()
-            self.peer_load.expire(now)
-            self.stats.peers = self.peer_load.peers
-            report = self.peer_load.local_report()
-            if report == last and now - sent_at < _LOAD_HEARTBEAT_S:
-                continue
             try:
-                await self._redis.publish(self.channel, encode_load(self.pod_id, report))
+                now = time.monotonic()
+                self.peer_load.expire(now)
+                self.stats.peers = self.peer_load.peers
+                report = self.peer_load.local_report()
+                if report == last and now - sent_at < _LOAD_HEARTBEAT_S:
+                    continue
+                await asyncio.wait_for(
+                    self._redis.publish(self.load_channel, encode_load(self.pod_id, report)), _LOAD_HEARTBEAT_S
+                )
+                last, sent_at, failing = report, now, False
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the subscriber loop logs and counts the outage
-                continue
-            last, sent_at = report, now
+            except Exception as exc:  # Redis away (the subscriber loop counts the outage), or a bug
+                if not failing:
+                    log.warning("affinity sync: cannot publish load (%s); retrying every interval", exc)
+                    failing = True

@@ -12,6 +12,7 @@ from gateway.routing.affinity import AffinityIndex
 from gateway.state.affinity_sync import AffinitySync
 from gateway.state.peer_load import PeerLoad, parse_load
 from tests.polling import until
+from tests.state.redis_proxy import FlakyProxy
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -40,6 +41,13 @@ def test_peers_reports_add_up_and_expire() -> None:
     assert replicas["r1"].peer_pending_prefill_tokens == 0
 
 
+def load_sync(replicas: dict[str, Replica], url: str, channel: str) -> AffinitySync:
+    """A process sharing only load (its affinity index stays empty), reporting every 20 ms."""
+    index = AffinityIndex(1000)
+    index.set_members(replicas)
+    return AffinitySync(url, channel, {"chat": index}, peer_load=PeerLoad(replicas, ttl_s=0.5), load_interval_s=0.02)
+
+
 @pytest.mark.parametrize("rows", [[1, 2], {"r0": [1]}, {"r0": [1, -1]}, {"r0": [1, "2"]}, {"r0": [True, 1]}])
 def test_malformed_load_rows_are_rejected(rows: object) -> None:
     with pytest.raises(ValueError):
@@ -49,15 +57,7 @@ def test_malformed_load_rows_are_rejected(rows: object) -> None:
 async def test_a_peers_load_reaches_this_process_through_redis_and_goes_when_it_does() -> None:
     channel = f"test-load-{uuid.uuid4().hex}"
     a_replicas, b_replicas = fleet(), fleet()
-
-    def sync(replicas: dict[str, Replica]) -> AffinitySync:
-        index = AffinityIndex(1000)
-        index.set_members(replicas)
-        return AffinitySync(
-            REDIS_URL, channel, {"chat": index}, peer_load=PeerLoad(replicas, ttl_s=0.5), load_interval_s=0.02
-        )
-
-    a, b = sync(a_replicas), sync(b_replicas)
+    a, b = load_sync(a_replicas, REDIS_URL, channel), load_sync(b_replicas, REDIS_URL, channel)
     await a.start()
     await b.start()
     try:
@@ -65,6 +65,7 @@ async def test_a_peers_load_reaches_this_process_through_redis_and_goes_when_it_
         await until(lambda: b_replicas["r1"].view().in_flight == 3)
         assert b_replicas["r1"].view().pending_prefill_tokens == 5000
         assert b_replicas["r1"].in_flight == 0  # b's own count is untouched
+        assert a_replicas["r1"].peer_in_flight == 0  # a never applies its own report
         await until(lambda: b.stats.peers == 1)
         a_replicas["r1"].in_flight, a_replicas["r1"].pending_prefill_tokens = 0, 0
         await until(lambda: b_replicas["r1"].view().in_flight == 0)
@@ -75,3 +76,32 @@ async def test_a_peers_load_reaches_this_process_through_redis_and_goes_when_it_
     finally:
         await a.stop()  # a second stop() is harmless
         await b.stop()
+
+
+async def test_a_peers_load_expires_while_redis_is_unreachable() -> None:
+    channel = f"test-load-{uuid.uuid4().hex}"
+    proxy = FlakyProxy()
+    await proxy.up()
+    a_replicas, b_replicas = fleet(), fleet()
+    a = load_sync(a_replicas, REDIS_URL, channel)
+    b = load_sync(b_replicas, f"redis://127.0.0.1:{proxy.port}/0", channel)
+    await a.start()
+    await b.start()
+    try:
+        a_replicas["r0"].in_flight = 2
+        await until(lambda: b_replicas["r0"].view().in_flight == 2)
+        await proxy.down()  # b hears nothing more: a's last report must not count forever
+        await until(lambda: b_replicas["r0"].view().in_flight == 0, timeout=5)
+        assert a_replicas["r0"].in_flight == 2  # a is still busy: b just cannot know any more
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+def test_the_peer_ttl_must_outlive_the_report_interval() -> None:
+    from gateway.config import ConfigError, parse_config
+
+    replicas = [{"name": "r0", "url": "http://127.0.0.1:9"}]
+    with pytest.raises(ConfigError, match="peer_load_ttl_s"):
+        parse_config({"state": {"backend": "redis", "peer_load_ttl_s": 1.5}, "replicas": replicas}, "<test>")
+    parse_config({"state": {"backend": "redis", "peer_load_ttl_s": 2.5}, "replicas": replicas}, "<test>")
