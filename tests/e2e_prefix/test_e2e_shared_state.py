@@ -71,3 +71,37 @@ def test_without_shared_state_the_other_gateway_does_not_know(
         assert explain(gw_b, messages)["reason"] != "affinity"
         with admin(gw_b) as http:
             assert http.get("/admin/stats").json()["state"] == {"backend": "memory"}
+
+
+def test_a_peers_requests_count_in_this_gateways_load(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """B routes around the replica A is keeping busy, although B itself sent nothing there."""
+    import threading
+
+    from gateway.sim.launcher import run_replicas
+
+    monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
+    channel = f"test-e2e-load-{uuid.uuid4().hex}"
+    slow = {"time_scale": 1.0, "prefill_tokens_per_s": 2000.0, "decode_ms_per_token": 100.0}
+    with (
+        run_replicas(2, log_dir=tmp_path / "sims", disable_uvicorn_access_log=True, **slow) as urls,
+        gateway(urls, state=shared(channel)) as gw_a,
+        gateway(urls, state=shared(channel)) as gw_b,
+    ):
+        for gw in (gw_a, gw_b):
+            wait_for(lambda gw=gw: gw.gateway.state_sync.stats.connected, what="subscribed to Redis")
+
+        def prompt(i: int) -> list[dict[str, Any]]:
+            return [{"role": "user", "content": f"Topic {i}: " + "tell me about it. " * 80}]
+
+        # a request that B, on an idle fleet, would send to r0 (its ring home)
+        probe = next(prompt(i) for i in range(50) if explain(gw_b, prompt(i))["replica"] == "r0")
+        # A keeps r0 busy with a request of its own (2 s of decoding)
+        busy = next(prompt(100 + i) for i in range(50) if explain(gw_a, prompt(100 + i))["replica"] == "r0")
+        options = {"max_tokens": 20, "extra_body": {"ignore_eos": True}}
+        thread = threading.Thread(target=ask, args=(client(gw_a), busy), kwargs=options, daemon=True)
+        thread.start()
+        wait_for(lambda: gw_b.gateway.replicas["r0"].peer_in_flight == 1, what="A's load reported to B")
+        assert gw_b.gateway.replicas["r0"].in_flight == 0  # B itself sent nothing there
+        assert explain(gw_b, probe)["replica"] == "r1"  # the ring home is busy with A's request
+        thread.join(timeout=30)
+        wait_for(lambda: gw_b.gateway.replicas["r0"].peer_in_flight == 0, what="A's request done, as B sees it")
