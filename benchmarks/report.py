@@ -16,7 +16,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -359,111 +359,89 @@ def charts(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
     colors = _policy_colors(all_policies)
     paths = []
 
-    def grid_fig(title: str) -> tuple[Any, Any]:
+    def panels(title: str, filename: str) -> Iterator[tuple[Any, Mapping[str, Any]]]:
+        """One figure, a panel per workload x level: yields each panel with data, then saves the figure."""
         fig, axes = plt.subplots(
             len(workloads), len(levels), figsize=(max(6.5 * len(levels), 8.0), 3.4 * len(workloads)), squeeze=False
         )
         fig.suptitle(title, fontsize=13)
-        return fig, axes
+        for i, wname in enumerate(workloads):
+            for j, level in enumerate(levels):
+                ax = axes[i][j]
+                data = results["workloads"][wname].get("levels", {}).get(level)
+                ax.set_title(f"{wname} @ {level}", fontsize=10)
+                if not data:
+                    ax.axis("off")
+                    continue
+                yield ax, data
+        fig.tight_layout()
+        paths.append(out_dir / filename)
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
 
     # 1. hit rate per policy, with the pooled oracle and the 95 % line
-    fig, axes = grid_fig("Prefix-cache hit rate (sum cached / sum prompt tokens)")
-    for i, wname in enumerate(workloads):
-        for j, level in enumerate(levels):
-            ax = axes[i][j]
-            data = results["workloads"][wname].get("levels", {}).get(level)
-            ax.set_title(f"{wname} @ {level}", fontsize=10)
-            if not data:
-                ax.axis("off")
-                continue
-            names = list(data.get("runs", {}))
-            vals = [(data["runs"][n].get("hit_rate") or 0) * 100 for n in names]
-            ax.bar(names, vals, color=[colors[n] for n in names])
-            ohit = _get(data.get(ORACLE), "hit_rate")
-            if ohit is not None:
-                ax.axhline(ohit * 100, color="black", lw=1.2, label=f"pooled oracle {ohit:.0%}")
-                ax.axhline(ohit * 100 * HIT_OF_ORACLE, color="black", lw=0.8, ls="--", label="95% of oracle")
-                ax.legend(fontsize=7, loc="upper left")
-            for k, v in enumerate(vals):
-                ax.text(k, v, f"{v:.0f}%", ha="center", va="bottom", fontsize=7)
-            ax.set_ylim(0, max([*vals, (ohit or 0) * 100, 8]) * 1.25)
-            ax.set_ylabel("hit rate %", fontsize=8)
-            ax.tick_params(axis="x", labelsize=7, rotation=20)
-    fig.tight_layout()
-    paths.append(out_dir / "policies_hit_rate.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    for ax, data in panels("Prefix-cache hit rate (sum cached / sum prompt tokens)", "policies_hit_rate.png"):
+        names = list(data.get("runs", {}))
+        vals = [(data["runs"][n].get("hit_rate") or 0) * 100 for n in names]
+        ax.bar(names, vals, color=[colors[n] for n in names])
+        ohit = _get(data.get(ORACLE), "hit_rate")
+        if ohit is not None:
+            ax.axhline(ohit * 100, color="black", lw=1.2, label=f"pooled oracle {ohit:.0%}")
+            ax.axhline(ohit * 100 * HIT_OF_ORACLE, color="black", lw=0.8, ls="--", label="95% of oracle")
+            ax.legend(fontsize=7, loc="upper left")
+        for k, v in enumerate(vals):
+            ax.text(k, v, f"{v:.0f}%", ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(0, max([*vals, (ohit or 0) * 100, 8]) * 1.25)
+        ax.set_ylabel("hit rate %", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7, rotation=20)
 
     # 2. TTFT percentiles per policy (log scale)
-    fig, axes = grid_fig("Time to first token, client-side (wall ms, log scale)")
-    for i, wname in enumerate(workloads):
-        for j, level in enumerate(levels):
-            ax = axes[i][j]
-            data = results["workloads"][wname].get("levels", {}).get(level)
-            ax.set_title(f"{wname} @ {level}", fontsize=10)
-            if not data:
-                ax.axis("off")
-                continue
-            runs = dict(data.get("runs", {}))
-            if data.get(ORACLE):
-                runs["oracle"] = data[ORACLE]
-            names = list(runs)
-            width = 0.27
-            for k, (q, alpha) in enumerate((("p50", 1.0), ("p90", 0.65), ("p99", 0.35))):
-                xs = [x + (k - 1) * width for x in range(len(names))]
-                vals = [max(_get(runs[n], "ttft_ms", q) or 0.0, 0.1) for n in names]
-                ax.bar(
-                    xs,
-                    vals,
-                    width,
-                    alpha=alpha,
-                    label=q,
-                    color=[colors.get(n, (0.3, 0.3, 0.3, 1)) for n in names],
-                    edgecolor="black",
-                    linewidth=0.3,
-                )
-            ax.set_xticks(range(len(names)), names, fontsize=7, rotation=20)
-            ax.set_yscale("log")
-            ax.set_ylabel("ms", fontsize=8)
-            shades = [Patch(facecolor="grey", alpha=a, edgecolor="black", lw=0.3) for a in (1.0, 0.65, 0.35)]
-            ax.legend(shades, ["p50", "p90", "p99"], fontsize=7, loc="upper right", ncol=3)
-            bottom, top = ax.get_ylim()
-            ax.set_ylim(bottom, top * 2.2)  # headroom for the legend on the log scale
-    fig.tight_layout()
-    paths.append(out_dir / "policies_ttft.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    for ax, data in panels("Time to first token, client-side (wall ms, log scale)", "policies_ttft.png"):
+        runs = dict(data.get("runs", {}))
+        if data.get(ORACLE):
+            runs["oracle"] = data[ORACLE]
+        names = list(runs)
+        width = 0.27
+        for k, (q, alpha) in enumerate((("p50", 1.0), ("p90", 0.65), ("p99", 0.35))):
+            xs = [x + (k - 1) * width for x in range(len(names))]
+            vals = [max(_get(runs[n], "ttft_ms", q) or 0.0, 0.1) for n in names]
+            ax.bar(
+                xs,
+                vals,
+                width,
+                alpha=alpha,
+                label=q,
+                color=[colors.get(n, (0.3, 0.3, 0.3, 1)) for n in names],
+                edgecolor="black",
+                linewidth=0.3,
+            )
+        ax.set_xticks(range(len(names)), names, fontsize=7, rotation=20)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms", fontsize=8)
+        shades = [Patch(facecolor="grey", alpha=a, edgecolor="black", lw=0.3) for a in (1.0, 0.65, 0.35)]
+        ax.legend(shades, ["p50", "p90", "p99"], fontsize=7, loc="upper right", ncol=3)
+        bottom, top = ax.get_ylim()
+        ax.set_ylim(bottom, top * 2.2)  # headroom for the legend on the log scale
 
     # 3. per-replica load: time-averaged in-flight per replica, per policy
-    fig, axes = grid_fig("Per-replica load: time-averaged in-flight requests (under each policy: avg max/mean)")
-    for i, wname in enumerate(workloads):
-        for j, level in enumerate(levels):
-            ax = axes[i][j]
-            data = results["workloads"][wname].get("levels", {}).get(level)
-            ax.set_title(f"{wname} @ {level}", fontsize=10)
-            if not data:
-                ax.axis("off")
-                continue
-            names = list(data.get("runs", {}))
-            replicas: list[str] = []
-            for n in names:
-                for r in _get(data["runs"][n], "load", "replicas") or []:
-                    if r not in replicas:
-                        replicas.append(r)
-            width = 0.8 / max(len(replicas), 1)
-            for k, rep in enumerate(replicas):
-                xs = [x + (k - (len(replicas) - 1) / 2) * width for x in range(len(names))]
-                vals = [(_get(data["runs"][n], "load", "mean_in_flight") or {}).get(rep, 0.0) for n in names]
-                ax.bar(xs, vals, width, label=rep, color=plt.cm.Greys(0.35 + 0.5 * k / max(len(replicas), 1)))
-            labels = [f"{n}\n{_fmt(_get(data['runs'][n], 'load', 'max_over_mean'), '.2f')}" for n in names]
-            ax.set_xticks(range(len(names)), labels, fontsize=7)
-            ax.set_ylabel("in-flight (avg)", fontsize=8)
-            ax.set_ylim(0, ax.get_ylim()[1] * 1.15)  # headroom for the legend
-            ax.legend(fontsize=6, ncol=len(replicas), loc="upper left")
-    fig.tight_layout()
-    paths.append(out_dir / "policies_load.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    load_title = "Per-replica load: time-averaged in-flight requests (under each policy: avg max/mean)"
+    for ax, data in panels(load_title, "policies_load.png"):
+        names = list(data.get("runs", {}))
+        replicas: list[str] = []
+        for n in names:
+            for r in _get(data["runs"][n], "load", "replicas") or []:
+                if r not in replicas:
+                    replicas.append(r)
+        width = 0.8 / max(len(replicas), 1)
+        for k, rep in enumerate(replicas):
+            xs = [x + (k - (len(replicas) - 1) / 2) * width for x in range(len(names))]
+            vals = [(_get(data["runs"][n], "load", "mean_in_flight") or {}).get(rep, 0.0) for n in names]
+            ax.bar(xs, vals, width, label=rep, color=plt.cm.Greys(0.35 + 0.5 * k / max(len(replicas), 1)))
+        labels = [f"{n}\n{_fmt(_get(data['runs'][n], 'load', 'max_over_mean'), '.2f')}" for n in names]
+        ax.set_xticks(range(len(names)), labels, fontsize=7)
+        ax.set_ylabel("in-flight (avg)", fontsize=8)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.15)  # headroom for the legend
+        ax.legend(fontsize=6, ncol=len(replicas), loc="upper left")
     return paths
 
 
