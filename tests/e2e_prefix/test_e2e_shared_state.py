@@ -19,8 +19,8 @@ from gateway.sim.launcher import ReplicaGroup
 SYSTEM = {"role": "system", "content": "You are the support desk for a railway company. " * 40}
 
 
-def shared(channel: str) -> dict[str, Any]:
-    return {"backend": "redis", "redis_url": "redis://127.0.0.1:6379/0", "channel": channel, "batch_interval_ms": 1}
+def shared(channel: str, redis_url: str) -> dict[str, Any]:
+    return {"backend": "redis", "redis_url": redis_url, "channel": channel, "batch_interval_ms": 1}
 
 
 def explain(gw: Any, messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -30,10 +30,15 @@ def explain(gw: Any, messages: list[dict[str, Any]]) -> dict[str, Any]:
     return response.json()["decision"]
 
 
-def test_a_conversation_keeps_its_replica_across_gateways(fleet: ReplicaGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_conversation_keeps_its_replica_across_gateways(
+    fleet: ReplicaGroup, monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
     monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
     channel = f"test-e2e-affinity-{uuid.uuid4().hex}"
-    with gateway(fleet.urls, state=shared(channel)) as gw_a, gateway(fleet.urls, state=shared(channel)) as gw_b:
+    with (
+        gateway(fleet.urls, state=shared(channel, redis_url)) as gw_a,
+        gateway(fleet.urls, state=shared(channel, redis_url)) as gw_b,
+    ):
         for gw in (gw_a, gw_b):
             wait_for(lambda gw=gw: gw.gateway.state_sync.stats.connected, what="subscribed to Redis")
         messages = [SYSTEM, {"role": "user", "content": "My train was late, can I get a refund?"}]
@@ -73,7 +78,9 @@ def test_without_shared_state_the_other_gateway_does_not_know(
             assert http.get("/admin/stats").json()["state"] == {"backend": "memory"}
 
 
-def test_a_peers_requests_count_in_this_gateways_load(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_peers_requests_count_in_this_gateways_load(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
     """B routes around the replica A is keeping busy, although B itself sent nothing there."""
     import threading
 
@@ -84,8 +91,8 @@ def test_a_peers_requests_count_in_this_gateways_load(tmp_path: Any, monkeypatch
     slow = {"time_scale": 1.0, "prefill_tokens_per_s": 2000.0, "decode_ms_per_token": 100.0}
     with (
         run_replicas(2, log_dir=tmp_path / "sims", disable_uvicorn_access_log=True, **slow) as urls,
-        gateway(urls, state=shared(channel)) as gw_a,
-        gateway(urls, state=shared(channel)) as gw_b,
+        gateway(urls, state=shared(channel, redis_url)) as gw_a,
+        gateway(urls, state=shared(channel, redis_url)) as gw_b,
     ):
         for gw in (gw_a, gw_b):
             wait_for(lambda gw=gw: gw.gateway.state_sync.stats.connected, what="subscribed to Redis")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from urllib.parse import urlsplit
 
 
 class FlakyProxy:
-    """A TCP forwarder to the real Redis that the test can cut and restore (same port)."""
+    """A TCP forwarder to the test session's Redis that the test can cut and restore (same port)."""
 
-    def __init__(self) -> None:
+    def __init__(self, redis_url: str) -> None:
+        target = urlsplit(redis_url)
+        self._target = (target.hostname or "127.0.0.1", target.port or 6379)
         self.port = 0
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
@@ -27,7 +30,7 @@ class FlakyProxy:
         await self._server.wait_closed()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", 6379)
+        up_reader, up_writer = await asyncio.open_connection(*self._target)
         self._writers += [writer, up_writer]
 
         async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:

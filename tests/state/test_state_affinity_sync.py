@@ -1,4 +1,4 @@
-"""Affinity records shared between gateway processes through a real Redis (127.0.0.1:6379).
+"""Affinity records shared between gateway processes through a real Redis (the session's: tests/redis_server.py).
 
 Each test uses its own channel, so runs (and other tests) never see each other's messages.
 """
@@ -20,7 +20,6 @@ from gateway.state.affinity_sync import AffinitySync, decode, encode
 from tests.polling import until
 from tests.state.redis_proxy import FlakyProxy
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 NAMES = ["r0", "r1", "r2", "r3"]
 
 
@@ -61,11 +60,11 @@ def test_malformed_messages_are_rejected(payload: bytes) -> None:
         decode(payload)
 
 
-async def test_a_record_made_by_one_gateway_reaches_the_other() -> None:
+async def test_a_record_made_by_one_gateway_reaches_the_other(redis_url: str) -> None:
     channel = f"test-affinity-{uuid.uuid4().hex}"
     a_index, b_index = index(), index()
-    a = AffinitySync(REDIS_URL, channel, {"chat": a_index}, batch_interval_s=0.001)
-    b = AffinitySync(REDIS_URL, channel, {"chat": b_index}, batch_interval_s=0.001)
+    a = AffinitySync(redis_url, channel, {"chat": a_index}, batch_interval_s=0.001)
+    b = AffinitySync(redis_url, channel, {"chat": b_index}, batch_interval_s=0.001)
     await a.start()
     await b.start()
     try:
@@ -84,7 +83,7 @@ async def test_a_record_made_by_one_gateway_reaches_the_other() -> None:
         a_index.record("r9", chain(8, 2))
         await until(lambda: b.stats.ignored == 1)
         # a malformed message is counted, and later ones still apply
-        raw = aioredis.from_url(REDIS_URL)
+        raw = aioredis.from_url(redis_url)
         await raw.publish(channel, b"garbage")
         await raw.aclose()
         await until(lambda: b.stats.errors == 1)
@@ -112,7 +111,7 @@ async def test_without_redis_the_gateway_keeps_routing_and_says_so() -> None:
 
 async def test_the_pending_queue_is_bounded() -> None:
     idx = index()
-    sync = AffinitySync(REDIS_URL, "unused", {"chat": idx}, max_pending=3)
+    sync = AffinitySync("redis://127.0.0.1:1/0", "unused", {"chat": idx}, max_pending=3)
     for seed in range(5):  # not started: nothing is published, the queue keeps the newest 3
         idx.record("r0", chain(4, seed))
     assert sync.stats.dropped == 2
@@ -120,7 +119,7 @@ async def test_the_pending_queue_is_bounded() -> None:
 
 
 def test_hostile_payloads_are_counted_not_raised() -> None:
-    sync = AffinitySync(REDIS_URL, "unused", {"chat": index()})
+    sync = AffinitySync("redis://127.0.0.1:1/0", "unused", {"chat": index()})
     for payload in (b"[" * 200_000, b" " * (9 << 20), b'{"v": 1, "pod": "x", "records": [["chat", "r0", 0, 5]]}'):
         assert sync.apply(payload) == 0
     assert sync.stats.errors == 3
@@ -135,12 +134,12 @@ async def running(sync: AffinitySync) -> AsyncIterator[AffinitySync]:
         await sync.stop()
 
 
-async def test_sharing_resumes_after_redis_comes_back() -> None:
+async def test_sharing_resumes_after_redis_comes_back(redis_url: str) -> None:
     channel = f"test-affinity-{uuid.uuid4().hex}"
-    proxy = FlakyProxy()
+    proxy = FlakyProxy(redis_url)
     await proxy.up()
     a_index, b_index = index(), index()
-    a = AffinitySync(REDIS_URL, channel, {"chat": a_index}, batch_interval_s=0.001)
+    a = AffinitySync(redis_url, channel, {"chat": a_index}, batch_interval_s=0.001)
     b = AffinitySync(f"redis://127.0.0.1:{proxy.port}/0", channel, {"chat": b_index}, batch_interval_s=0.001)
     async with running(a), running(b):
         await until(lambda: a.stats.connected and b.stats.connected)

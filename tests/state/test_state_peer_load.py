@@ -14,8 +14,6 @@ from gateway.state.peer_load import PeerLoad, parse_load
 from tests.polling import until
 from tests.state.redis_proxy import FlakyProxy
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
 
 def fleet() -> dict[str, Replica]:
     return {
@@ -54,10 +52,10 @@ def test_malformed_load_rows_are_rejected(rows: object) -> None:
         parse_load(rows)
 
 
-async def test_a_peers_load_reaches_this_process_through_redis_and_goes_when_it_does() -> None:
+async def test_a_peers_load_reaches_this_process_through_redis_and_goes_when_it_does(redis_url: str) -> None:
     channel = f"test-load-{uuid.uuid4().hex}"
     a_replicas, b_replicas = fleet(), fleet()
-    a, b = load_sync(a_replicas, REDIS_URL, channel), load_sync(b_replicas, REDIS_URL, channel)
+    a, b = load_sync(a_replicas, redis_url, channel), load_sync(b_replicas, redis_url, channel)
     await a.start()
     await b.start()
     try:
@@ -78,12 +76,12 @@ async def test_a_peers_load_reaches_this_process_through_redis_and_goes_when_it_
         await b.stop()
 
 
-async def test_a_peers_load_expires_while_redis_is_unreachable() -> None:
+async def test_a_peers_load_expires_while_redis_is_unreachable(redis_url: str) -> None:
     channel = f"test-load-{uuid.uuid4().hex}"
-    proxy = FlakyProxy()
+    proxy = FlakyProxy(redis_url)
     await proxy.up()
     a_replicas, b_replicas = fleet(), fleet()
-    a = load_sync(a_replicas, REDIS_URL, channel)
+    a = load_sync(a_replicas, redis_url, channel)
     b = load_sync(b_replicas, f"redis://127.0.0.1:{proxy.port}/0", channel)
     await a.start()
     await b.start()
