@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admin import router as admin_router
-from gateway.errors import GatewayError, NotFound, error_bytes, status_error_body
+from gateway.errors import GatewayError, NotFound, Unauthorized, error_bytes, status_error_body
 from gateway.middleware import RequestContextMiddleware
 from gateway.proxy.handler import ProxyEndpoint
 from gateway.service import ENDPOINT_PATHS, Gateway
@@ -68,10 +68,15 @@ def build_fastapi(gateway: Gateway) -> FastAPI:
         finally:
             await gateway.stop()
 
+    expose = gateway.config.server.expose_openapi
     app = FastAPI(
         title="prefix-gateway",
         summary="Prefix-cache-aware OpenAI-compatible gateway for vLLM fleets",
         lifespan=lifespan,
+        # closed unless configured (docs/security.md: what is public)
+        openapi_url="/openapi.json" if expose else None,
+        docs_url="/docs" if expose else None,
+        redoc_url="/redoc" if expose else None,
     )
     app.state.gateway = gateway
 
@@ -82,6 +87,11 @@ def build_fastapi(gateway: Gateway) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette still logs the traceback; the client gets OpenAI's shape, not plain text
+        return _error_response(500, "internal gateway error", code="internal_error")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -108,8 +118,12 @@ def build_fastapi(gateway: Gateway) -> FastAPI:
 
     # -- OpenAI API ------------------------------------------------------------------
     @app.get("/v1/models", tags=["openai"])
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
         """The union of the models that healthy replicas serve (and some route accepts)."""
+        if gateway.client_keys.enabled and not gateway.client_keys.check_authorization(
+            request.headers.get("authorization")
+        ):
+            raise Unauthorized("Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
         return {"object": "list", "data": await gateway.models()}
 
     for endpoint, path in ENDPOINT_PATHS.items():

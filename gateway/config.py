@@ -60,6 +60,11 @@ class ServerSettings(_Strict):
         "x-request-id", description="accepted from clients, generated if absent, sent upstream"
     )
     timeout_graceful_shutdown_s: float = Field(10.0, ge=0, description="how long in-flight requests get on shutdown")
+    expose_openapi: bool = Field(
+        False,
+        description="serve /openapi.json, /docs and /redoc (off: they answer 404; the API is OpenAI's, "
+        "the schema only helps someone mapping the gateway)",
+    )
 
 
 class UpstreamSettings(_Strict):
@@ -88,9 +93,10 @@ class UpstreamSettings(_Strict):
         "when the client did not ask, so token metrics cover streams too",
     )
     forward_client_authorization: bool = Field(
-        True,
-        description="pass the client's Authorization header upstream when the replica has no api_key "
-        "and gateway client keys are off",
+        False,
+        description="pass the client's Authorization header upstream (instead of the replica's api_key) "
+        "for every route; off by default so a key meant for the gateway never reaches a backend "
+        "(routes can override: routes[].forward_client_authorization)",
     )
 
 
@@ -321,6 +327,11 @@ class RouteConfig(_Strict):
     )
     policy_settings: dict[str, Any] = Field(default_factory=dict, description="validated by the policy's own model")
     session_header: str = Field("x-session-id", description="header whose value becomes the request's session key")
+    forward_client_authorization: bool | None = Field(
+        None,
+        description="send the client's Authorization header to this route's replicas instead of their "
+        "api_key (null: upstream.forward_client_authorization)",
+    )
     normalize: NormalizeSettings = Field(default_factory=NormalizeSettings, description="volatile-span handling")
     prefix: PrefixSettings = Field(default_factory=PrefixSettings, description="prefix tokenization and keying")
 

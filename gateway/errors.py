@@ -86,6 +86,15 @@ class UpstreamUnavailable(GatewayError):
     kind = "upstream_connect"
 
 
+class UpstreamRedirect(GatewayError):
+    """A replica answered with a redirect: never followed (the prompt must not go to another host)."""
+
+    status = 502
+    type = "server_error"
+    code = "upstream_redirect"
+    kind = "upstream_redirect"
+
+
 class UpstreamTimeout(GatewayError):
     status = 504
     type = "server_error"

@@ -392,7 +392,7 @@ class _OfflineClient:
     async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Any:
         raise UpstreamConnectError("offline explain never contacts a replica", before_send=True)
 
-    async def get(self, path: str, timeout_s: float) -> tuple[int, bytes]:
+    async def get(self, path: str, timeout_s: float, headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
         raise UpstreamConnectError("offline explain never contacts a replica", before_send=True)
 
 

@@ -56,6 +56,27 @@ def configure_logging(settings: LoggingSettings) -> None:
         logging.getLogger(name).disabled = True
 
 
+def log_safe(text: str) -> str:
+    """``text`` with control characters, backslashes and quotes escaped, for one log line.
+
+    The request path is percent-decoded by the server: ``/v1/x%0A2026-... INFO forged`` would
+    otherwise start a forged line in the text log (and a quote would end the quoted field).
+    Printable text (every normal path) is returned as is, after one C-speed check.
+    """
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return text
+    out = []
+    for ch in text:
+        if ch == '"' or ch == "\\":
+            out.append("\\" + ch)
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return "".join(out)
+
+
 class AccessLog:
     """Writes one line per finished request (called by the access middleware)."""
 
@@ -79,6 +100,7 @@ class AccessLog:
     ) -> None:
         if not self._log.isEnabledFor(logging.INFO):
             return
+        method, path = log_safe(method), log_safe(path)
         fields: dict[str, Any] = {
             "client": client,
             "method": method,

@@ -22,8 +22,14 @@ ROOT_KEY = 0x9E3779B97F4A7C15
 
 
 def first_block_seed(model: str, lora: str | None = None, cache_salt: str | None = None) -> int:
-    """Seed for block 0 from the extra keys; ``None`` and ``""`` are the same (no salt/LoRA)."""
-    extra = f"{model}\x00{lora or ''}\x00{cache_salt or ''}".encode()
+    """Seed for block 0 from the extra keys; ``None`` and ``""`` are the same (no salt/LoRA).
+
+    ``surrogatepass``: the names come from client JSON, where ``"\\ud800"`` is a valid escape
+    for a lone surrogate that plain UTF-8 cannot encode.  Valid text encodes exactly as
+    before (keys are unchanged); a lone surrogate gets its own distinct bytes instead of
+    raising.
+    """
+    extra = f"{model}\x00{lora or ''}\x00{cache_salt or ''}".encode("utf-8", "surrogatepass")
     return xxhash.xxh3_64_intdigest(extra, seed=ROOT_KEY & 0xFFFFFFFFFFFFFFFF)
 
 

@@ -26,9 +26,11 @@ from gateway.errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamReadTimeout,
+    UpstreamRedirect,
     UpstreamStreamFailed,
     UpstreamTimeout,
     UpstreamUnavailable,
+    error_bytes,
 )
 from gateway.observe.outcome import Outcome
 from gateway.proxy.parse import parse_body, read_body
@@ -71,8 +73,18 @@ def upstream_body(raw: bytes, body: dict[str, Any], plan: Plan, stream_usage: bo
         return raw[:end] + _STREAM_USAGE + raw[end:], True
     source = dict(rewritten if rewritten is not None else body)
     options = source.get("stream_options")
-    source["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    injected: dict[str, Any] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    if injected.get("continuous_usage_stats"):
+        # vLLM ignores continuous usage without include_usage; once we add include_usage it
+        # would put usage in every chunk the client never asked for, so keep it off.
+        injected["continuous_usage_stats"] = False
+    source["stream_options"] = injected
     return dumps(source), True
+
+
+def _is_json(content_type: str | None, data: bytes) -> bool:
+    """Whether an upstream error body is already JSON (vLLM's errors are), so it passes through."""
+    return bool(data) and content_type is not None and "json" in content_type.lower()
 
 
 def report_failure(replica: Replica, exc: UpstreamError) -> None:
@@ -222,14 +234,22 @@ class Exchange:
         plan.route.runner.release(replica, plan.request, self.decision, cached, completed)
 
     def _upstream_headers(self, replica: Replica) -> dict[str, str]:
+        """The client's Authorization goes upstream only where a route (or upstream) says so;
+        otherwise the replica's own configured key (or none)."""
         headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
-        if replica.auth_header:
+        auth = self.headers.get("authorization") if self._forward_authorization() else None
+        if auth:
+            headers["Authorization"] = auth
+        elif replica.auth_header:
             headers["Authorization"] = replica.auth_header
-        elif self.gw.config.upstream.forward_client_authorization and not self.gw.client_keys.enabled:
-            auth = self.headers.get("authorization")
-            if auth:
-                headers["Authorization"] = auth
         return headers
+
+    def _forward_authorization(self) -> bool:
+        if self.gw.client_keys.enabled:
+            return False  # then the client's Authorization is the gateway's own key: never passed on
+        plan = self.plan
+        per_route = plan.route.config.forward_client_authorization if plan is not None else None
+        return self.gw.config.upstream.forward_client_authorization if per_route is None else per_route
 
     def _next_replica(self, plan: Plan, tried: list[str]) -> tuple[Decision, Replica] | None:
         try:
@@ -343,6 +363,9 @@ class Exchange:
         else:
             self.outcome.error_kind = "upstream_status"
         content_type = (response.content_type or "application/json").encode("latin-1")
+        if status >= 300 and not _is_json(response.content_type, data):
+            data = self._shape_upstream_error(status)
+            status, content_type = (502 if status < 400 else status), _JSON
         headers = self._response_headers(content_type)
         headers.append((b"content-length", str(len(data)).encode()))
         self.outcome.status = status
@@ -351,6 +374,19 @@ class Exchange:
         self.done = True
         await self.send({"type": "http.response.body", "body": data, "more_body": False})
         self.added = (self.t_upstream - self.t0) + (perf_counter() - t_back)
+
+    def _shape_upstream_error(self, status: int) -> bytes:
+        """An OpenAI-shaped body for a replica's bare non-2xx answer (empty, HTML, a redirect).
+
+        A redirect is never passed on: its Location names a host behind the gateway, and an
+        SDK following it would send the prompt there.
+        """
+        name, rid = self.outcome.replica, self.request_id
+        if status < 400:
+            self.outcome.error_kind = UpstreamRedirect.kind
+            message = f"replica {name!r} answered with a redirect (HTTP {status}; request id {rid})"
+            return UpstreamRedirect(message).to_bytes()
+        return error_bytes(status, f"replica {name!r} answered HTTP {status} (request id {rid})")
 
     async def _relay_stream(self, response: UpstreamResponse, strip: bool) -> None:
         relay = StreamRelay(strip)

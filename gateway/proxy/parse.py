@@ -67,6 +67,38 @@ def _type_error(field: str, expected: str) -> BadRequest:
     return BadRequest(f"'{field}' must be {expected}", param=field, code="invalid_type")
 
 
+#: deepest JSON nesting accepted.  Real OpenAI bodies (tool schemas, multimodal content)
+#: stay far below; anything deeper only exists to crash recursive code downstream
+#: (``json`` itself raises ``RecursionError`` near 1,000 levels, and the normalizer, the
+#: chat template and ``json.dumps`` all recurse).
+MAX_JSON_DEPTH = 128
+
+
+def _too_deep(raw: bytes, value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value`` nests containers deeper than ``limit``.
+
+    Counting brackets in the raw bytes (C speed) settles almost every request: fewer
+    brackets than ``limit`` cannot nest that deep.  Only bodies with many brackets get the
+    iterative walk (no recursion: the point is to survive hostile depth).
+    """
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        for child in children:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
+def _too_deep_error() -> BadRequest:
+    return BadRequest(f"request body is nested too deeply (more than {MAX_JSON_DEPTH} levels)", code="invalid_json")
+
+
 def parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
     """Parse JSON and check the fields routing reads.  Raises :class:`BadRequest` (400)."""
     if not raw:
@@ -75,8 +107,12 @@ def parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise _too_deep_error() from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
+    if _too_deep(raw, body):
+        raise _too_deep_error()
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise (

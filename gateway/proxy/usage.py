@@ -66,6 +66,19 @@ def _event_payload(event: bytes) -> Any:
     return None
 
 
+def _detect_separator(buffer: bytes) -> bytes | None:
+    """The event separator, from the first complete one in ``buffer`` (None: none yet).
+
+    A CRLF stream never contains ``\n\n`` and an LF stream never ``\r\n\r\n``, so the first
+    one present decides — never a guess from a chunk that may end between ``\r`` and ``\n``.
+    """
+    if b"\r\n\r\n" in buffer:
+        return b"\r\n\r\n"
+    if b"\n\n" in buffer:
+        return b"\n\n"
+    return None
+
+
 class StreamRelay:
     """Feeds upstream bytes through; records usage; optionally strips gateway-added usage.
 
@@ -89,7 +102,10 @@ class StreamRelay:
         buffer = self._pending + data if self._pending else data
         sep = self._sep
         if sep is None:
-            sep = self._sep = b"\r\n\r\n" if b"\r\n" in buffer else b"\n\n"
+            sep = self._sep = _detect_separator(buffer)
+            if sep is None:  # no complete event yet: decide when one is (a chunk may end mid-"\r\n")
+                self._pending = buffer
+                return b""
         cut = buffer.rfind(sep)
         if cut < 0:
             self._pending = buffer

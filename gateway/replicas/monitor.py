@@ -22,6 +22,11 @@ from gateway.tasks import cancel_and_wait
 log = logging.getLogger("prefix_gateway.replicas")
 
 
+def _auth(replica: Replica) -> dict[str, str] | None:
+    """The replica's own key on background GETs: vLLM started with ``--api-key`` refuses ``/v1/models`` without it."""
+    return {"Authorization": replica.auth_header} if replica.auth_header else None
+
+
 class ReplicaMonitor:
     """Owns the replicas' clients and background loops."""
 
@@ -60,7 +65,7 @@ class ReplicaMonitor:
     # -- active health -------------------------------------------------------------------
     async def probe(self, replica: Replica) -> None:
         try:
-            status, _ = await replica.client.get(self.health.path, self.health.timeout_s)
+            status, _ = await replica.client.get(self.health.path, self.health.timeout_s, _auth(replica))
         except UpstreamError as exc:
             replica.record_probe(False, str(exc))
             return
@@ -72,7 +77,7 @@ class ReplicaMonitor:
     # -- engine scrape -----------------------------------------------------------------
     async def scrape_one(self, replica: Replica) -> None:
         try:
-            status, body = await replica.client.get(self.scrape.path, self.scrape.timeout_s)
+            status, body = await replica.client.get(self.scrape.path, self.scrape.timeout_s, _auth(replica))
             if status != 200:
                 raise UpstreamError(f"HTTP {status}")
             replica.set_engine(parse_engine_metrics(body.decode("utf-8", "replace")))
@@ -101,7 +106,7 @@ class ReplicaMonitor:
 
         async def one(replica: Replica) -> tuple[Replica, list[dict[str, Any]]] | None:
             try:
-                status, body = await replica.client.get("/v1/models", self.health.timeout_s)
+                status, body = await replica.client.get("/v1/models", self.health.timeout_s, _auth(replica))
                 data = json.loads(body) if status == 200 else None
             except (UpstreamError, ValueError):
                 return None

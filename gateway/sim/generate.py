@@ -113,7 +113,9 @@ async def _generate(
     engine = replica.engine
     if req.stream:
         opts = req.stream_options
-        job.stream_usage = (bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
+        include = bool(opts and opts.include_usage)
+        # like vLLM: continuous usage only together with include_usage
+        job.stream_usage = (include, include and bool(opts and opts.continuous_usage_stats))
         return await _stream(replica, job, receive, send)
     if engine.instant:
         _start(replica, job.reqs)

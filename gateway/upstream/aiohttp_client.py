@@ -115,11 +115,14 @@ class AiohttpUpstream:
             raise _translate(exc, started=False) from exc
         return AiohttpResponse(resp)
 
-    async def get(self, path: str, timeout_s: float) -> tuple[int, bytes]:
+    async def get(self, path: str, timeout_s: float, headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
         session = self._require()
         try:
             async with session.get(
-                self.base_url + path, timeout=aiohttp.ClientTimeout(total=timeout_s), allow_redirects=False
+                self.base_url + path,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                allow_redirects=False,
+                headers=headers,
             ) as resp:
                 return resp.status, await resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:

@@ -45,8 +45,12 @@ class UpstreamClient(Protocol):
         """Send a request and return once response headers are in."""
         ...
 
-    async def get(self, path: str, timeout_s: float) -> tuple[int, bytes]:
-        """A small bounded GET (health, metrics, models); raises ``UpstreamError`` on failure."""
+    async def get(self, path: str, timeout_s: float, headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
+        """A small bounded GET (health, metrics, models); raises ``UpstreamError`` on failure.
+
+        ``headers`` carries the replica's own ``Authorization`` (vLLM ``--api-key`` guards
+        ``/v1/models`` too).
+        """
         ...
 
 

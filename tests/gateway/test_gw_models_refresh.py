@@ -16,7 +16,7 @@ class CountingClient:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
+    async def get(self, path: str, timeout: float, headers: object = None) -> tuple[int, bytes]:
         self.calls += 1
         await asyncio.sleep(0.01)  # a slow replica, so that callers overlap
         return 200, json.dumps({"data": [{"id": "demo-model"}]}).encode()

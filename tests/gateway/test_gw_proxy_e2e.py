@@ -110,13 +110,19 @@ def test_health_ready_and_openapi(gw: RunningGateway) -> None:
     assert httpx.get(f"{gw.url}/health").json() == {"status": "ok"}
     ready = httpx.get(f"{gw.url}/ready")
     assert ready.status_code == 200 and ready.json()["routes"]["main"]["healthy_replicas"] == 4
-    paths = httpx.get(f"{gw.url}/openapi.json").json()["paths"]
+    assert httpx.get(f"{gw.url}/openapi.json").status_code == 404  # closed unless server.expose_openapi
+
+
+def test_openapi_when_exposed(echo_url: str) -> None:
+    with running_gateway([echo_url], server={"port": 0, "expose_openapi": True}) as gw:
+        paths = httpx.get(f"{gw.url}/openapi.json").json()["paths"]
     assert {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"} <= set(paths)
 
 
 def test_unknown_fields_and_headers_pass_through(echo_url: str) -> None:
-    """vLLM's extra sampling parameters reach the replica untouched; so do the request id and auth."""
-    with running_gateway([echo_url]) as gw:
+    """vLLM's extra sampling parameters reach the replica untouched; so do the request id and,
+    where the config says so, the client's auth."""
+    with running_gateway([echo_url], upstream={"forward_client_authorization": True}) as gw:
         c = client(gw, api_key="client-key")
         raw = c.chat.completions.with_raw_response.create(
             model=MODEL,
