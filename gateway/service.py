@@ -175,11 +175,13 @@ class Gateway:
             model,
             endpoint,
             session_key=headers.get(route.session_header),
-            block_keys=prepared.block_keys if prepared else (),
+            block_keys=prepared.keys if prepared else (),
             block_size=prepared.block_size if prepared else 0,
             prompt_tokens=prepared.window_tokens if prepared else None,
             prompt_tokens_estimate=prepared.prompt_tokens_estimate if prepared else None,
             stream=body.get("stream") is True,
+            token_blocks=len(prepared.block_keys) if prepared else None,
+            key_tokens=prepared.text_key_tokens if prepared else (),
         )
         decision, replica = route.runner.decide(request, dry_run=dry_run)
         return Plan(route, endpoint, prepared, request, decision, replica)

@@ -13,7 +13,7 @@ processes and machines (no Python ``hash()`` randomization).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import xxhash
 
@@ -57,5 +57,80 @@ def chain_block_keys(
     hasher = xxhash.xxh3_64_intdigest
     for i in range(full):
         parent = hasher(packed[i * stride : (i + 1) * stride], seed=parent)
+        keys.append(parent)
+    return keys
+
+
+# A continuation key's separator between messages: bytes that never start a UTF-8 character,
+# so a message boundary can never hash like text inside a message.
+_MESSAGE_MARK = b"\xff\xfe"
+
+
+def chain_text_keys(
+    messages: Iterable[Sequence[str]],
+    parent: int,
+    chunk_chars: int,
+    skip_chars: int = 0,
+) -> tuple[list[int], list[int]]:
+    """Continue a key chain over text, message by message, in chunks of ``chunk_chars``.
+
+    Token blocks stop at the window (tokenizing is what costs); past it, prompts still differ
+    and must get different keys.  Each message (a sequence of text pieces: its role, its
+    content, its tool calls) is cut into chunks of at most ``chunk_chars`` characters; a
+    message's last chunk ends at its own end.  So appending a message never changes the keys
+    of the content before it, and a conversation's next turn contains every key of the last.
+    Each key hashes its chunk with the previous key as seed (``parent`` first: the last token
+    block's key), so key *j* names everything up to its end, like a token block's key.
+
+    The chain runs over the whole text (no gap, whatever the characters per token), but keys
+    whose chunk ends within the first ``skip_chars`` characters are not returned: that text
+    lies inside the token window, which already tells prompts apart there.
+
+    Returns the keys and, for each, the characters of text up to its end (for a token
+    estimate).  Never recurses, never raises on odd text (lone surrogates are hashed as is).
+    """
+    if chunk_chars <= 0:
+        raise ValueError("chunk_chars must be positive")
+    hasher = xxhash.xxh3_64_intdigest
+    keys: list[int] = []
+    ends: list[int] = []
+    offset = 0
+    for pieces in messages:
+        text = "\x1f".join(pieces)
+        n = len(text)
+        start = 0
+        first = True
+        while first or start < n:
+            piece = text[start : start + chunk_chars].encode("utf-8", "surrogatepass")
+            if first:
+                piece = _MESSAGE_MARK + piece
+                first = False
+            parent = hasher(piece, seed=parent)
+            start += chunk_chars
+            end = offset + min(start, n)
+            if end > skip_chars:
+                keys.append(parent)
+                ends.append(end)
+        offset += n
+    return keys, ends
+
+
+def chain_id_keys(ids: Sequence[int], parent: int, chunk_tokens: int) -> list[int]:
+    """Continue a key chain over token ids past the window, ``chunk_tokens`` ids per key.
+
+    For completion prompts given as token ids: cheaper than one key per block, and exact
+    (the partial last chunk gets a key too).  Ids outside u32 are folded, never an error.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError("chunk_tokens must be positive")
+    hasher = xxhash.xxh3_64_intdigest
+    keys: list[int] = []
+    for start in range(0, len(ids), chunk_tokens):
+        chunk = ids[start : start + chunk_tokens]
+        try:
+            data = array("I", chunk).tobytes()
+        except (OverflowError, TypeError):
+            data = repr(list(chunk)).encode()
+        parent = hasher(data, seed=parent)
         keys.append(parent)
     return keys

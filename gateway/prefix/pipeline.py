@@ -1,24 +1,33 @@
-"""Turn a request body into what routing needs: (normalized body, token window, block keys).
+"""Turn a request body into what routing needs: (normalized body, token window, prefix keys).
 
 normalize (:mod:`.normalize`) → tokenize the bounded leading window (:mod:`.tokenize`) →
-hash it into chained block keys (:mod:`.blocks`).  This runs once per request, before any
-policy, and never reaches back afterwards.  One pipeline per route; everything is compiled
-in the constructor.
+hash it into chained block keys (:mod:`.blocks`) → continue the chain over the rest of the
+prompt's text in character chunks (:func:`~gateway.prefix.blocks.chain_text_keys`), so two
+prompts get different keys wherever they first differ, however deep, while only the window
+pays for tokenization.  This runs once per request, before any policy, and never reaches
+back afterwards.  One pipeline per route; everything is compiled in the constructor.
+
+Bad input never raises here: content that cannot be rendered (deep nesting, odd types) is
+keyed by what can be read, and a request with nothing readable gets no keys (the policy
+then places it by load).
 """
 
 from __future__ import annotations
 
+import json
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.prefix.blocks import chain_block_keys, first_block_seed
-from gateway.prefix.normalize import Normalizer, Relocation
+from gateway.prefix.blocks import chain_block_keys, chain_id_keys, chain_text_keys, first_block_seed
+from gateway.prefix.normalize import Normalizer, NormalizeResult, Relocation
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 from gateway.prefix.tokenize import WindowTokenizer
 from gateway.tokenizer import get_tokenizer
 
 _CHARS_PER_TOKEN = 4  # estimate past the window (see PrefixPipeline._estimate_total)
+_ID_CHUNK = 256  # token-id prompts past the window: ids per continuation key
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +45,15 @@ class PreparedPrompt:
     canonicalized: bool = False  # tool schemas were re-ordered
     changes: tuple[Relocation, ...] = ()  # the normalization diff, for /admin/explain only (holds prompt text)
     lora: str | None = None  # the LoRA adapter that went into the seed, if any
+    # The chain continued past the window (text chunks, or token-id chunks) and, per key, the
+    # prompt tokens up to its end (estimated from characters for text).
+    text_keys: tuple[int, ...] = ()
+    text_key_tokens: tuple[int, ...] = ()
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        """The whole chain: token blocks of the window, then the continuation keys."""
+        return self.block_keys + self.text_keys if self.text_keys else self.block_keys
 
 
 class PrefixPipeline:
@@ -49,9 +67,19 @@ class PrefixPipeline:
 
     def prepare(self, endpoint: str, body: dict[str, Any]) -> PreparedPrompt:
         """``endpoint`` is "chat" or "completions"; other endpoints get no keys."""
-        result = self.normalizer.apply(endpoint, body)
+        try:
+            result = self.normalizer.apply(endpoint, body)
+        except (RecursionError, ValueError, TypeError, AttributeError):
+            # Normalization is an optimization: a body it cannot walk (e.g. tools nested
+            # thousands deep) is forwarded and keyed as the client sent it.
+            result = NormalizeResult(body)
         body = result.body
-        tokens = self._window(endpoint, body)
+        try:
+            tokens = self._window(endpoint, body)
+            window_ok = True
+        except (RecursionError, ValueError, TypeError, AttributeError, OverflowError, MemoryError):
+            # Content the template cannot render (deep nesting, odd types): key the text only.
+            tokens, window_ok = array("I"), False
         model = str(body.get("model", ""))
         lora: str | None = None
         if self.settings.lora_from_model:
@@ -60,19 +88,58 @@ class PrefixPipeline:
         salt = body.get("cache_salt")
         seed = first_block_seed(model, lora, salt if isinstance(salt, str) else None)
         keys = chain_block_keys(tokens, self.settings.block_size, seed)
+        estimate = self._estimate_total(endpoint, body, len(tokens))
+        text_keys: list[int] = []
+        text_tokens: list[int] = []
+        if not window_ok or len(tokens) >= self.tokens.window:
+            parent = keys[-1] if keys else seed
+            keyed = len(keys) * self.settings.block_size  # ids continue right after the last full block
+            text_keys, text_tokens, estimate = self._continue(endpoint, body, parent, len(tokens), keyed, estimate)
         return PreparedPrompt(
             body=body,
             block_keys=tuple(keys),
             block_size=self.settings.block_size,
             window_tokens=len(tokens),
-            prompt_tokens_estimate=self._estimate_total(endpoint, body, len(tokens)),
+            prompt_tokens_estimate=estimate,
             normalized=result.counts,
             relocated=result.rewritten,
             spans_moved=len(result.changes),
             canonicalized=result.canonicalized,
             changes=result.changes,
             lora=lora,
+            text_keys=tuple(text_keys),
+            text_key_tokens=tuple(text_tokens),
         )
+
+    def _continue(
+        self, endpoint: str, body: dict[str, Any], parent: int, window: int, keyed: int, estimate: int
+    ) -> tuple[list[int], list[int], int]:
+        """Keys past the window, their token estimates, and the whole prompt's estimate.
+
+        Text is read without the chat template (the template decides token boundaries, not
+        where two prompts differ): per message its role, name, text content, non-text parts'
+        URLs and tool calls, each message its own run of chunks.  Chunks ending within the
+        first ``window`` characters are not keyed (at least one character per token: the
+        window's ``window`` tokens cover them).  A chunk's token estimate is its end at ~4
+        characters per token, never less than the window, never more than the prompt's estimate.
+        """
+        if endpoint == "completions":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+                prompt = prompt[0]
+            if isinstance(prompt, list):  # token ids: exact continuation
+                keys = chain_id_keys(prompt[keyed:], parent, _ID_CHUNK)
+                tokens = [min(len(prompt), keyed + (i + 1) * _ID_CHUNK) for i in range(len(keys))]
+                return keys, tokens, max(estimate, len(prompt))
+            messages: list[Sequence[str]] = [(prompt,)] if isinstance(prompt, str) else []
+        else:
+            messages = _message_texts(body.get("messages"), body.get("tools"))
+        keys, ends = chain_text_keys(messages, parent, self.settings.chunk_chars, skip_chars=window)
+        if ends and not estimate:  # the window could not be rendered: estimate from what was read
+            estimate = ends[-1] // _CHARS_PER_TOKEN
+        floor = min(window, estimate)  # keys past the window cover at least the window
+        tokens = [min(estimate, max(floor, end // _CHARS_PER_TOKEN)) for end in ends]
+        return keys, tokens, estimate
 
     def _estimate_total(self, endpoint: str, body: dict[str, Any], window_tokens: int) -> int:
         """Tokens of the whole prompt, for the load signal (uncached prefill work queued).
@@ -120,3 +187,59 @@ class PrefixPipeline:
                 except OverflowError:  # ids outside u32: no keys rather than an error here
                     return array("I")
         return array("I")
+
+
+def _message_texts(messages: Any, tools: Any) -> list[Sequence[str]]:
+    """The text of each chat message (and of the tool definitions) as pieces, for hashing.
+
+    Reads only strings at known places, one level of content parts deep, so no input can
+    make it recurse or raise; what it cannot read it leaves out.
+    """
+    out: list[Sequence[str]] = []
+    if tools:
+        try:
+            out.append(("tools", json.dumps(tools, separators=(",", ":"), ensure_ascii=False)))
+        except (TypeError, ValueError, RecursionError):
+            out.append(("tools",))
+    if not isinstance(messages, list):
+        return out
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        role = message.get("role")
+        pieces: list[str] = [role if isinstance(role, str) else ""]
+        name = message.get("name")
+        if isinstance(name, str):
+            pieces.append(name)
+        content = message.get("content")
+        if isinstance(content, str):
+            pieces.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, str):
+                    pieces.append(part)
+                elif isinstance(part, dict):
+                    pieces.append(_part_text(part))
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            for call in calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict):
+                    pieces.extend(v for v in (function.get("name"), function.get("arguments")) if isinstance(v, str))
+        call_id = message.get("tool_call_id")
+        if isinstance(call_id, str):
+            pieces.append(call_id)
+        out.append(pieces)
+    return out
+
+
+def _part_text(part: dict[str, Any]) -> str:
+    """A content part's text, or a non-text part's type and URL/data (when they are strings)."""
+    kind = part.get("type", "text")
+    text = part.get("text")
+    if kind == "text" and isinstance(text, str):
+        return text
+    payload = part.get(kind) if isinstance(kind, str) else None
+    if isinstance(payload, dict):
+        payload = payload.get("url") or payload.get("data")
+    return f"<{kind}>{payload}" if isinstance(payload, str) and isinstance(kind, str) else f"<{type(kind).__name__}>"

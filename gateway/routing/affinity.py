@@ -6,8 +6,11 @@ request that some replica has served" is the longest prefix that replica has com
 a growing conversation finds the replica holding its history by looking its keys up from the
 deepest down.
 
-Memory is bounded: each replica keeps an LRU of at most ``capacity`` keys (the index's
-``max_entries`` shared among replicas, optionally lower to mimic a replica's KV capacity).
+Memory is bounded in bytes: each replica keeps an LRU of at most ``capacity`` keys — the
+index's ``max_bytes`` (and ``max_entries``, if set) shared among replicas at a conservative
+:meth:`entry_bytes` per (key, replica) pair, optionally lower to mimic a replica's KV
+capacity.  :meth:`memory_bytes` measures what the structures hold (tests check it against
+the bound and against ``tracemalloc``).
 Recording a request touches its keys on the replica that serves it, shallow keys last, so —
 like vLLM, which frees a finished request's blocks tail first — a replica "forgets" the
 tails of old prompts before their shared heads.  Only every ``stride``-th key (and the
@@ -19,17 +22,35 @@ Not thread-safe; the gateway runs it on one event loop.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+
+# Bytes one (key, replica) pair costs at most, with up to 30 replicas: the key's int (36),
+# its share of the holders dict (<= 110 just after a resize) and the replica's OrderedDict
+# entry and node (<= 190 just after a resize), plus an extent int on deepest keys.
+# tracemalloc measures ~320 on average (tests/prefix/test_prefix_affinity.py).
+ENTRY_BYTES = 400
 
 
 class AffinityIndex:
     """Prefix block key → replicas predicted to hold it (a bit mask), with per-replica LRUs."""
 
-    def __init__(self, max_entries: int, stride: int = 1, replica_capacity: int | None = None) -> None:
-        if max_entries < 1 or stride < 1:
+    def __init__(
+        self,
+        max_entries: int | None = None,
+        stride: int = 1,
+        replica_capacity: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
+        if (max_entries is not None and max_entries < 1) or stride < 1:
             raise ValueError("max_entries and stride must be >= 1")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError("max_bytes must be >= 1")
+        if max_entries is None and max_bytes is None:
+            raise ValueError("give max_entries or max_bytes (the index must be bounded)")
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self.stride = stride
         self.replica_capacity = replica_capacity
         self._holders: dict[int, int] = {}
@@ -76,10 +97,32 @@ class AffinityIndex:
             self._lru[name] = OrderedDict()
         return slot
 
+    def entry_bytes(self) -> int:
+        """Bytes budgeted per (key, replica) pair: masks grow by 4 bytes per 30 replicas."""
+        return ENTRY_BYTES + 4 * (len(self._names) // 30)
+
     def capacity(self) -> int:
         """Keys each replica may hold."""
-        share = max(1, self.max_entries // max(1, len(self._lru)))
+        replicas = max(1, len(self._lru))
+        total = self.max_entries if self.max_entries is not None else sys.maxsize
+        if self.max_bytes is not None:
+            # The dicts' fixed overhead (one empty dict per replica plus the holders dict).
+            spare = self.max_bytes - 100 * (replicas + 1)
+            total = min(total, max(replicas, spare // self.entry_bytes()))
+        share = max(1, total // replicas)
         return share if self.replica_capacity is None else max(1, min(share, self.replica_capacity))
+
+    def memory_bytes(self) -> int:
+        """What the index holds now, in bytes: its dicts (tables, nodes) and the ints in them.
+
+        O(entries): for tests and occasional stats, never the hot path.
+        """
+        size = sys.getsizeof
+        total = size(self._holders)
+        total += sum(size(key) + (size(mask) if mask > 256 else 0) for key, mask in self._holders.items())
+        for lru in self._lru.values():  # a key's int may be a second object here: count it again
+            total += size(lru) + sum(size(k) + (size(v) if v is not None and v > 256 else 0) for k, v in lru.items())
+        return total
 
     def _trim_all(self) -> None:
         cap = self.capacity()

@@ -25,11 +25,15 @@ class RequestView:
     model: str
     endpoint: str  # "chat" | "completions" | "embeddings"
     session_key: str | None = None  # value of the route's session header, if any
-    block_keys: tuple[int, ...] = ()  # chained prefix-block hashes, leading window only
-    block_size: int = 0  # tokens per block in ``block_keys``
+    # The whole prompt's key chain: ``token_blocks`` chained token-block hashes of the leading
+    # window, then keys continuing the chain over the rest of the prompt (text chunks).
+    block_keys: tuple[int, ...] = ()
+    block_size: int = 0  # tokens per block in the token-block part of ``block_keys``
     prompt_tokens: int | None = None  # tokens in the (bounded) leading window
     prompt_tokens_estimate: int | None = None  # the whole prompt (estimated past the window)
     stream: bool = False
+    token_blocks: int | None = None  # leading keys that are token blocks (None: all of them)
+    key_tokens: tuple[int, ...] = ()  # per key past the token blocks: prompt tokens up to its end (estimated)
 
 
 @dataclass(frozen=True, slots=True)

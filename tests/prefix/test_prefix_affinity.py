@@ -71,3 +71,40 @@ def test_forget_and_set_members() -> None:
     assert len(index) == 0
     index.record("D", keys)  # slots are reused deterministically
     assert index.match(keys, ["D"]) == {"D": 4}
+
+
+def test_memory_stays_within_its_byte_bound_under_a_million_distinct_prompts() -> None:
+    bound = 8 * 1024 * 1024
+    index = AffinityIndex(stride=4, max_bytes=bound)
+    names = [f"r{i}" for i in range(4)]
+    index.set_members(names)
+    rnd = random.Random(7)
+    head = chain(8, 3)  # every prompt shares a head, then its own deepest key (as stored: deepest first)
+    stored_head = index.stored_keys(head)
+    record = index.record_stored
+    worst = 0
+    for i in range(1_000_000):
+        record(names[i & 3], [rnd.getrandbits(64), *stored_head], 5_000 + i)
+        if i % 250_000 == 249_999:
+            worst = max(worst, index.memory_bytes())
+    assert worst <= bound, worst
+    assert index.entries() > 0.6 * bound / index.entry_bytes()  # the bound is used, not wasted
+    assert index.match([*head, 1], names) == dict.fromkeys(names, 8)  # the shared head survives
+
+
+def test_memory_bytes_is_honest() -> None:
+    """``memory_bytes`` (what the bound is checked against) is at least what tracemalloc sees."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index = AffinityIndex(stride=1, max_bytes=4 * 1024 * 1024)
+        index.set_members(["a", "b", "c"])
+        rnd = random.Random(1)
+        for i in range(30_000):
+            index.record(["a", "b", "c"][i % 3], [rnd.getrandbits(64) for _ in range(3)], 9_000)
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert used * 0.9 <= index.memory_bytes() <= 4 * 1024 * 1024, (used, index.memory_bytes())

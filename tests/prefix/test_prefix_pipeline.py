@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from typing import Any
@@ -192,3 +193,145 @@ def test_long_text_without_spaces_falls_back() -> None:
     text = "中文字符" * 3000
     wt = WindowTokenizer(TOK, 100, 10_000)
     assert list(wt.text(text)) == TOK.encode(text)[:100]
+
+
+# --- whole-prompt keys: the chain continues past the window ------------------------------------
+def words(n: int, seed: int) -> str:
+    """~n cl100k tokens of varied words (deterministic)."""
+    rnd = random.Random(seed)
+    return " ".join(f"{rnd.choice(['alpha', 'beta', 'gamma', 'delta'])}{rnd.randrange(1000)}" for _ in range(n // 2))
+
+
+HEAD_30K = words(30_000, 1)
+
+
+def agent(tail: str) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "system", "content": HEAD_30K}, {"role": "user", "content": tail}]}
+
+
+def test_a_30k_token_shared_head_with_different_tails_gets_different_deepest_keys() -> None:
+    p = pipeline()
+    a, b = p.prepare("chat", agent("Plan my trip to Lisbon.")), p.prepare("chat", agent("Plan my trip to Oslo."))
+    assert a.block_keys == b.block_keys and a.window_tokens == 4096  # the window is all shared head
+    assert a.keys[-1] != b.keys[-1]
+    assert len(a.text_keys) > 20 and a.prompt_tokens_estimate > 25_000
+    # They part only at the tail: every key of the head (up to the last chunk of the system message) agrees.
+    shared = common_prefix(a.keys, b.keys)
+    assert shared == len(a.keys) - 1 == len(b.keys) - 1
+    assert a.text_key_tokens[shared - 1 - len(a.block_keys)] > 25_000  # that much is predicted shared
+
+
+def test_a_conversations_next_turn_contains_every_key_of_the_last() -> None:
+    p = pipeline()
+    messages: list[dict[str, Any]] = [{"role": "system", "content": HEAD_30K}]
+    previous: tuple[int, ...] = ()
+    for turn in range(4):
+        messages = [*messages, {"role": "user", "content": f"Question {turn}: " + words(300, 10 + turn)}]
+        keys = p.prepare("chat", {"model": "m", "messages": messages}).keys
+        assert keys[: len(previous)] == previous, turn  # turn N+1 matches turn N's full length
+        assert len(keys) > len(previous)
+        previous = keys
+        messages.append({"role": "assistant", "content": words(200, 50 + turn)})
+
+
+def test_text_keys_differ_wherever_the_text_differs() -> None:
+    p = pipeline()
+    base = HEAD_30K
+    pos = len(base) * 2 // 3  # deep past the window
+    changed = base[:pos] + ("X" if base[pos] != "X" else "Y") + base[pos + 1 :]
+    a, b = (
+        p.prepare("chat", agent("same")),
+        p.prepare(
+            "chat",
+            {
+                **agent("same"),
+                "messages": [{"role": "system", "content": changed}, {"role": "user", "content": "same"}],
+            },
+        ),
+    )
+    shared = common_prefix(a.keys, b.keys)
+    assert len(a.block_keys) < shared < len(a.keys)
+    # Same text under other roles, tools, or another model gets other keys.
+    other_role = p.prepare(
+        "chat",
+        {**agent("same"), "messages": [{"role": "developer", "content": base}, {"role": "user", "content": "same"}]},
+    )
+    assert other_role.keys[-1] != a.keys[-1]
+    with_tools = p.prepare("chat", {**agent("same"), "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert with_tools.keys[-1] != a.keys[-1]
+
+
+def test_completions_continue_past_the_window() -> None:
+    p = pipeline(window_tokens=64, block_size=16)
+    text = words(2_000, 3)
+    a = p.prepare("completions", {"model": "m", "prompt": text + " end one"})
+    b = p.prepare("completions", {"model": "m", "prompt": text + " end two"})
+    assert a.block_keys == b.block_keys and a.keys[-1] != b.keys[-1]
+    ids = TOK.encode(text)
+    by_ids = p.prepare("completions", {"model": "m", "prompt": ids})
+    assert by_ids.block_keys == a.block_keys
+    assert len(by_ids.text_keys) == -(-(len(ids) - 64) // 256) and by_ids.text_key_tokens[-1] == len(ids)
+    longer = p.prepare("completions", {"model": "m", "prompt": [*ids, 7, 8, 9]})
+    assert longer.keys[: len(by_ids.keys) - 1] == by_ids.keys[:-1] and longer.keys[-1] != by_ids.keys[-1]
+
+
+def test_short_prompts_have_token_keys_only() -> None:
+    prepared = pipeline().prepare("chat", body("x"))
+    assert prepared.text_keys == () and prepared.keys == prepared.block_keys
+
+
+# --- bad input never raises: routed by what can be keyed --------------------------------------
+def nested(depth: int) -> Any:
+    value: Any = "deep"
+    for _ in range(depth):
+        value = [{"type": "text", "text": value}]
+    return value
+
+
+def test_a_million_character_prompt_is_keyed() -> None:
+    p = pipeline("relocate")
+    huge = "lorem ipsum dolor sit amet " * 37_037  # ~1M characters
+    for endpoint, request in (
+        ("chat", {"model": "m", "messages": [{"role": "user", "content": huge}]}),
+        ("completions", {"model": "m", "prompt": huge}),
+    ):
+        prepared = p.prepare(endpoint, request)
+        assert prepared.window_tokens == 4096 and len(prepared.text_keys) > 900
+        assert prepared.prompt_tokens_estimate >= 240_000
+
+
+def test_deeply_nested_and_non_text_parts_never_raise() -> None:
+    """Bodies that pass ``parse_body`` (a list of messages with string roles) but hold anything else."""
+    p = pipeline("relocate")
+    odd_parts = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 5000}},
+        {"type": "input_audio", "input_audio": {"data": "UklGR", "format": "wav"}},
+        {"type": "text", "text": {"not": "a string"}},
+        {"type": ["weird"]},
+        42,
+        None,
+        "plain string part",
+    ]
+    bodies = [
+        {"model": "m", "messages": [{"role": "user", "content": nested(5_000)}]},
+        {"model": "m", "messages": [{"role": "user", "content": odd_parts}]},
+        {"model": "m", "messages": [{"role": "assistant", "content": "hi", "name": 5, "tool_calls": nested(3_000)}]},
+        {"model": "m", "messages": [{"role": "user", "content": {"a": nested(3_000)}}, {"role": "tool", "content": 7}]},
+        {"model": "m", "messages": [{"role": "system", "content": nested(3_000)}, {"role": "user", "content": "x"}]},
+        {"model": "m", "messages": [{"role": "user", "content": HEAD_30K}], "tools": nested(3_000)},
+    ]
+    for request in bodies:
+        prepared = p.prepare("chat", request)  # must not raise
+        assert isinstance(prepared.keys, tuple)
+    # Non-text parts are keyed by their URL/data: two images give two keys, the same image the same.
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/1.png"}}]}
+    other = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/2.png"}}]}
+    a = p.prepare("chat", {"model": "m", "messages": [image]}).keys
+    assert a and a != p.prepare("chat", {"model": "m", "messages": [other]}).keys
+    assert a == p.prepare("chat", {"model": "m", "messages": [image]}).keys
+    # Unrenderable content still gets keys from what can be read (the long text after it).
+    mixed = {
+        "model": "m",
+        "messages": [{"role": "user", "content": nested(5_000)}, {"role": "user", "content": HEAD_30K}],
+    }
+    assert p.prepare("chat", mixed).keys

@@ -9,9 +9,11 @@ import subprocess
 import sys
 from collections import Counter
 
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.prefix.pipeline import PrefixPipeline
 from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.policies.prefix import REASONS, PrefixPolicy, PrefixPolicySettings
 from gateway.routing.ring import load_bounds
@@ -355,3 +357,111 @@ def test_snapshot() -> None:
     snap = p.snapshot()
     assert snap["ring"]["members"] == NAMES and snap["affinity"]["entries"] == 2  # blocks 3 and 7 (the deepest)
     json.dumps(snap)
+
+
+# --- whole-prompt keys: ties break on the request's own deepest key or session ----------------
+def _agent_requests(n: int) -> tuple[list[RequestView], PrefixPipeline]:
+    from tests.prefix.test_prefix_pipeline import agent, pipeline
+
+    p = pipeline()
+    out = []
+    for i in range(n):
+        prepared = p.prepare("chat", agent(f"Conversation {i}: plan my week."))
+        out.append(
+            RequestView(
+                f"c{i}",
+                "route",
+                "m",
+                "chat",
+                None,
+                prepared.keys,
+                16,
+                prepared.window_tokens,
+                prepared.prompt_tokens_estimate,
+                token_blocks=len(prepared.block_keys),
+                key_tokens=prepared.text_key_tokens,
+            )
+        )
+    return out, p
+
+
+def test_conversations_behind_a_30k_shared_head_break_ties_on_their_own_keys() -> None:
+    requests, _ = _agent_requests(16)
+    p = policy()
+    head = requests[0].block_keys[:-1]  # everything but the tail's last chunk: the shared head
+    for name in NAMES:  # the head is cached everywhere (it was replicated)
+        p.index.record(name, head)
+    picks = [p.peek(r, views()) for r in requests]
+    assert {d.reason for d in picks} == {"affinity"}
+    assert all(d.detail["predicted_cached_tokens"] > 25_000 for d in picks)
+    spread = Counter(d.replica for d in picks)
+    assert len(spread) >= 3 and max(spread.values()) <= 8, spread  # spread by the ring (idle, peek only)
+    for r, d in zip(requests, picks, strict=True):
+        assert d.replica == next(p.ring.walk(r.block_keys[-1], NAMES))  # the request's own deepest key
+    # Keys cut at the window (the old behaviour) make every request the same: they all pile up.
+    cut = [RequestView(r.request_id, "route", "m", "chat", None, r.block_keys[: r.token_blocks], 16) for r in requests]
+    assert len({p.peek(r, views()).replica for r in cut}) == 1
+
+
+def test_the_session_header_breaks_affinity_ties_too() -> None:
+    requests, _ = _agent_requests(2)
+    p = policy()
+    for name in NAMES:
+        p.index.record(name, requests[0].block_keys[:-1])
+    a = RequestView(
+        "a",
+        "route",
+        "m",
+        "chat",
+        "session-7",
+        requests[0].block_keys,
+        16,
+        token_blocks=256,
+        key_tokens=requests[0].key_tokens,
+    )
+    b = RequestView(
+        "b",
+        "route",
+        "m",
+        "chat",
+        "session-7",
+        requests[1].block_keys,
+        16,
+        token_blocks=256,
+        key_tokens=requests[1].key_tokens,
+    )
+    da, db = p.peek(a, views()), p.peek(b, views())
+    assert da.reason == db.reason == "affinity" and da.replica == db.replica
+    assert da.replica == next(p.ring.walk(xxhash.xxh3_64_intdigest(b"session-7"), NAMES))
+
+
+def test_turn_n_plus_one_is_credited_with_turn_ns_full_length() -> None:
+    from tests.prefix.test_prefix_pipeline import HEAD_30K, pipeline, words
+
+    pipe, p = pipeline(), policy()
+    messages: list[dict[str, object]] = [{"role": "system", "content": HEAD_30K}]
+    home = None
+    previous = 0
+    for turn in range(4):
+        messages = [*messages, {"role": "user", "content": f"Q{turn} " + words(400, turn)}]
+        prepared = pipe.prepare("chat", {"model": "m", "messages": messages})
+        request = RequestView(
+            f"t{turn}",
+            "route",
+            "m",
+            "chat",
+            None,
+            prepared.keys,
+            16,
+            prepared.window_tokens,
+            prepared.prompt_tokens_estimate,
+            token_blocks=len(prepared.block_keys),
+            key_tokens=prepared.text_key_tokens,
+        )
+        d = p.choose(request, views())
+        if home is not None:
+            assert d.replica == home and d.reason == "affinity"
+            # matched through turn N's last key: its whole prompt (estimated), not just the window
+            assert d.detail["predicted_cached_tokens"] >= previous - 16 > 4096
+        home, previous = d.replica, prepared.prompt_tokens_estimate
+        messages.append({"role": "assistant", "content": words(200, 100 + turn)})

@@ -74,11 +74,15 @@ class PrefixPolicySettings(PolicySettings):
         256, ge=1, description="ring key = chain key of the block at this depth (or the deepest full block)"
     )
     virtual_nodes: int = Field(160, ge=1, le=10_000, description="ring points per replica per unit of weight")
-    affinity_max_entries: int = Field(
-        131_072,
-        ge=1,
-        description="bound of the affinity index: (prefix key, replica) pairs shared by the replicas "
-        "(about 260 bytes each: the default holds ~2,000 full 4,096-token windows in ~34 MB)",
+    affinity_max_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=4096,
+        description="memory bound of the affinity index in bytes, shared by the replicas (LRU eviction per "
+        "replica; about 400 bytes per stored (key, replica) pair: 64 MiB hold ~170,000 pairs, ~1,700 "
+        "32k-token prompts at the default stride)",
+    )
+    affinity_max_entries: int | None = Field(
+        None, ge=1, description="optional extra bound: (prefix key, replica) pairs in the affinity index"
     )
     affinity_stride_blocks: int = Field(
         4, ge=1, description="index every n-th block key (and the deepest): memory / n, match depth granularity x n"
@@ -87,7 +91,7 @@ class PrefixPolicySettings(PolicySettings):
         None,
         ge=1,
         description="model each replica's prefix cache as an LRU of this many (window) tokens, e.g. "
-        "num_gpu_blocks x block_size; default: bounded by affinity_max_entries only",
+        "num_gpu_blocks x block_size; default: bounded by affinity_max_bytes only",
     )
     load_cost_tokens: float = Field(
         64.0,
@@ -123,8 +127,8 @@ class PrefixPolicySettings(PolicySettings):
     )
     estimate_past_window: bool = Field(
         True,
-        description="a replica that matches the whole keyed window is credited with the length of the prompt "
-        "that last ended its window there (a conversation's previous turn); off: credit the window only",
+        description="a prompt running past its keys (they stop at the window when no text continues them): a "
+        "replica matching every key is credited with the length of the prompt that last ended there",
     )
     use_session_key: bool = Field(True, description="use the route's session header value as the ring key if present")
 
@@ -143,6 +147,7 @@ class PrefixPolicy:
             settings.affinity_max_entries,
             settings.affinity_stride_blocks,
             None,  # set per block size on first use (the capacity is in blocks)
+            max_bytes=settings.affinity_max_bytes,
         )
         self._capacity_block_size = 0
         self._turn = 0
@@ -200,11 +205,14 @@ class PrefixPolicy:
         bounds = load_bounds(in_flight, weights, settings.load_factor)
         depth = self.index.match(keys, in_flight) if keys else {}
         best_any = max(depth.values(), default=0)
+        matched = self._matched_tokens(request, depth)
         if settings.bound_extra:
             # Extra room only where a long enough prefix is cached: a conversation keeps its
             # replica at low load, a short popular prefix cannot pile up beyond the bound.
-            deep = max(1, -(-settings.bound_extra_min_tokens // block_size))
-            bounds = {name: b + settings.bound_extra if depth.get(name, 0) >= deep else b for name, b in bounds.items()}
+            deep = max(1, settings.bound_extra_min_tokens)
+            bounds = {
+                name: b + settings.bound_extra if matched.get(name, 0) >= deep else b for name, b in bounds.items()
+            }
         mean_weight = sum(weights.values()) / len(weights) or 1.0
         # In-flight per unit of weight; a weight-0 replica looks very busy (finite, so scores stay numbers).
         load = {
@@ -214,8 +222,10 @@ class PrefixPolicy:
         under = [r.name for r in replicas if in_flight[r.name] < bounds[r.name]]
         if not under:  # impossible with load_factor >= 1; stay total anyway
             under = [r.name for r in replicas]
-        tie_key = keys[-1] if keys else ring_key
-        matched = self._matched_tokens(request, depth)
+        # Ties break on this request's own identity — its session, or its deepest key (which
+        # covers the whole prompt) — never on a shared head's key: conversations behind one
+        # long system prompt spread instead of following that prompt's key to one replica.
+        tie_key = ring_key if key_source == "session" else keys[-1]
 
         # The prefill already waiting on each replica (tokens per unit of weight), as a cost in
         # cached tokens — but only while the replicas that may take the request hold the same
@@ -294,23 +304,39 @@ class PrefixPolicy:
 
     # -- helpers -----------------------------------------------------------------------
     @staticmethod
-    def _beyond_window(request: RequestView) -> int | None:
-        """The whole prompt's length when it runs past the keyed window, else None."""
+    def _depth_tokens(request: RequestView, depth: int) -> int:
+        """Prompt tokens covered by the request's first ``depth`` keys.
+
+        Token blocks count ``block_size`` each; keys past them (the chain continued over
+        the prompt's text) carry their own estimate in ``request.key_tokens``.
+        """
+        block_size = request.block_size or 1
+        token_blocks = len(request.block_keys) if request.token_blocks is None else request.token_blocks
+        if depth <= token_blocks:
+            return depth * block_size
+        extra = request.key_tokens
+        i = depth - token_blocks - 1
+        return extra[i] if i < len(extra) else depth * block_size
+
+    def _beyond_window(self, request: RequestView) -> int | None:
+        """The whole prompt's length when it runs past what the keys cover, else None."""
         total = request.prompt_tokens_estimate
-        keyed = len(request.block_keys) * (request.block_size or 1)
-        return total if total and total > keyed + (request.block_size or 1) else None
+        if not total:
+            return None
+        keyed = self._depth_tokens(request, len(request.block_keys))
+        return total if total > keyed + (request.block_size or 1) else None
 
     def _matched_tokens(self, request: RequestView, depth: dict[str, int]) -> dict[str, int]:
-        """Cached tokens per replica: the matched blocks, and past the window an estimate.
+        """Cached tokens per replica: what its matched keys cover, and past the keys an estimate.
 
-        Only the leading window is keyed, so a long conversation's history matches at most
-        the window.  When a replica matches the *whole* window and the prompt runs past it,
-        the index remembers how long the prompt was that last ended its window there (the
-        previous turn of the conversation, typically): that much is cached, up to this prompt.
+        Keys cover the whole prompt (token blocks, then text chunks), so a conversation's
+        previous turn is matched to its full length.  Only a prompt running past its keys
+        (none continue past the window, e.g. a route whose window is not full) uses the old
+        estimate: a replica matching *every* key is credited with the length of the prompt
+        that last ended there.
         """
         keys = request.block_keys
-        block_size = request.block_size or 1
-        matched = {name: d * block_size for name, d in depth.items()}
+        matched = {name: self._depth_tokens(request, d) for name, d in depth.items()}
         total = self._beyond_window(request)
         if total is None or not self.settings.estimate_past_window:
             return matched
