@@ -22,6 +22,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.httpserver import HttpLimits, protocol_class
 from gateway.observe.logs import configure_logging
 from gateway.service import Gateway
 from gateway.upstream.aiohttp_client import aiohttp_factory
@@ -49,10 +50,16 @@ def uvicorn_server(app: Any, config: GatewayConfig) -> uvicorn.Server:
     # a gateway embedded in a host process (tests, the demo's neighbours) must not do that.
     access = logging.getLogger("uvicorn.access")
     saved = (list(access.handlers), access.propagate)
+    limits = HttpLimits(
+        header_timeout_s=config.server.header_timeout_s,
+        body_timeout_s=config.server.body_timeout_s,
+        max_header_bytes=config.server.max_header_bytes,
+        max_headers=config.server.max_headers,
+    )
     ucfg = uvicorn.Config(
         app,
         loop="uvloop",
-        http="httptools",
+        http=protocol_class(limits),  # httptools plus header/body timeouts and header limits
         lifespan="on",
         access_log=False,
         log_config=None,
