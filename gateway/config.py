@@ -60,6 +60,16 @@ class ServerSettings(_Strict):
         "x-request-id", description="accepted from clients, generated if absent, sent upstream"
     )
     timeout_graceful_shutdown_s: float = Field(10.0, ge=0, description="how long in-flight requests get on shutdown")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a request head (line and headers) must arrive within this; else 408 and close"
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="a request body must arrive within this after its head; else the connection closes"
+    )
+    max_header_bytes: int = Field(
+        32 * 1024, ge=1024, description="request line plus headers larger than this get 431 and a close"
+    )
+    max_headers: int = Field(100, ge=8, description="requests with more header fields than this get 431 and a close")
     expose_openapi: bool = Field(
         False,
         description="serve /openapi.json, /docs and /redoc (off: they answer 404; the API is OpenAI's, "
@@ -254,6 +264,33 @@ class StateSettings(_Strict):
         return value
 
 
+class LimitsSettings(_Strict):
+    """Admission limits: early context-length 400s and per-API-key 429s (see docs/security.md)."""
+
+    context_check: bool = Field(
+        True,
+        description="answer 400 context_length_exceeded at the gateway when a prompt certainly exceeds the "
+        "model's max_model_len (from the replicas' /v1/models)",
+    )
+    context_bytes_per_token: int = Field(
+        128,
+        ge=1,
+        description="the most UTF-8 bytes one token of the served models' vocabularies covers (128 for "
+        "cl100k/o200k): text is counted as at least bytes / this many tokens",
+    )
+    models_refresh_s: float = Field(30.0, gt=0, description="how often max_model_len is re-read from /v1/models")
+    per_key_concurrency: int = Field(0, ge=0, description="requests in flight per API key (0 = unlimited)")
+    per_key_requests_per_s: float = Field(
+        0.0, ge=0, description="token-bucket refill rate per API key, requests/s (0 = unlimited)"
+    )
+    per_key_burst: int = Field(0, ge=0, description="token-bucket capacity per key (0 = the rate, at least 1)")
+    concurrency_lease_s: float = Field(
+        900.0,
+        gt=0,
+        description="with Redis: a slot held by a gateway that died is freed after this (longer than any request)",
+    )
+
+
 class ReplicaConfig(_Strict):
     """One upstream vLLM (or simulated) server."""
 
@@ -347,6 +384,7 @@ class GatewayConfig(_Strict):
     admin: AdminSettings = Field(default_factory=AdminSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     state: StateSettings = Field(default_factory=StateSettings)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
     replicas: list[ReplicaConfig] = Field(..., min_length=1)
     routes: list[RouteConfig] = Field(
         default_factory=lambda: [RouteConfig(name="default")],

@@ -70,6 +70,25 @@ class PayloadTooLarge(GatewayError):
     kind = "too_large"
 
 
+class RateLimited(GatewayError):
+    """Over a per-key limit: OpenAI's 429 shape, with ``retry-after`` (and ``retry-after-ms``,
+    which the official SDKs honour) in ``headers``."""
+
+    status = 429
+    type = "rate_limit_exceeded"
+    code = "rate_limit_exceeded"
+    kind = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after_s: float, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+        seconds = max(1, -int(-retry_after_s // 1))  # whole seconds, rounded up, never 0
+        self.headers = [
+            (b"retry-after", str(seconds).encode()),
+            (b"retry-after-ms", str(max(1, int(retry_after_s * 1000))).encode()),
+        ]
+
+
 class NoHealthyReplica(GatewayError):
     status = 503
     type = "service_unavailable"

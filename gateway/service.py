@@ -9,6 +9,7 @@ is what the handler does.  Nothing here knows about ASGI.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -19,6 +20,8 @@ from typing import Any
 from gateway.auth import KeyChecker
 from gateway.config import GatewayConfig
 from gateway.errors import ModelNotFound
+from gateway.limits.admission import KeyLimiter
+from gateway.limits.context import ContextLimits
 from gateway.observe.logs import AccessLog
 from gateway.observe.metrics import GatewayMetrics, ReplicaCollector, SyncCollector
 from gateway.observe.outcome import Outcome
@@ -32,6 +35,7 @@ from gateway.routing.base import Decision, RequestView
 from gateway.routing.routes import Route, RouteTable, build_route
 from gateway.state.affinity_sync import AffinitySync
 from gateway.state.peer_load import PeerLoad
+from gateway.tasks import cancel_and_wait
 from gateway.upstream.aiohttp_client import aiohttp_factory
 from gateway.upstream.client import ClientFactory
 
@@ -102,7 +106,24 @@ class Gateway:
         self.state_sync = self._build_state_sync(env)
         if self.state_sync is not None:
             self.metrics.registry.register(SyncCollector(self.state_sync.stats))
+        self.limiter = self._build_limiter(env)
+        limits = config.limits
+        self.context = ContextLimits(limits.context_bytes_per_token) if limits.context_check else None
+        self._context_task: asyncio.Task[None] | None = None
         self.started_at = time.time()
+
+    def _build_limiter(self, env: Mapping[str, str]) -> KeyLimiter:
+        """Per-key limits; shared through the state Redis when ``state.backend: redis``."""
+        limits, state = self.config.limits, self.config.state
+        shared = state.backend == "redis" and (limits.per_key_concurrency or limits.per_key_requests_per_s)
+        return KeyLimiter(
+            limits.per_key_concurrency,
+            limits.per_key_requests_per_s,
+            limits.per_key_burst,
+            redis_url=state.resolved_redis_url(env) if shared else None,
+            prefix=f"{state.channel}:limits:",
+            lease_s=limits.concurrency_lease_s,
+        )
 
     def _build_state_sync(self, env: Mapping[str, str]) -> AffinitySync | None:
         """With ``state.backend: redis``, share every prefix route's affinity index with peers."""
@@ -130,12 +151,42 @@ class Gateway:
         self.summary.start()
         if self.state_sync is not None:
             await self.state_sync.start()
+        await self.limiter.start()
+        if self.context is not None:
+            await self._learn_context()  # before serving: the first requests are checked too
+            self._context_task = asyncio.get_running_loop().create_task(self._context_loop(), name="context")
 
     async def stop(self) -> None:
+        if self._context_task is not None:
+            await cancel_and_wait(self._context_task)
+            self._context_task = None
+        await self.limiter.stop()
         if self.state_sync is not None:
             await self.state_sync.stop()
         await self.summary.stop()
         await self.monitor.stop()
+
+    async def _learn_context(self) -> None:
+        if self.context is not None:
+            self.context.learn(await self.monitor.models())
+
+    async def _context_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.limits.models_refresh_s)
+            try:
+                await self._learn_context()
+            except Exception:  # never stop refreshing over one bad listing
+                log.exception("refreshing max_model_len from /v1/models failed")
+
+    def check_context(self, plan: Plan, body: Mapping[str, Any]) -> None:
+        """400 ``context_length_exceeded`` when the prompt certainly cannot fit (see ``gateway.limits.context``)."""
+        if self.context is None:
+            return
+        prepared = plan.prepared
+        exact = None
+        if prepared is not None and plan.route.config.prefix.tokenizer.endswith(".json"):
+            exact = prepared.window_tokens  # the model's own tokenizer: the window's count is a lower bound
+        self.context.check(plan.endpoint, body, exact)
 
     # -- planning ----------------------------------------------------------------------
     def route_for(self, endpoint: str, model: str, headers: Mapping[str, str]) -> Route:
@@ -200,7 +251,10 @@ class Gateway:
     async def models(self) -> list[dict[str, Any]]:
         """Union of the models healthy replicas serve, restricted to what some route accepts."""
         seen: dict[str, dict[str, Any]] = {}
-        for replica, entries in await self.monitor.models():
+        listing = await self.monitor.models()
+        if self.context is not None:
+            self.context.learn(listing)
+        for replica, entries in listing:
             for entry in entries:
                 model_id = entry["id"]
                 if model_id in seen:

@@ -32,6 +32,7 @@ from gateway.errors import (
     UpstreamUnavailable,
     error_bytes,
 )
+from gateway.limits.admission import Ticket, client_key
 from gateway.observe.outcome import Outcome
 from gateway.proxy.parse import parse_body, read_body
 from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
@@ -140,6 +141,7 @@ class Exchange:
         self.t_upstream = 0.0
         self.added = 0.0
         self._watcher: asyncio.Task[None] | None = None
+        self.ticket: Ticket | None = None  # a per-key concurrency slot (gateway.limits)
 
     # -- driver ------------------------------------------------------------------------
     async def run(self) -> None:
@@ -186,6 +188,9 @@ class Exchange:
         gw = self.gw
         if gw.client_keys.enabled and not gw.client_keys.check_authorization(self.headers.get("authorization")):
             raise Unauthorized("Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
+        if gw.limiter.enabled:
+            key = client_key(self.headers.get("authorization"), self.scope.get("client"))
+            self.ticket = await gw.limiter.admit(key)
         raw = await read_body(self.receive, gw.config.server.max_body_bytes, self.headers.get("content-length"))
         body = parse_body(raw, self.endpoint)
         if gw.config.logging.log_prompts and log.isEnabledFor(logging.DEBUG):
@@ -195,6 +200,7 @@ class Exchange:
         o.route, o.policy, o.stream = plan.route.name, plan.route.policy, plan.request.stream
         if plan.prepared is not None and plan.prepared.normalized:
             o.normalize_mode, o.normalized = plan.route.normalize_mode, plan.prepared.normalized
+        gw.check_context(plan, body)
         payload, strip = upstream_body(raw, body, plan, gw.config.upstream.stream_usage)
         self._watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
         response = await self._send_upstream(plan, payload)
@@ -435,6 +441,7 @@ class Exchange:
         body = exc.to_bytes()
         headers = self._response_headers(_JSON)
         headers.append((b"content-length", str(len(body)).encode()))
+        headers.extend(getattr(exc, "headers", ()))  # e.g. retry-after on a 429
         self.started = True
         self.done = True
         await self.send({"type": "http.response.start", "status": exc.status, "headers": headers})
@@ -442,6 +449,9 @@ class Exchange:
 
     # -- bookkeeping -------------------------------------------------------------------
     def _finish(self) -> None:
+        if self.ticket is not None:
+            self.gw.limiter.release(self.ticket)
+            self.ticket = None
         o = self.outcome
         completed = o.status == 200 and o.error_kind is None
         self._let_go(completed)

@@ -4,6 +4,7 @@ Its behaviour is picked by the request's ``model`` (chat) so one server covers e
 
 - ``redirect``: a bare ``307`` with a ``Location`` and an empty body (a misconfigured replica)
 - ``crlf-stream``: an SSE stream with CRLF line endings whose first chunk ends in ``\\r``
+- ``slow``: the echo, after ``sleep_s`` seconds (default 1; holds a request in flight)
 - anything else: an echo of the body and headers it received (like ``tests/gateway/gw_echo``)
 
 ``GET /v1/models`` answers only with ``Authorization: Bearer <api_key>`` when ``api_key`` is
@@ -64,6 +65,8 @@ def make_app(api_key: str | None, max_model_len: int, seen: list[dict[str, Any]]
             return
         body = json.loads(b"".join(chunks) or b"{}")
         model = body.get("model")
+        if model == "slow":
+            await asyncio.sleep(float(body.get("sleep_s", 1.0)))
         if model == "redirect":
             await answer(307, None, [(b"location", b"http://10.255.255.1/v1/chat/completions")])
             return

@@ -1,0 +1,135 @@
+"""Early context-length 400s and per-key 429s (local and shared through Redis)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from gateway.limits.context import prompt_tokens_lower_bound
+from gateway.limits.local import LocalBuckets
+from gateway.server import RunningGateway, serve_in_thread
+from tests.configs import gateway_config
+from tests.hardening.hostile_upstream import MODEL, run_upstream
+from tests.polling import wait_for
+
+
+def _client(gw: RunningGateway, key: str = "k1") -> OpenAI:
+    return OpenAI(base_url=gw.openai_base_url, api_key=key, max_retries=0, timeout=30)
+
+
+def _chat(client: OpenAI, text: str = "hi", model: str = MODEL, **extra: Any) -> Any:
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], **extra)
+
+
+# -- context length ------------------------------------------------------------------------
+def test_lower_bound_counts_ids_exactly_and_text_conservatively() -> None:
+    assert prompt_tokens_lower_bound("completions", {"prompt": list(range(5000))}, 128) == 5000
+    assert prompt_tokens_lower_bound("completions", {"prompt": [[1] * 10, [2] * 30]}, 128) == 30
+    assert prompt_tokens_lower_bound("chat", {"messages": [{"role": "user", "content": "x" * 1280}]}, 128) == 10
+    parts = [{"type": "text", "text": "é" * 640}]  # 2 bytes each
+    assert prompt_tokens_lower_bound("chat", {"messages": [{"role": "user", "content": parts}]}, 128) == 10
+    assert prompt_tokens_lower_bound("embeddings", {"input": ["a" * 256, "b"]}, 128, exact_window_tokens=7) == 7
+
+
+def test_prompts_that_cannot_fit_get_an_early_400() -> None:
+    with run_upstream(max_model_len=4096) as (url, seen), serve_in_thread(gateway_config([url])) as gw:
+        client = _client(gw)
+        forwarded_before = len([r for r in seen if r["path"].startswith("/v1/chat")])
+        with pytest.raises(openai.BadRequestError) as too_long:
+            _chat(client, "x" * (128 * 4096))
+        with pytest.raises(openai.BadRequestError) as with_output:
+            _chat(client, "x" * (128 * 4000), max_tokens=200)
+        with pytest.raises(openai.BadRequestError) as ids:
+            client.completions.create(model=MODEL, prompt=list(range(4096)))
+        fits = _chat(client, "x" * (128 * 4000), max_tokens=10)
+        forwarded = len([r for r in seen if r["path"].startswith("/v1/chat")]) - forwarded_before
+    for error in (too_long, with_output, ids):
+        assert error.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    assert "4096" in str(too_long.value)
+    assert fits.choices[0].message.content == "echo"
+    assert forwarded == 1  # only the one that fits reached the replica
+
+
+def test_context_check_can_be_turned_off() -> None:
+    with (
+        run_upstream(max_model_len=16) as (url, _seen),
+        serve_in_thread(gateway_config([url], limits={"context_check": False})) as gw,
+    ):
+        assert _chat(_client(gw), "x" * 10_000).choices[0].message.content == "echo"
+
+
+# -- per-key rate and concurrency ----------------------------------------------------------
+def test_token_bucket_refills() -> None:
+    buckets = LocalBuckets(rate=2.0, burst=2.0)
+    assert buckets.take("a", 0.0) == 0.0 and buckets.take("a", 0.0) == 0.0
+    assert buckets.take("a", 0.0) == pytest.approx(0.5)
+    assert buckets.take("a", 0.5) == 0.0  # one token back after 1/rate seconds
+    assert buckets.take("b", 0.5) == 0.0  # keys are independent
+
+
+def _rate_limited(gw: RunningGateway, key: str) -> httpx.Response:
+    return httpx.post(
+        f"{gw.openai_base_url}/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+
+
+def test_rate_limit_per_key_is_a_429_with_retry_after(upstream: tuple[str, list[dict[str, Any]]]) -> None:
+    limits = {"per_key_requests_per_s": 0.01, "per_key_burst": 2}
+    with serve_in_thread(gateway_config([upstream[0]], limits=limits)) as gw:
+        assert [_rate_limited(gw, "k1").status_code for _ in range(2)] == [200, 200]
+        refused = _rate_limited(gw, "k1")
+        other = _rate_limited(gw, "k2")
+        with pytest.raises(openai.RateLimitError):
+            _chat(_client(gw, "k1"))
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert error["type"] == "rate_limit_exceeded" and error["code"] == "rate_limit_exceeded" and error["message"]
+    assert int(refused.headers["retry-after"]) >= 1 and int(refused.headers["retry-after-ms"]) > 0
+    assert other.status_code == 200
+
+
+def test_concurrency_limit_per_key(upstream: tuple[str, list[dict[str, Any]]]) -> None:
+    with serve_in_thread(gateway_config([upstream[0]], limits={"per_key_concurrency": 1})) as gw:
+        results: list[Any] = []
+        slow = threading.Thread(target=lambda: results.append(_chat(_client(gw, "k1"), model="slow")))
+        slow.start()
+        wait_for(lambda: gw.gateway.replicas["r0"].in_flight == 1, what="the slow request in flight")
+        with pytest.raises(openai.RateLimitError) as refused:
+            _chat(_client(gw, "k1"))
+        assert _chat(_client(gw, "k2")).choices  # another key is not affected
+        slow.join(30)
+        assert _chat(_client(gw, "k1")).choices  # the slot came back
+    assert refused.value.body["code"] == "concurrency_limit_exceeded"  # type: ignore[index]
+    assert results and results[0].choices
+
+
+def test_rate_limit_is_shared_through_redis(upstream: tuple[str, list[dict[str, Any]]], redis_url: str) -> None:
+    channel = f"harden-test-{uuid.uuid4().hex[:8]}"
+    state = {"backend": "redis", "redis_url": redis_url, "channel": channel, "share_load": False}
+    limits = {"per_key_requests_per_s": 0.01, "per_key_burst": 2}
+    config = gateway_config([upstream[0]], state=state, limits=limits)
+    with serve_in_thread(config) as a, serve_in_thread(config) as b:
+        statuses = [_rate_limited(a, "shared").status_code, _rate_limited(b, "shared").status_code]
+        third = _rate_limited(a, "shared")
+        fourth = _rate_limited(b, "shared")
+    assert statuses == [200, 200]
+    assert third.status_code == 429 and fourth.status_code == 429
+
+
+def test_redis_down_falls_back_to_local_limits(upstream: tuple[str, list[dict[str, Any]]]) -> None:
+    state = {"backend": "redis", "redis_url": "redis://127.0.0.1:1/0", "share_load": False}
+    limits = {"per_key_requests_per_s": 0.01, "per_key_burst": 1}
+    with serve_in_thread(gateway_config([upstream[0]], state=state, limits=limits)) as gw:
+        first, second = _rate_limited(gw, "k"), _rate_limited(gw, "k")
+        fallbacks = gw.gateway.limiter.fallbacks
+    assert (first.status_code, second.status_code) == (200, 429)
+    assert fallbacks >= 2
