@@ -43,6 +43,20 @@ async def admin_stats(gateway: AdminGateway) -> dict[str, Any]:
     return gateway.stats_snapshot()
 
 
+@router.get("/samples")
+async def admin_samples(gateway: AdminGateway) -> dict[str, Any]:
+    """Recent request shapes (roles, lengths, keyed fingerprints, block-key chains; no prompt text
+    unless ``samples.include_text``), for ``prefix-gateway doctor``.  404 while ``samples.enabled`` is off.
+    """
+    if gateway.samples is None:
+        raise NotFound(
+            "The sample buffer is off: set samples.enabled: true in the config (it records request shapes, "
+            "not prompt text) and restart the gateway.",
+            code="samples_disabled",
+        )
+    return gateway.samples.snapshot()
+
+
 @router.post("/explain")
 async def admin_explain(request: Request, gateway: AdminGateway) -> dict[str, Any]:
     """Where a request would go and why, without sending it: route, normalization diff, tokens,

@@ -176,6 +176,25 @@ class AdminSettings(_Strict):
         return hashes
 
 
+class SampleSettings(_Strict):
+    """A bounded buffer of recent request *shapes* for ``GET /admin/samples`` and ``prefix-gateway doctor``.
+
+    Off by default: it costs a second tokenize-and-hash per request (the chain without the
+    tenant salt, and the chain the request would have with every detected span relocated),
+    which is what lets ``doctor`` estimate a fix's gain by replay without any prompt text.
+    """
+
+    enabled: bool = Field(False, description="record the shape of recent requests (roles, lengths, fingerprints)")
+    max_count: int = Field(256, ge=1, le=100_000, description="keep at most this many recent samples")
+    max_bytes: int = Field(
+        2_000_000, ge=4096, description="and at most this many bytes of them (JSON size); the oldest go first"
+    )
+    include_text: bool = Field(
+        False,
+        description="DEBUG ONLY: also keep each request body (prompt text) so doctor can test new rules on it",
+    )
+
+
 class AuthSettings(_Strict):
     """Optional client API keys for ``/v1/*`` (off when none are configured)."""
 
@@ -385,6 +404,7 @@ class GatewayConfig(_Strict):
     auth: AuthSettings = Field(default_factory=AuthSettings)
     state: StateSettings = Field(default_factory=StateSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    samples: SampleSettings = Field(default_factory=SampleSettings)
     replicas: list[ReplicaConfig] = Field(..., min_length=1)
     routes: list[RouteConfig] = Field(
         default_factory=lambda: [RouteConfig(name="default")],

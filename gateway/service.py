@@ -25,6 +25,7 @@ from gateway.limits.context import ContextLimits
 from gateway.observe.logs import AccessLog
 from gateway.observe.metrics import GatewayMetrics, ReplicaCollector, SyncCollector
 from gateway.observe.outcome import Outcome
+from gateway.observe.samples import SampleBuffer
 from gateway.observe.stats import StatsBook
 from gateway.observe.summary import SummaryReporter
 from gateway.prefix.pipeline import PreparedPrompt
@@ -95,6 +96,8 @@ class Gateway:
         for route in self.routes.routes:
             self.metrics.declare_route(route.name, route.policy, [r.name for r in route.runner.replicas])
         self.stats = StatsBook()
+        #: recent request shapes for /admin/samples and `prefix-gateway doctor` (None: off, the default)
+        self.samples = SampleBuffer(config.samples, self.routes.routes) if config.samples.enabled else None
         self.summary = SummaryReporter(
             self.stats,
             lambda: [(r.name, r.runner.replicas) for r in self.routes.routes],
@@ -238,9 +241,12 @@ class Gateway:
         return Plan(route, endpoint, prepared, request, decision, replica)
 
     # -- recording ---------------------------------------------------------------------
-    def record(self, outcome: Outcome) -> None:
+    def record(self, outcome: Outcome, plan: Plan | None = None, body: Mapping[str, Any] | None = None) -> None:
+        """Count a finished request; with samples on, keep its shape too (needs its plan and body)."""
         self.metrics.record(outcome)
         self.stats.record(outcome)
+        if self.samples is not None and plan is not None and body is not None:
+            self.samples.record(plan, body, outcome)
 
     # -- read-only views ---------------------------------------------------------------
     def readiness(self) -> tuple[bool, dict[str, Any]]:

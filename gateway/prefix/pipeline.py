@@ -169,6 +169,14 @@ class PrefixPipeline:
                 chars = len(prompt)
         return max(window_tokens, chars // _CHARS_PER_TOKEN)
 
+    def window_tokens(self, endpoint: str, body: dict[str, Any]) -> array[int]:
+        """The token ids of ``body``'s leading window as :meth:`prepare` hashes them (no normalization).
+
+        For observers that re-key an already prepared body another way (the sample buffer
+        hashes it once more without the tenant salt).
+        """
+        return self._window(endpoint, body)
+
     def _window(self, endpoint: str, body: dict[str, Any]) -> array[int]:
         if endpoint == "chat":
             messages = body.get("messages")

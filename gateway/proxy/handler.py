@@ -130,6 +130,7 @@ class Exchange:
         self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         self.outcome = Outcome(route="none", endpoint=self.endpoint, status=0)
         self.plan: Plan | None = None
+        self.body: dict[str, Any] | None = None  # the parsed client body (for the sample buffer)
         self.replica: Replica | None = None  # holds an in-flight slot while set
         self._prefill_charge = 0  # prompt tokens charged to the replica's queued prefill (see PolicyRunner.acquire)
         self.decision: Decision | None = None
@@ -192,7 +193,7 @@ class Exchange:
             key = client_key(self.headers.get("authorization"), self.scope.get("client"))
             self.ticket = await gw.limiter.admit(key)
         raw = await read_body(self.receive, gw.config.server.max_body_bytes, self.headers.get("content-length"))
-        body = parse_body(raw, self.endpoint)
+        body = self.body = parse_body(raw, self.endpoint)
         if gw.config.logging.log_prompts and log.isEnabledFor(logging.DEBUG):
             log.debug("request %s body: %s", self.request_id, raw[:8192].decode("utf-8", "replace"))
         plan = self.plan = gw.plan(self.endpoint, body, self.headers, self.request_id)
@@ -470,7 +471,7 @@ class Exchange:
         if self.added:
             o.added_s = self.added
         o.duration_s = perf_counter() - self.t0
-        self.gw.record(o)
+        self.gw.record(o, self.plan, self.body)
         info = self.scope.get(LOG_INFO_KEY)
         if info is not None:
             info["route"] = o.route
