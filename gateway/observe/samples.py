@@ -83,9 +83,8 @@ def body_parts(endpoint: str, body: Mapping[str, Any]) -> list[tuple[str, str, s
             for i, message in enumerate(messages):
                 if isinstance(message, Mapping):
                     role = message.get("role")
-                    parts.append(
-                        (f"messages[{i}]", role if isinstance(role, str) else "?", _content_text(message.get("content")))
-                    )
+                    text = _content_text(message.get("content"))
+                    parts.append((f"messages[{i}]", role if isinstance(role, str) else "?", text))
     elif endpoint == "completions":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -127,7 +126,7 @@ class SampleBuffer:
         """Add the shape of one finished request.  Never raises: a sample is never worth a failed request."""
         try:
             sample = self.shape(plan, body, outcome)
-        except Exception:  # noqa: BLE001 - never log the body: it may hold prompt text
+        except Exception:  # never log the body: it may hold prompt text
             log.exception("could not record a request sample (route %s)", plan.route.name)
             return
         self.add(sample)
