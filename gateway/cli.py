@@ -5,6 +5,7 @@
     prefix-gateway demo [--port P]
     prefix-gateway hash-key [KEY]          (sha256 for admin.api_key_sha256 / auth.api_keys_sha256)
     prefix-gateway explain FILE.json [--gateway URL] [--admin-key KEY] [--config FILE] [--json]
+    prefix-gateway doctor (--gateway URL [--admin-key KEY] | --file FILE.jsonl [--config FILE]) [--json]
     prefix-gateway sim ...                 (simulated vLLM replicas; see `prefix-gateway sim --help`)
 
 Each subcommand is one ``add_*`` function (its arguments) and one ``run_*`` function.
@@ -315,8 +316,61 @@ def run_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- doctor --------------------------------------------------------------------------------
+def add_doctor(sub: Any) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="why is my hit rate low? ranked causes with evidence and the config change that fixes each",
+        description="Diagnose a low prefix-cache hit rate. From a running gateway (--gateway: /admin/stats, plus "
+        "/admin/samples when samples.enabled) or a JSONL file of OpenAI request bodies (--file, keyed with the "
+        "routes of --config). Causes: volatile spans in the stable prefix, prompts shorter than a block, "
+        "per-tenant salts, user input before shared instructions, tokenizer misalignment, KV pressure, spills. "
+        "Gains are estimated by replaying the requests' block keys through an LRU cache with and without each fix.",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gateway", metavar="URL", help="a running gateway's base URL, e.g. http://127.0.0.1:8080")
+    source.add_argument("--file", metavar="FILE.jsonl", help="one request body (or explain wrapper) per line")
+    p.add_argument("--admin-key", help=f"admin key for --gateway (default: env {DEFAULT_ADMIN_KEY_ENV})")
+    p.add_argument("--config", "-c", help="--file: the config whose routes key the requests (default: as explain)")
+    p.add_argument(
+        "--cache-blocks",
+        type=int,
+        metavar="N",
+        help="--file: pooled KV capacity in blocks for the replay (default: unbounded)",
+    )
+    p.add_argument("--json", action="store_true", help="print the JSON report (for tools)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for --gateway")
+    p.set_defaults(run=run_doctor)
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    from gateway.doctor import diagnose, render_json, render_text
+    from gateway.doctor.sources import SourceError, from_gateway, from_jsonl
+
+    try:
+        if args.gateway:
+            key = args.admin_key if args.admin_key is not None else os.environ.get(DEFAULT_ADMIN_KEY_ENV)
+            corpus = from_gateway(args.gateway, key, args.timeout)
+        else:
+            path = Path(args.config) if args.config else default_config_path()
+            corpus = from_jsonl(args.file, load_config(path), args.cache_blocks)
+    except SourceError as exc:
+        print(f"prefix-gateway doctor: {exc}", file=sys.stderr)
+        return 1
+    diagnosis = diagnose(corpus)
+    print(render_json(diagnosis) if args.json else render_text(diagnosis), end="" if not args.json else "\n")
+    return 0
+
+
 # -- main ----------------------------------------------------------------------------------
-SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve, add_check_config, add_demo, add_hash_key, add_explain]
+SUBCOMMANDS: list[Callable[[Any], None]] = [
+    add_serve,
+    add_check_config,
+    add_demo,
+    add_hash_key,
+    add_explain,
+    add_doctor,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -167,16 +167,20 @@ class SampleBuffer:
             "keys": None,
             "keys_relocated": None,
             "tokens_relocated": None,  # prompt tokens with relocation (exact within the window, else estimated)
+            "spans": [],  # [where, rule] of each detected volatile span (never its value)
         }
         pipeline = route.pipeline
         if prepared is not None and pipeline is not None:
             sample["keys"] = [fp.key(k) for k in unsalted_keys(pipeline, endpoint, prepared.body)]
+            changes = prepared.changes
             shadow = self._shadow(route)
             if shadow is not None:
                 unsalted = {k: v for k, v in body.items() if k != "cache_salt"}
                 relocated = shadow.prepare(endpoint, unsalted)
                 sample["keys_relocated"] = [fp.key(k) for k in relocated.block_keys]
                 sample["tokens_relocated"] = relocated.prompt_tokens_estimate
+                changes = relocated.changes
+            sample["spans"] = sorted({(c.where, c.rule) for c in changes})
         if self.settings.include_text:
             sample["body"] = dict(body)
         return sample
