@@ -20,12 +20,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 
-_TOKEN = re.compile(r"\w+|\s+|[^\w\s]")
+# ASCII words and digit runs stay whole (an id is one token); any other letter is a token of
+# its own, so a value glued to CJK text (``现在时间17:30``) is still told apart from it.
+_TOKEN = re.compile(r"[A-Za-z0-9_]+|\d+|\w|\s+|[^\w\s]")
 MAX_SPAN_CHARS = 96  # longer differences are content, not a volatile value
 MAX_SPAN_TOKENS = 24
 MIN_RIGHT_CONTEXT = 32  # a span in the stable prefix is followed by shared text
 LEFT_CONTEXT = 24  # characters of text before a span that identify its place
-MAX_PAIRS = 200  # successive pairs compared per part position (the diff is quadratic-ish)
+MAX_PAIRS = 200
+MERGE_GAP_TOKENS = 2  # successive pairs compared per part position (the diff is quadratic-ish)
 
 
 @dataclass(slots=True)
@@ -61,10 +64,16 @@ def diff_spans(a: str, b: str) -> list[tuple[int, int, int, int]]:
     ta, tb = _TOKEN.findall(a), _TOKEN.findall(b)
     oa, ob = _offsets(ta), _offsets(tb)
     matcher = SequenceMatcher(None, ta, tb, autojunk=False)
-    spans = []
+    runs: list[list[int]] = []  # [i1, i2, j1, j2] token ranges; runs split by a separator or two are one value
     for op, i1, i2, j1, j2 in matcher.get_opcodes():
         if op == "equal":
             continue
+        if runs and i1 - runs[-1][1] <= MERGE_GAP_TOKENS and j1 - runs[-1][3] <= MERGE_GAP_TOKENS:
+            runs[-1][1], runs[-1][3] = i2, j2  # "9:01" vs "10:02": one time, not two numbers
+        else:
+            runs.append([i1, i2, j1, j2])
+    spans = []
+    for i1, i2, j1, j2 in runs:
         a0, a1, b0, b1 = oa[i1], oa[i2], ob[j1], ob[j2]
         if max(i2 - i1, j2 - j1) > MAX_SPAN_TOKENS or max(a1 - a0, b1 - b0) > MAX_SPAN_CHARS:
             continue
@@ -90,6 +99,7 @@ def find_spans(texts: Mapping[str, Sequence[str]], min_changes: int = 2, max_val
             stable_from = 0  # the left context never reaches into an earlier changed span
             for a0, a1, b0, b1 in diff_spans(prev, cur):
                 left = cur[max(stable_from, b0 - LEFT_CONTEXT) : b0]
+                left = left.rsplit("}}", 1)[-1]  # a placeholder is not in the raw text a rule is applied to
                 stable_from = b1
                 span = found.setdefault((where, left), LearnedSpan(where, left))
                 span.changes += 1
@@ -141,6 +151,8 @@ def suggest_pattern(left: str, values: Sequence[str]) -> str:
     body = ""
     if any(rests):
         lo, hi = min(len(r) for r in rests), max(len(r) for r in rests)
+        if hi <= 2 and all(r.isdigit() for r in rests):
+            lo, hi = 1, 2  # a day, hour or minute seen only as "4".."9" will also be "14"
         count = f"{{{lo}}}" if lo == hi else f"{{{max(lo, 1)},{hi}}}"
         body = _char_class("".join(rests)) + count
     pattern = re.escape(literal) + body

@@ -32,3 +32,11 @@ def fresh_fleet(tmp_path: Path) -> Iterator[ReplicaGroup]:
     group = ReplicaGroup(4, log_dir=tmp_path / "sims2", **SIM_OPTIONS)
     with group.start():
         yield group
+
+
+@pytest.fixture(scope="session")
+def shared_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaGroup]:
+    """Replicas shared by the tests that do not depend on what the caches hold."""
+    group = ReplicaGroup(2, log_dir=tmp_path_factory.mktemp("shared-sims"), **SIM_OPTIONS)
+    with group.start():
+        yield group
