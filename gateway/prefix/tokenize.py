@@ -25,7 +25,7 @@ from typing import Any
 import xxhash
 
 from gateway.chat_template import chat_segments
-from gateway.tokenizer import TiktokenTokenizer, Tokenizer
+from gateway.tokenizer import Tokenizer
 
 
 class SegmentTokenCache:
@@ -75,10 +75,10 @@ class WindowTokenizer:
         self.tokenizer = tokenizer
         self.window = window
         self.cache = SegmentTokenCache(tokenizer, cache_tokens)
-        # tiktoken's pre-tokenizers (cl100k, o200k) always start a new pre-token at a space
-        # that follows a non-space, and BPE never merges across pre-tokens: cutting there is
-        # exact.  A Hugging Face tokenizer gives no such guarantee.
-        self._exact_cuts = isinstance(tokenizer, TiktokenTokenizer)
+        # The tiktoken-style pre-tokenizers (cl100k, o200k, llama3, qwen) always start a new
+        # pre-token at a space that follows a non-space, and BPE never merges across
+        # pre-tokens: cutting there is exact.  A Hugging Face tokenizer gives no such guarantee.
+        self._exact_cuts = bool(getattr(tokenizer, "splits_at_spaces", False))
 
     def segments(self, segments: Iterable[str]) -> array[int]:
         """The first ``window`` tokens of the concatenated segments (each tokenized on its own)."""
