@@ -155,6 +155,7 @@ def build_report(plan: Plan) -> dict[str, Any]:
         settings = route.pipeline.settings  # type: ignore[union-attr]
         report["prefix"] = {
             "tokenizer": settings.tokenizer,
+            "units": prepared.units,  # the vocabulary actually used and whether it matches the model
             "window_tokens": prepared.window_tokens,
             "window_limit": settings.window_tokens,
             "window_full": prepared.window_tokens >= settings.window_tokens,

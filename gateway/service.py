@@ -66,6 +66,11 @@ class Plan:
         return self.prepared.body if self.prepared is not None and self.prepared.relocated else None
 
     @property
+    def predicted_units(self) -> str | None:
+        """What the prediction is counted in (see :mod:`gateway.alignment`), when there is one."""
+        return self.prepared.units if self.prepared is not None else None
+
+    @property
     def predicted_cached_tokens(self) -> int | None:
         value = self.decision.detail.get("predicted_cached_tokens") if self.decision.detail else None
         return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -190,6 +190,10 @@ class HFTokenizer:
     def special_id(self, token: str) -> int | None:
         return self._specials.get(token)
 
+    def added_tokens(self) -> dict[str, int]:
+        """Every added token (special or not): the tokenizer splits them out before BPE."""
+        return dict(self._specials)
+
 
 def _cache_dir() -> Path:
     configured = os.environ.get(CACHE_DIR_ENV)

@@ -21,6 +21,7 @@ class Outcome:
     completion_tokens: int | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, None if absent
     predicted_cached_tokens: int | None = None  # Decision.detail["predicted_cached_tokens"]
+    predicted_units: str | None = None  # what the prediction counts: "exact (llama3)", "approximate (cl100k_base)"
     normalize_mode: str | None = None
     normalized: Mapping[str, int] = field(default_factory=dict)
     retries: int = 0

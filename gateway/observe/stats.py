@@ -6,6 +6,11 @@ resets.  Hit rates divide cached tokens by the prompt tokens of the responses th
 *reported* cached tokens, so a replica that omits the field reads as unknown, not as 0 %.
 The predicted hit rate likewise divides the policy's predictions by the prompt tokens of
 the answered requests that *had* a prediction (a retry on another replica has none).
+
+Predictions are counted in the gateway's tokenizer, the replica's ``prompt_tokens`` in the
+model's.  They agree when the route aligns with the served model (``tokenizer: auto`` on a
+known family, or ``hf:DIR``); otherwise ``predicted_units`` says ``approximate (...)`` so the
+predicted hit rate is never read as exact when it mixes units.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class Tally:
     predicted_cached_tokens: int = 0
     predicted_prompt_tokens: int = 0  # prompt tokens of the answered requests that had a prediction
     predicted_requests: int = 0
+    predicted_units_seen: dict[str, int] = field(default_factory=dict)  # units label -> predictions
 
     def add(self, o: Outcome) -> None:
         self.requests += 1
@@ -48,6 +54,10 @@ class Tally:
             self.predicted_cached_tokens += o.predicted_cached_tokens
             self.predicted_prompt_tokens += o.prompt_tokens
             self.predicted_requests += 1
+            units = o.predicted_units or "approximate (unknown)"
+            seen = self.predicted_units_seen
+            if units in seen or len(seen) < 16:  # labels come from config and model families: few
+                seen[units] = seen.get(units, 0) + 1
 
     @property
     def hit_rate_reported(self) -> float | None:
@@ -59,10 +69,30 @@ class Tally:
         d = self.predicted_prompt_tokens
         return self.predicted_cached_tokens / d if d else None
 
+    @property
+    def predicted_units(self) -> str | None:
+        """One label when every prediction shared it, else ``mixed: a, b`` (approximate overall)."""
+        seen = self.predicted_units_seen
+        if not seen:
+            return None
+        if len(seen) == 1:
+            return next(iter(seen))
+        return "mixed: " + ", ".join(sorted(seen))
+
+    @property
+    def predicted_exact(self) -> bool | None:
+        seen = self.predicted_units_seen
+        return all(label.startswith("exact") for label in seen) if seen else None
+
     def as_dict(self) -> dict[str, object]:
         d = asdict(self)
+        del d["predicted_units_seen"]
         d["hit_rate_reported"] = _round(self.hit_rate_reported)
         d["hit_rate_predicted"] = _round(self.hit_rate_predicted)
+        d["predicted_units"] = self.predicted_units
+        d["predicted_exact"] = self.predicted_exact
+        rep, pred = self.hit_rate_reported, self.hit_rate_predicted
+        d["hit_rate_gap"] = None if rep is None or pred is None else round(pred - rep, 4)
         return d
 
 

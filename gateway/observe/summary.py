@@ -107,6 +107,7 @@ class SummaryReporter:
                 "generation_throughput": round(t.completion_tokens / elapsed, 1),
                 "hit_rate_reported": t.hit_rate_reported,
                 "hit_rate_predicted": t.hit_rate_predicted,
+                "predicted_units": t.predicted_units,
                 "hit_rate_engine": engine_rate,
                 "ttft_p50_s": percentile(window.ttft, 50),
                 "ttft_p90_s": percentile(window.ttft, 90),
@@ -121,7 +122,9 @@ class SummaryReporter:
                 f"Prompt throughput: {fields['prompt_throughput']:.1f} tokens/s, "
                 f"Generation throughput: {fields['generation_throughput']:.1f} tokens/s, "
                 f"Prefix cache hit rate: {_pct(t.hit_rate_reported)}, "
-                f"Predicted hit rate: {_pct(t.hit_rate_predicted)}, "
+                f"Predicted hit rate: {_pct(t.hit_rate_predicted)}"
+                + (f" ({t.predicted_units})" if t.predicted_units and not t.predicted_exact else "")
+                + ", "
                 f"Engine hit rate: {_pct(engine_rate)}, "
                 f"TTFT p50: {_ms(fields['ttft_p50_s'])}, TTFT p90: {_ms(fields['ttft_p90_s'])}, "
                 f"Healthy replicas: {healthy}/{len(replicas)}, "

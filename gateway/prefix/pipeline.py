@@ -23,8 +23,7 @@ from typing import Any
 from gateway.prefix.blocks import chain_block_keys, chain_id_keys, chain_text_keys, first_block_seed
 from gateway.prefix.normalize import Normalizer, NormalizeResult, Relocation
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
-from gateway.prefix.tokenize import WindowTokenizer
-from gateway.tokenizer import get_tokenizer
+from gateway.prefix.tokenize import ModelWindows
 
 _CHARS_PER_TOKEN = 4  # estimate past the window (see PrefixPipeline._estimate_total)
 _ID_CHUNK = 256  # token-id prompts past the window: ids per continuation key
@@ -54,6 +53,7 @@ class PreparedPrompt:
     def keys(self) -> tuple[int, ...]:
         """The whole chain: token blocks of the window, then the continuation keys."""
         return self.block_keys + self.text_keys if self.text_keys else self.block_keys
+    units: str | None = None  # what the tokens are counted in: "exact (llama3)", "approximate (cl100k_base)"
 
 
 class PrefixPipeline:
@@ -63,7 +63,8 @@ class PrefixPipeline:
         self.normalize_settings = normalize
         self.settings = prefix
         self.normalizer = Normalizer(normalize)
-        self.tokens = WindowTokenizer(get_tokenizer(prefix.tokenizer), prefix.window_tokens, prefix.token_cache_tokens)
+        # the tokenizer + chat template per request model (tokenizer: auto | NAME | hf:DIR)
+        self.tokens = ModelWindows(prefix.tokenizer, prefix.window_tokens, prefix.token_cache_tokens)
 
     def prepare(self, endpoint: str, body: dict[str, Any]) -> PreparedPrompt:
         """``endpoint`` is "chat" or "completions"; other endpoints get no keys."""
@@ -109,6 +110,7 @@ class PrefixPipeline:
             lora=lora,
             text_keys=tuple(text_keys),
             text_key_tokens=tuple(text_tokens),
+            units=self.tokens.units(str(body.get("model", ""))),
         )
 
     def _continue(
@@ -178,20 +180,21 @@ class PrefixPipeline:
         return self._window(endpoint, body)
 
     def _window(self, endpoint: str, body: dict[str, Any]) -> array[int]:
+        tokens = self.tokens.for_model(str(body.get("model", "")))
         if endpoint == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list):
                 return array("I")
-            return self.tokens.chat(messages, body.get("tools"))
+            return tokens.chat(messages, body.get("tools"))
         if endpoint == "completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
                 prompt = prompt[0]  # a batch of prompts: key on the first one
             if isinstance(prompt, str):
-                return self.tokens.text(prompt)
-            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt[: self.tokens.window]):
+                return tokens.text(prompt)
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt[: tokens.window]):
                 try:
-                    return self.tokens.ids(prompt)
+                    return tokens.ids(prompt)
                 except OverflowError:  # ids outside u32: no keys rather than an error here
                     return array("I")
         return array("I")

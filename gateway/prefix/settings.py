@@ -117,7 +117,12 @@ class PrefixSettings(BaseModel):
 
     model_config = {"extra": "forbid"}
 
-    tokenizer: str = Field("cl100k_base", description="cl100k_base, o200k_base, or a path to a tokenizer.json")
+    tokenizer: str = Field(
+        "auto",
+        description="auto (the served model's vocabulary and chat template, from its name: Llama 3.x, "
+        "Qwen2.5/Qwen3; others cl100k_base/o200k_base), cl100k_base, o200k_base, llama3, qwen3, "
+        "or hf:/path/to/model_dir (a local Hugging Face model: tokenizer.json + chat_template)",
+    )
     window_tokens: int = Field(4096, ge=16, description="only this many leading tokens are tokenized and hashed")
     block_size: int = Field(16, ge=1, description="tokens per hashed block (vLLM's default is 16)")
     lora_from_model: bool = Field(
@@ -138,3 +143,10 @@ class PrefixSettings(BaseModel):
         ge=0,
         description="bound of the per-route LRU of segment text -> token ids (about 4 bytes per token); 0 disables",
     )
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_ok(cls, value: str) -> str:
+        from gateway.alignment import validate_setting
+
+        return validate_setting(value)

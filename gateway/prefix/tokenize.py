@@ -24,7 +24,8 @@ from typing import Any
 
 import xxhash
 
-from gateway.chat_template import chat_segments
+from gateway.alignment import Alignment, alignment_for_family, alignment_for_setting, resolve
+from gateway.chat_template import GENERIC, ChatTemplate, SpecialToken
 from gateway.tokenizer import Tokenizer
 
 
@@ -69,10 +70,11 @@ class SegmentTokenCache:
 
 
 class WindowTokenizer:
-    """Leading-window token ids for chat messages and completion prompts."""
+    """Leading-window token ids for chat messages (rendered with ``template``) and completion prompts."""
 
-    def __init__(self, tokenizer: Tokenizer, window: int, cache_tokens: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, window: int, cache_tokens: int, template: ChatTemplate = GENERIC) -> None:
         self.tokenizer = tokenizer
+        self.template = template
         self.window = window
         self.cache = SegmentTokenCache(tokenizer, cache_tokens)
         # The tiktoken-style pre-tokenizers (cl100k, o200k, llama3, qwen) always start a new
@@ -89,6 +91,9 @@ class WindowTokenizer:
             remaining = window - len(out)
             if remaining <= 0:
                 break
+            if type(segment) is SpecialToken:  # a template's special token: its id, never BPE
+                out.append(segment.id)
+                continue
             if len(segment) > remaining * _CHARS_PER_TOKEN_GUESS + 64:
                 out.extend(self._leading(segment, remaining))
             else:
@@ -132,7 +137,7 @@ class WindowTokenizer:
         return out
 
     def chat(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> array[int]:
-        return self.segments(chat_segments(messages, tools))
+        return self.segments(self.template.segments(messages, tools))
 
     def text(self, prompt: str) -> array[int]:
         """A completion prompt string: one segment."""
@@ -141,6 +146,67 @@ class WindowTokenizer:
     def ids(self, prompt: Sequence[int]) -> array[int]:
         """A completion prompt given as token ids: the leading window as is."""
         return array("I", prompt[: self.window])
+
+
+class ModelWindows:
+    """The window tokenizer for each request's model under a route's ``tokenizer`` setting.
+
+    With ``auto`` the served model's name picks the vocabulary and chat template
+    (:mod:`gateway.alignment`); one :class:`WindowTokenizer` (and segment cache) exists per
+    alignment, and model names are memoized (bounded) so resolving costs one dict lookup.
+    A fixed setting (an encoding name or ``hf:DIR``) is loaded here, at route build time, so a
+    bad one fails at startup.
+    """
+
+    MAX_MODELS = 1024  # distinct model names memoized; more are resolved on each request
+
+    def __init__(self, setting: str, window: int, cache_tokens: int) -> None:
+        self.setting = setting
+        self.window = window
+        self._cache_tokens = cache_tokens
+        self._by_key: dict[str, WindowTokenizer] = {}
+        self._by_model: dict[str, WindowTokenizer] = {}
+        fixed = alignment_for_setting(setting)
+        self._fixed = self._window_for(fixed) if fixed is not None else None
+        self._last = self._fixed
+
+    def _window_for(self, alignment: Alignment) -> WindowTokenizer:
+        wt = self._by_key.get(alignment.key)
+        if wt is None:
+            wt = WindowTokenizer(alignment.tokenizer, self.window, self._cache_tokens, alignment.template)
+            wt.alignment = alignment  # type: ignore[attr-defined]
+            self._by_key[alignment.key] = wt
+        return wt
+
+    def for_model(self, model: str) -> WindowTokenizer:
+        if self._fixed is not None:
+            return self._fixed
+        wt = self._by_model.get(model)
+        if wt is None:
+            wt = self._window_for(resolve(self.setting, model))
+            if len(self._by_model) < self.MAX_MODELS:
+                self._by_model[model] = wt
+        self._last = wt
+        return wt
+
+    def units(self, model: str) -> str:
+        """What predicted cached tokens are counted in for this model, e.g. ``exact (llama3)``."""
+        return self.for_model(model).alignment.units  # type: ignore[attr-defined,no-any-return]
+
+    def _current(self) -> WindowTokenizer:
+        if self._last is None:
+            self._last = self._window_for(alignment_for_family("cl100k_base"))
+        return self._last
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer of the last request's model (for tools and benchmarks)."""
+        return self._current().tokenizer
+
+    @property
+    def cache(self) -> SegmentTokenCache:
+        """The segment cache of the last request's model (for tools and benchmarks)."""
+        return self._current().cache
 
 
 # Chunk size per missing token: English runs ~4.2 characters per cl100k token; a short

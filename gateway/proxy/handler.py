@@ -316,6 +316,7 @@ class Exchange:
             o.replica = decision.replica
         if self.plan is not None and decision is self.plan.decision:
             o.predicted_cached_tokens = self.plan.predicted_cached_tokens
+            o.predicted_units = self.plan.predicted_units
 
     def _translate(self, exc: UpstreamError, plan: Plan, tried: list[str]) -> GatewayError:
         # the detail (addresses, ports, OS errors) goes to the log; the client gets names only
