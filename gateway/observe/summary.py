@@ -122,10 +122,9 @@ class SummaryReporter:
                 f"Prompt throughput: {fields['prompt_throughput']:.1f} tokens/s, "
                 f"Generation throughput: {fields['generation_throughput']:.1f} tokens/s, "
                 f"Prefix cache hit rate: {_pct(t.hit_rate_reported)}, "
-                f"Predicted hit rate: {_pct(t.hit_rate_predicted)}"
-                + (f" ({t.predicted_units})" if t.predicted_units and not t.predicted_exact else "")
-                + ", "
-                f"Engine hit rate: {_pct(engine_rate)}, "
+                f"Predicted hit rate: {_pct(t.hit_rate_predicted)}, "
+                + (f"Predicted units: {t.predicted_units}, " if t.predicted_units and not t.predicted_exact else "")
+                + f"Engine hit rate: {_pct(engine_rate)}, "
                 f"TTFT p50: {_ms(fields['ttft_p50_s'])}, TTFT p90: {_ms(fields['ttft_p90_s'])}, "
                 f"Healthy replicas: {healthy}/{len(replicas)}, "
                 f"In-flight max: {fields['in_flight_max']}, In-flight mean: {fields['in_flight_mean']:.2f}, "
