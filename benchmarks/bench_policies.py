@@ -13,10 +13,16 @@ blocks) and its pooled compute, whose hit rate is the upper bound for any router
 agent workload the oracle sits behind a one-replica gateway with the same normalization, so it
 sees the same normalized prompts the policies' replicas see.
 
-Results: a table per workload and load level with PASS/FAIL per target (issue 4), written to
-``benchmarks/results/bench_policies.json`` (+ ``.md``) and PNG charts in the same folder.
-Policies not registered in this checkout are listed and skipped; without a gateway at all the
-client round-robins over the replicas itself (``client_rr``) so the harness still runs.
+The Rust SGLang router (``sglang-router``, policy ``cache_aware``) is one more row, in front of
+the same replicas with the same requests (``peer_sglang.py``); it is skipped, with the reason
+printed, where the package is not installed.
+
+Results: a table per workload and load level with PASS/FAIL per target (issue 8: hit rate vs
+the oracle and the SGLang router, TTFT vs the SGLang router at moderate load and the oracle at
+saturated load, balance of prefill work), written to ``benchmarks/results/bench_policies.json``
+(+ ``.md``) and PNG charts in the same folder.  Policies not registered in this checkout are
+listed and skipped; without a gateway at all the client round-robins over the replicas itself
+(``client_rr``) so the harness still runs.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -47,14 +54,15 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` and `gatew
 
 import yaml  # noqa: E402
 
-from benchmarks import report  # noqa: E402
-from benchmarks.replay import median_of_runs, prepare, replay, summarize  # noqa: E402
+from benchmarks import peer_sglang, report  # noqa: E402
+from benchmarks.replay import id_prefix, median_of_runs, prepare, replay, summarize  # noqa: E402
 from benchmarks.workloads import WORKLOAD_NAMES, Workload, build  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 MODEL = "demo-model"
 REPLICAS = 4
 POLICIES = ("round_robin", "random", "least_loaded", "session", "prefix")
+SGLANG = peer_sglang.ROW  # the peer router's row: not a gateway policy, a separate process
 LEVELS = ("moderate", "saturated")
 
 # The simulated fleet, the same hardware for every workload: one replica prefills 30k tokens
@@ -238,20 +246,26 @@ def parse_variant(text: str) -> tuple[str, str, tuple[tuple[str, Any], ...]]:
 @contextlib.contextmanager
 def gateways(
     specs: Sequence[tuple[Variant, Sequence[tuple[str, str]]]], workdir: Path, failed: dict[str, str]
-) -> Iterator[dict[str, GatewayProcess]]:
-    """Start several gateways at once (they start in parallel) and wait until they are ready.
+) -> Iterator[dict[str, GatewayProcess | peer_sglang.SGLangRouter]]:
+    """Start several gateways (and the SGLang router's row) at once and wait until they are ready.
 
     A gateway that does not come up is left out of the yielded mapping and its error (with the
     tail of its log) is stored in ``failed``: one broken policy must not stop the benchmark.
     """
-    started: dict[str, GatewayProcess] = {}
+    started: dict[str, GatewayProcess | peer_sglang.SGLangRouter] = {}
     try:
         for variant, replicas in specs:
-            started[variant.name] = start_gateway(variant, replicas, workdir)
-        ready: dict[str, GatewayProcess] = {}
+            if variant.policy == SGLANG:
+                started[variant.name] = peer_sglang.start([url for _, url in replicas], workdir, variant.name)
+            else:
+                started[variant.name] = start_gateway(variant, replicas, workdir)
+        ready: dict[str, GatewayProcess | peer_sglang.SGLangRouter] = {}
         for name, gw in started.items():
             try:
-                poll(gw.url + "/ready", 60, f"gateway {gw.name}")
+                if isinstance(gw, peer_sglang.SGLangRouter):
+                    peer_sglang.wait_ready(gw, MODEL, 60)
+                else:
+                    poll(gw.url + "/ready", 60, f"gateway {gw.name}")
                 ready[name] = gw
             except RuntimeError as exc:
                 gw.stop()
@@ -307,6 +321,44 @@ def engine_hit_rate(before: Sequence[dict[str, Any]], after: Sequence[dict[str, 
     return hits / queries if queries else None
 
 
+def prefill_work(
+    before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]], names: Sequence[str]
+) -> dict[str, Any]:
+    """Uncached prompt tokens (prefill work) per replica over the run, from the engines' counters.
+
+    Balance is judged on work, not on momentary in-flight counts (issue 8): max/mean over the
+    replicas of (prompt tokens - cached tokens), idle replicas included.
+    """
+    work = {
+        name: (a["prefix_cache_queries"] - b["prefix_cache_queries"])
+        - (a["prefix_cache_hits"] - b["prefix_cache_hits"])
+        for name, a, b in zip(names, after, before, strict=True)
+    }
+    mean = sum(work.values()) / len(work) if work else 0.0
+    return {"per_replica": work, "max_over_mean": max(work.values()) / mean if mean > 0 else None}
+
+
+def probe_id_prefixes(urls: Sequence[str], names: Sequence[str]) -> dict[str, str]:
+    """Each replica's response-id prefix (two tiny completions sent to it directly).
+
+    The SGLang router does not say which replica served a request; the replicas' response ids
+    do.  Empty when the ids carry no distinct per-replica prefix (then that row's in-flight
+    statistics lack the replica; its prefill-work balance, from the engines, does not).
+    """
+    body = json.dumps({"model": MODEL, "prompt": "probe", "max_tokens": 1}).encode()
+    out: dict[str, str] = {}
+    for url, name in zip(urls, names, strict=True):
+        try:
+            ids = [http_json(url + "/v1/completions", data=body).get("id") for _ in range(2)]
+        except (urllib.error.URLError, OSError, ValueError, AttributeError):
+            return {}
+        prefix = id_prefix([i for i in ids if isinstance(i, str)])
+        if prefix is None or prefix in out:
+            return {}
+        out[prefix] = name
+    return out
+
+
 # -- one run ----------------------------------------------------------------------------------
 
 
@@ -317,12 +369,20 @@ def run_once(
     replica_names: Sequence[str],
     deadline_s: float,
     via_gateway: bool,
+    id_prefixes: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     reset_sims(sims)
     before = sim_states(sims)
     targets = [target] if isinstance(target, str) else list(target)
     result = asyncio.run(
-        replay(wire, targets, deadline_s=deadline_s, replica_names=replica_names, via_gateway=via_gateway)
+        replay(
+            wire,
+            targets,
+            deadline_s=deadline_s,
+            replica_names=replica_names,
+            via_gateway=via_gateway,
+            id_prefixes=id_prefixes,
+        )
     )
     # let the engines finish what was sent (cut requests were aborted by the disconnect)
     reset_deadline = time.monotonic() + 10
@@ -333,6 +393,7 @@ def run_once(
     after = sim_states(sims)
     summary = summarize(result).to_dict()
     summary["engine_hit_rate"] = engine_hit_rate(before, after)
+    summary["prefill_work"] = prefill_work(before, after, replica_names)
     summary["deadline_s"] = deadline_s
     return summary
 
@@ -358,7 +419,8 @@ def variants_for(workload: Workload, plan: Plan) -> list[Variant]:
     also the prefix policy with it turned off, to show what the volatile header costs; then
     the extra ``--variant`` rows."""
     policies = plan.policies
-    variants = [Variant(p, p, workload.normalize) for p in policies]
+    # the peer router has no normalization: it gets the prompts as the application sent them
+    variants = [Variant(p, p, "off" if p == SGLANG else workload.normalize) for p in policies]
     if workload.normalize != "off" and "prefix" in policies:
         variants.append(Variant("prefix_norm_off", "prefix", "off"))
     variants += [Variant(name, policy, workload.normalize, settings) for name, policy, settings in plan.extra]
@@ -408,7 +470,13 @@ class Plan:
 
 
 def run_level(
-    wl: Workload, level: str, time_scale: float, fleet: list[str], oracle_url: str, plan: Plan
+    wl: Workload,
+    level: str,
+    time_scale: float,
+    fleet: list[str],
+    oracle_url: str,
+    plan: Plan,
+    id_prefixes: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Every variant, then the oracle, on one workload at one load level."""
     names = [f"r{i}" for i in range(len(fleet))]
@@ -457,7 +525,9 @@ def run_level(
             for v in variants:
                 if v.name in failed:
                     continue
-                s = run_once(wire, gws[v.name].url, fleet, names, deadline, via_gateway=True)
+                # the peer router names no replica: its responses are attributed by their ids
+                ids = id_prefixes if v.policy == SGLANG else None
+                s = run_once(wire, gws[v.name].url, fleet, names, deadline, via_gateway=True, id_prefixes=ids)
                 s["gateway"] = gateway_stats(gws[v.name].url)
                 runs.setdefault(v.name, []).append(s)
                 print(fmt_short(v.name, s) + tag)
@@ -502,8 +572,9 @@ def run_workload(by_level: dict[str, Workload], plan: Plan) -> dict[str, Any]:
     wres["levels"] = {}
     with run_replicas(REPLICAS + 1, per_replica=per_replica, log_dir=log_dir, **sim) as urls:
         print(f"   simulators up in {time.monotonic() - t0:.1f} s (time_scale {time_scale})")
+        id_prefixes = probe_id_prefixes(urls[:REPLICAS], [f"r{i}" for i in range(REPLICAS)])
         for level, level_wl in by_level.items():
-            ldata = run_level(level_wl, level, time_scale, urls[:REPLICAS], urls[REPLICAS], plan)
+            ldata = run_level(level_wl, level, time_scale, urls[:REPLICAS], urls[REPLICAS], plan, id_prefixes)
             ldata["workload"] = {k: v for k, v in level_wl.summary().items() if k != "endpoint"}
             wres["levels"][level] = ldata
     verdicts = report.evaluate(wl.name, wres["levels"], control=wl.name == "control")
@@ -539,14 +610,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     levels = args.load or (["saturated"] if args.quick else list(LEVELS))
     size = args.size if args.size is not None else (QUICK_SIZE if args.quick else 1.0)
     available = [] if args.no_gateway else registered_policies()
-    wanted = args.policy or list(POLICIES)
+    sglang_missing = peer_sglang.unavailable_reason()
+    if available and not sglang_missing:
+        available.append(SGLANG)
+    wanted = args.policy or [*POLICIES, SGLANG]
     policies = [p for p in wanted if p in available]
     missing = [p for p in wanted if p not in available]
-    direct = not policies
+    direct = not [p for p in policies if p != SGLANG]
     if direct:
         policies = ["client_rr"]
     mode = "direct to the replicas, client-side round-robin (no gateway)" if direct else "through the gateway"
     print(f"policies: {', '.join(policies)}" + (f"; missing (skipped): {', '.join(missing)}" if missing else ""))
+    if SGLANG in missing and sglang_missing:
+        print(f"row {SGLANG!r} skipped: {sglang_missing}")
 
     results: dict[str, Any] = {
         "meta": {
@@ -560,6 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "replicas": REPLICAS,
             "sim": {k: SIM[k] for k in SIM if k not in ("enable_admin", "disable_uvicorn_access_log", "model")},
             "oracle_blocks": ORACLE_SIM["num_gpu_blocks"],
+            "sglang_router": _version("sglang-router"),
             "loads": {w: LOADS[w] for w in workloads},
             "size": size,
             "seed": args.seed,
@@ -567,6 +644,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "deadline": f"arrival span x {DEADLINE_FACTOR} + {DEADLINE_SLACK_S} s",
         },
         "missing_policies": missing,
+        "skipped_reasons": {SGLANG: sglang_missing} if SGLANG in missing and sglang_missing else {},
         "workloads": {},
     }
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as tmp:
@@ -603,6 +681,13 @@ def _save(results: dict[str, Any], out: Path) -> None:
     tmp = out / "bench_policies.json.tmp"
     tmp.write_text(json.dumps(results, indent=1, default=float))
     tmp.replace(out / "bench_policies.json")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _git_rev() -> str | None:

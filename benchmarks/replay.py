@@ -22,7 +22,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -126,6 +126,31 @@ def _content_of(chunk: dict[str, Any]) -> str | None:
     return None
 
 
+def replica_of_id(response_id: Any, id_prefixes: Mapping[str, str]) -> str | None:
+    """The replica that wrote a response id, from each replica's id prefix (see ``id_prefix``).
+
+    For routers that do not say where they sent a request (no ``x-prefix-gateway-replica``
+    header): the replicas stamp their response ids with a per-process prefix.
+    """
+    if not isinstance(response_id, str) or not id_prefixes:
+        return None
+    part = response_id.split("-", 1)[-1]
+    for prefix, name in id_prefixes.items():
+        if part.startswith(prefix):
+            return name
+    return None
+
+
+def id_prefix(ids: Sequence[str], length: int = 12) -> str | None:
+    """The per-replica part of response ids (``cmpl-<prefix><counter>``) from two or more of them:
+    their common head after the first dash, ``length`` characters, or ``None`` if they share less."""
+    parts = [i.split("-", 1)[-1] for i in ids]
+    if len(parts) < 2:
+        return None
+    head = parts[0][:length]
+    return head if len(head) == length and all(p.startswith(head) for p in parts) else None
+
+
 async def _send_one(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -133,6 +158,7 @@ async def _send_one(
     out: Outcome,
     clock: Any,
     default_replica: str | None,
+    id_prefixes: Mapping[str, str] | None = None,
 ) -> None:
     out.sent = clock()
     try:
@@ -151,6 +177,8 @@ async def _send_one(
                 if payload == b"[DONE]":
                     break
                 chunk = json.loads(payload)
+                if out.replica is None and id_prefixes:
+                    out.replica = replica_of_id(chunk.get("id"), id_prefixes)
                 if "error" in chunk and not chunk.get("choices"):
                     out.error = f"stream error: {str(chunk['error'])[:300]}"
                     break
@@ -181,13 +209,15 @@ async def replay(
     deadline_s: float,
     replica_names: Sequence[str] | None = None,
     via_gateway: bool = True,
+    id_prefixes: Mapping[str, str] | None = None,
 ) -> ReplayResult:
     """Send ``requests`` open-loop; stop at ``deadline_s`` seconds after the start.
 
     With one URL (a gateway, or the pooled oracle) everything goes there.  With several URLs
     (direct mode, no gateway) the client itself round-robins over them and labels each
     request with the replica it chose.  ``replica_names`` lists every replica so that idle
-    ones still count in the load statistics.
+    ones still count in the load statistics.  ``id_prefixes`` (response-id prefix -> replica
+    name) attributes responses of a router that sends no replica header.
     """
     n_urls = len(base_urls)
     names = list(replica_names or ([f"r{i}" for i in range(n_urls)] if n_urls > 1 else ["oracle"]))
@@ -212,7 +242,7 @@ async def replay(
                     break
                 url = base_urls[i % n_urls]
                 default = None if via_gateway else names[i % n_urls] if n_urls > 1 else names[0]
-                tasks.append(loop.create_task(_send_one(session, url, req, outcomes[i], clock, default)))
+                tasks.append(loop.create_task(_send_one(session, url, req, outcomes[i], clock, default, id_prefixes)))
 
         dispatcher = loop.create_task(dispatch())
         deadline_hit = False

@@ -5,7 +5,9 @@ seeded noise), so no policy can get a cache hit and the only thing routing can c
 evenly work is spread.  The prefix policy must then be as good as ``least_loaded``: this is
 the "never worse than least-load when prompts share nothing" requirement.
 
-Prompts are token ids sent to ``/v1/completions``; lengths are log-normal (median ~3k tokens,
+Prompts are text sent to ``/v1/completions``, made of single-token words (``text.word_pool``,
+so a prompt of N words is N cl100k tokens; text because the peer router in the benchmark takes
+string prompts only); lengths are log-normal (median ~3k tokens,
 clipped to [256, 16k]) so that some requests are much more expensive than others, which is
 what makes load-aware spreading matter; arrivals are Poisson.
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks.workloads import BenchRequest, Workload
-from benchmarks.workloads.mooncake import TOKEN_HIGH, TOKEN_LOW
+from benchmarks.workloads.text import decode, word_pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,16 +43,19 @@ def build_control_workload(size: float = 1.0, seed: int = 0, spec: ControlSpec |
     lengths = np.clip(
         rng.lognormal(math.log(spec.median_tokens), spec.sigma, size=n), spec.min_tokens, spec.max_tokens_prompt
     ).astype(int)
+    pool = word_pool()
     requests = []
     for i in range(n):
         length = int(lengths[i])
-        # Token 0 differs between any two requests, so not even the first block is shared.
-        prompt = [TOKEN_LOW + i, *rng.integers(TOKEN_LOW, TOKEN_HIGH, size=length - 1).tolist()]
+        # The first word (past the pool's size: the first two) differs between any two requests, so
+        # not even the first block is shared.
+        head = [pool[i % len(pool)], pool[i // len(pool) % len(pool)]]
+        prompt = head + [pool[k] for k in rng.integers(0, len(pool), size=length - 2).tolist()]
         requests.append(
             BenchRequest(
                 t=float(times[i]),
                 endpoint="completions",
-                body={"prompt": prompt},
+                body={"prompt": decode(prompt)},
                 max_tokens=spec.max_tokens,
                 prompt_tokens=length,
                 session=f"u{i}",
@@ -59,7 +64,7 @@ def build_control_workload(size: float = 1.0, seed: int = 0, spec: ControlSpec |
         )
     return Workload(
         name="control",
-        description=f"no shared prefixes: {n} unique token-id prompts, log-normal lengths, median {spec.median_tokens}",
+        description=f"no shared prefixes: {n} unique text prompts, log-normal lengths, median {spec.median_tokens}",
         requests=requests,
         normalize="off",
         meta={"seed": seed, "max_tokens": spec.max_tokens},

@@ -1,4 +1,4 @@
-"""Replay of the public Mooncake (FAST'25) traces as token-id prompts.
+"""Replay of the public Mooncake (FAST'25) traces as text prompts of known token length.
 
 The traces carry no text, only one prefix-hash id per 512-token block (see
 ``shared/workloads/README.md``).  Replay rules, as that README recommends:
@@ -8,8 +8,12 @@ The traces carry no text, only one prefix-hash id per 512-token block (see
   id prefixes are equal token prefixes and different ids share nothing;
 - the prompt is the blocks of ``hash_ids[:-1]`` plus the first
   ``input_length - 512 * (len(hash_ids) - 1)`` tokens of the last block;
-- prompts go to ``/v1/completions`` as lists of token ids (exact alignment, no chat template,
-  no tokenization cost anywhere).
+- prompts go to ``/v1/completions`` as *text*: the ids are drawn from the pool of cl100k
+  tokens that are one whole word each (``text.word_pool``), so the text encodes back to
+  exactly those ids under cl100k, and under any BPE vocabulary a shared block prefix stays a
+  shared token prefix (words never merge across their leading space).  Text rather than
+  token-id lists because the peer router in the benchmark (SGLang's ``cache_aware``) accepts
+  string prompts only, and every row must get the same requests.
 
 Shrinking, so that one replay takes seconds on 2 cores:
 
@@ -42,11 +46,10 @@ import numpy as np
 import xxhash
 
 from benchmarks.workloads import BenchRequest, Workload
+from benchmarks.workloads.text import decode, word_pool
 
 WORKLOADS_DIR_ENV = "PREFIX_GATEWAY_WORKLOADS_DIR"
 TRACE_BLOCK = 512  # tokens per hash id in the published traces
-# Token ids are drawn from ordinary cl100k ids, clear of the special tokens at the top.
-TOKEN_LOW, TOKEN_HIGH = 1_000, 90_000
 
 
 def workloads_dir() -> Path:
@@ -126,7 +129,7 @@ def sample_sessions(
 
 
 class BlockTokens:
-    """hash id -> its fixed block of token ids (memoized: reused blocks are built once)."""
+    """hash id -> its fixed block of word-pool token ids (memoized: reused blocks are built once)."""
 
     def __init__(self, namespace: str, block_tokens: int = TRACE_BLOCK) -> None:
         self.namespace = namespace
@@ -138,7 +141,8 @@ class BlockTokens:
         if cached is None:
             seed = xxhash.xxh64_intdigest(f"{self.namespace}:{hash_id}".encode())
             rng = np.random.default_rng(seed)
-            cached = rng.integers(TOKEN_LOW, TOKEN_HIGH, size=self.block_tokens).tolist()
+            pool = word_pool()
+            cached = [pool[i] for i in rng.integers(0, len(pool), size=self.block_tokens).tolist()]
             self._cache[hash_id] = cached
         return cached
 
@@ -171,7 +175,7 @@ def build_mooncake(spec: MooncakeSpec, size: float = 1.0, seed: int = 0, directo
             BenchRequest(
                 t=row["timestamp"] / 1000.0 - t0,
                 endpoint="completions",
-                body={"prompt": prompt},
+                body={"prompt": decode(prompt)},
                 max_tokens=max(1, min(int(row["output_length"]), spec.max_output_tokens)),
                 prompt_tokens=len(prompt),
                 session=key,

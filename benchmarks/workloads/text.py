@@ -10,6 +10,7 @@ tokenizing anything at generation time.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from functools import cache
 
 from gateway.tokenizer import get_tokenizer
@@ -45,6 +46,17 @@ def word_pool() -> tuple[int, ...]:
 def _decoded_pool() -> tuple[str, ...]:
     tok = get_tokenizer("cl100k_base")
     return tuple(tok.decode([i]) for i in word_pool())
+
+
+@cache
+def _text_of_id() -> dict[int, str]:
+    return dict(zip(word_pool(), _decoded_pool(), strict=True))
+
+
+def decode(ids: Sequence[int]) -> str:
+    """The text of pool ids (each `` word``); it encodes back to exactly ``ids`` under cl100k."""
+    table = _text_of_id()
+    return "".join(table[i] for i in ids)
 
 
 def words(rng: random.Random, n: int) -> str:

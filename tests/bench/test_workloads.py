@@ -107,8 +107,11 @@ def test_trace_prompts_share_exactly_their_common_hash_prefix(tmp_path):
     _trace(tmp_path, ROWS)
     wl = build_mooncake(SPEC, directory=tmp_path)
     assert [r.prompt_tokens for r in wl.requests] == [1100, 600, 1500, 300]  # 9 s row is outside the window
-    first, third = wl.requests[0].body["prompt"], wl.requests[2].body["prompt"]
-    assert len(first) == 1100 and len(third) == 1500
+    tok = get_tokenizer("cl100k_base")
+    texts = [r.body["prompt"] for r in wl.requests]
+    assert all(isinstance(t, str) for t in texts)  # text: the peer router takes string prompts only
+    first, third = tok.encode(texts[0]), tok.encode(texts[2])
+    assert len(first) == 1100 and len(third) == 1500  # the text is exactly input_length cl100k tokens
     assert first[:1024] == third[:1024]  # hash ids 1, 2 shared
     assert first[1024:1100] != third[1024:1100]  # id 3 vs id 4
     assert all(r.endpoint == "completions" and r.max_tokens <= SPEC.max_output_tokens for r in wl.requests)
@@ -140,8 +143,10 @@ def test_ceiling_hit_rate_counts_full_blocks_seen_before():
 
 def test_control_prompts_share_nothing():
     wl = build_control_workload(seed=0, spec=ControlSpec(requests=50, median_tokens=300, min_tokens=32))
-    firsts = [r.body["prompt"][0] for r in wl.requests]
+    tok = get_tokenizer("cl100k_base")
+    ids = [tok.encode(r.body["prompt"]) for r in wl.requests]
+    firsts = [p[0] for p in ids]
     assert len(set(firsts)) == len(firsts)
-    assert all(len(r.body["prompt"]) == r.prompt_tokens for r in wl.requests)
+    assert all(len(p) == r.prompt_tokens for p, r in zip(ids, wl.requests, strict=True))
     again = build_control_workload(seed=0, spec=ControlSpec(requests=50, median_tokens=300, min_tokens=32))
     assert [r.body for r in again.requests] == [r.body for r in wl.requests]
