@@ -62,6 +62,9 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 MODEL = "demo-model"
 REPLICAS = 4
 POLICIES = ("round_robin", "random", "least_loaded", "session", "prefix")
+# The rows a default run has: what issue 8's verdicts read (least_loaded for the control, the
+# SGLang router, prefix) plus round-robin as context.  ``--policy`` picks others (random, session).
+DEFAULT_ROWS = ("round_robin", "least_loaded", "prefix")
 SGLANG = peer_sglang.ROW  # the peer router's row: not a gateway policy, a separate process
 LEVELS = ("moderate", "saturated")
 
@@ -101,6 +104,10 @@ ORACLE_SIM: dict[str, Any] = {
 # "saturated".
 LOADS: dict[str, dict[str, float]] = {
     "agent": {"moderate": 0.6, "saturated": 1.25},
+    # round-robin hits ~83 % here (every replica soon holds the 4 tenants' 6k-12k-token heads):
+    # its uncached work is then ~0.6x / ~1.25x of capacity
+    "agent_long": {"moderate": 3.4, "saturated": 7.0},
+    "agent_toolloop": {"moderate": 0.6, "saturated": 1.25},  # round-robin ~0 %: the header on top
     "mooncake_conversation": {"moderate": 0.65, "saturated": 1.35},
     "mooncake_synthetic": {"moderate": 0.8, "saturated": 1.45},
     "control": {"moderate": 0.6, "saturated": 1.25},
@@ -415,13 +422,14 @@ def fmt_short(name: str, s: dict[str, Any]) -> str:
 
 
 def variants_for(workload: Workload, plan: Plan) -> list[Variant]:
-    """Every policy with the workload's normalization; for a workload that needs normalization,
-    also the prefix policy with it turned off, to show what the volatile header costs; then
-    the extra ``--variant`` rows."""
+    """Every policy with the workload's normalization; with ``--norm-off-row``, for a workload that
+    needs normalization, also the prefix policy with it turned off, to show what the volatile
+    header costs (the SGLang and round-robin rows, which never normalize, show it too); then the
+    extra ``--variant`` rows."""
     policies = plan.policies
     # the peer router has no normalization: it gets the prompts as the application sent them
     variants = [Variant(p, p, "off" if p == SGLANG else workload.normalize) for p in policies]
-    if workload.normalize != "off" and "prefix" in policies:
+    if plan.norm_off_row and workload.normalize != "off" and "prefix" in policies:
         variants.append(Variant("prefix_norm_off", "prefix", "off"))
     variants += [Variant(name, policy, workload.normalize, settings) for name, policy, settings in plan.extra]
     return variants
@@ -467,6 +475,7 @@ class Plan:
     workdir: Path
     extra: tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...] = ()  # --variant rows
     repeat: int = 1  # runs per cell; the table shows their medians
+    norm_off_row: bool = False  # also prefix with normalization off where the workload needs it
 
 
 def run_level(
@@ -483,6 +492,8 @@ def run_level(
     util = LOADS[wl.name][level]
     factor = time_factor_for(wl, util, time_scale, SIM, REPLICAS)
     wire = prepare(wl.requests, MODEL, factor)
+    # the same traffic without its volatile header, for the oracle only (same arrival times)
+    reference_wire = prepare(wl.reference, MODEL, factor) if wl.reference else None
     span = wire[-1].at if wire else 0.0
     deadline = span * DEADLINE_FACTOR + DEADLINE_SLACK_S
     rate = len(wire) / max(span, 1e-9)
@@ -536,6 +547,10 @@ def run_level(
             s = run_once(wire, target, [oracle_url], ["oracle"], deadline, via_gateway=via)
             runs.setdefault("oracle", []).append(s)
             print(fmt_short("oracle", s) + tag)
+            if reference_wire:
+                s = run_once(reference_wire, oracle_url, [oracle_url], ["oracle"], deadline, via_gateway=False)
+                runs.setdefault(report.REFERENCE_ORACLE, []).append(s)
+                print(fmt_short("oracle, no header", s) + tag)
     for v in variants:
         if v.name not in runs:
             ldata["runs"][v.name] = {"policy": v.policy, "normalize": v.normalize, "error": failed.get(v.name)}
@@ -545,6 +560,8 @@ def run_level(
         if v.settings:
             ldata["runs"][v.name]["policy_settings"] = dict(v.settings)
     ldata["oracle"] = _merged(runs["oracle"])
+    if report.REFERENCE_ORACLE in runs:
+        ldata[report.REFERENCE_ORACLE] = _merged(runs[report.REFERENCE_ORACLE])
     return ldata
 
 
@@ -587,7 +604,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller workloads, saturated level only (< 2 min)")
     parser.add_argument("--workload", action="append", choices=WORKLOAD_NAMES, help="repeatable; default: all")
     parser.add_argument("--load", action="append", choices=LEVELS, help="repeatable; default: both")
-    parser.add_argument("--policy", action="append", help="repeatable; default: every registered one")
+    parser.add_argument(
+        "--policy",
+        action="append",
+        help=f"repeatable; default: {', '.join(DEFAULT_ROWS)} and {SGLANG} (also: random, session)",
+    )
     parser.add_argument("--size", type=float, default=None, help="workload size factor (default 1, quick 0.3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
@@ -602,6 +623,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--repeat", type=int, default=1, help="runs per cell; the table and verdicts use their medians (default 1)"
     )
+    parser.add_argument(
+        "--norm-off-row",
+        action="store_true",
+        help="also the prefix policy with normalization off, on workloads that need normalization",
+    )
     parser.add_argument("--no-gateway", action="store_true", help="client-side round-robin only (harness check)")
     args = parser.parse_args(argv)
 
@@ -613,7 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sglang_missing = peer_sglang.unavailable_reason()
     if available and not sglang_missing:
         available.append(SGLANG)
-    wanted = args.policy or [*POLICIES, SGLANG]
+    wanted = args.policy or [*DEFAULT_ROWS, SGLANG]
     policies = [p for p in wanted if p in available]
     missing = [p for p in wanted if p not in available]
     direct = not [p for p in policies if p != SGLANG]
@@ -648,7 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workloads": {},
     }
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as tmp:
-        plan = Plan(levels, policies, direct, Path(tmp), tuple(args.variant), max(1, args.repeat))
+        plan = Plan(levels, policies, direct, Path(tmp), tuple(args.variant), max(1, args.repeat), args.norm_off_row)
         for wname in workloads:
             t_build = time.monotonic()
             by_level: dict[str, Workload] = {}

@@ -45,6 +45,9 @@ class Workload:
     requests: list[BenchRequest]
     normalize: Literal["off", "report", "relocate"] = "off"
     meta: dict[str, Any] = field(default_factory=dict)
+    # The same requests without what the workload exists to test (a volatile header): the pooled
+    # oracle replays them too, giving the hit rate reachable had the application never added it.
+    reference: list[BenchRequest] | None = None
 
     @property
     def duration(self) -> float:
@@ -85,18 +88,21 @@ WorkloadBuilder = Callable[..., Workload]
 def builders() -> dict[str, WorkloadBuilder]:
     """Name -> builder(size: float, seed: int).  Imported lazily: the trace reader is heavy."""
     from benchmarks.workloads.agent import build_agent_workload
+    from benchmarks.workloads.agent_tools import build_agent_long_workload, build_agent_toolloop_workload
     from benchmarks.workloads.control import build_control_workload
     from benchmarks.workloads.mooncake import build_mooncake_conversation, build_mooncake_synthetic
 
     return {
         "agent": build_agent_workload,
+        "agent_long": build_agent_long_workload,
+        "agent_toolloop": build_agent_toolloop_workload,
         "mooncake_conversation": build_mooncake_conversation,
         "mooncake_synthetic": build_mooncake_synthetic,
         "control": build_control_workload,
     }
 
 
-WORKLOAD_NAMES = ("agent", "mooncake_conversation", "mooncake_synthetic", "control")
+WORKLOAD_NAMES = ("agent", "agent_long", "agent_toolloop", "mooncake_conversation", "mooncake_synthetic", "control")
 
 
 def build(name: str, size: float = 1.0, seed: int = 0) -> Workload:

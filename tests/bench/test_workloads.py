@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -10,6 +11,12 @@ import pytest
 
 from benchmarks.workloads import WORKLOAD_NAMES, builders
 from benchmarks.workloads.agent import AgentSpec, build_agent_workload
+from benchmarks.workloads.agent_tools import (
+    LongHeadSpec,
+    ToolLoopSpec,
+    build_agent_long_workload,
+    build_agent_toolloop_workload,
+)
 from benchmarks.workloads.control import ControlSpec, build_control_workload
 from benchmarks.workloads.mooncake import (
     BlockTokens,
@@ -150,3 +157,71 @@ def test_control_prompts_share_nothing():
     assert all(len(p) == r.prompt_tokens for p, r in zip(ids, wl.requests, strict=True))
     again = build_control_workload(seed=0, spec=ControlSpec(requests=50, median_tokens=300, min_tokens=32))
     assert [r.body for r in again.requests] == [r.body for r in wl.requests]
+
+
+SMALL_LONG = LongHeadSpec(tenants=2, conversations=6, turns=(2, 4), span_s=20.0)
+SMALL_LOOP = ToolLoopSpec(tenants=2, system_tokens=(200, 300), tool_tokens=(200, 300), loops=4, steps=(3, 5))
+TRACE = re.compile(r"^Current time: \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z\nTrace ID: [0-9a-f]{32}\n\n")
+
+
+def _dump(wl):
+    return json.dumps([(r.t, r.body, r.session, r.prompt_tokens) for r in wl.requests])
+
+
+def test_agent_long_heads_exceed_the_old_window_and_conversations_part_right_after():
+    wl = build_agent_long_workload(seed=1, spec=SMALL_LONG)
+    assert _dump(wl) == _dump(build_agent_long_workload(seed=1, spec=SMALL_LONG))
+    assert _dump(wl) != _dump(build_agent_long_workload(seed=2, spec=SMALL_LONG))
+    assert wl.normalize == "off" and wl.reference is None
+    tok = get_tokenizer("cl100k_base")
+    by_session: dict[str, list] = {}
+    for r in wl.requests:
+        by_session.setdefault(r.session, []).append(r)
+    heads = {}
+    for session, reqs in by_session.items():
+        tenant = session.split("-")[0]
+        system = reqs[0].body["messages"][0]
+        assert system["role"] == "system" and '"type": "function"' in system["content"]  # tool schemas
+        heads.setdefault(tenant, system["content"])
+        assert system["content"] == heads[tenant]  # one shared head per tenant, never volatile
+        for earlier, later in itertools.pairwise(reqs):  # each turn resends the history
+            assert later.body["messages"][: len(earlier.body["messages"])] == earlier.body["messages"]
+    assert len(heads) == SMALL_LONG.tenants
+    assert all(len(tok.encode(h)) > 4096 for h in heads.values())
+    # several conversations per tenant, parting right after the shared head
+    firsts = [reqs[0].body["messages"] for reqs in by_session.values()]
+    same_tenant = [m for m in firsts if m[0]["content"] == firsts[0][0]["content"]]
+    assert len(same_tenant) >= 2 and same_tenant[0][1] != same_tenant[1][1]
+    for r in wl.requests[:4]:
+        assert r.prompt_tokens == len(chat_tokens(tok, r.body["messages"]))
+
+
+def test_agent_toolloop_has_a_fresh_header_tool_steps_and_a_header_less_reference():
+    wl = build_agent_toolloop_workload(seed=1, spec=SMALL_LOOP)
+    assert _dump(wl) == _dump(build_agent_toolloop_workload(seed=1, spec=SMALL_LOOP))
+    assert wl.normalize == "relocate" and wl.reference is not None
+    assert len(wl.reference) == len(wl.requests)
+    tok = get_tokenizer("cl100k_base")
+    headers = set()
+    by_session: dict[str, list] = {}
+    for r, ref in zip(wl.requests, wl.reference, strict=True):
+        system, ref_system = r.body["messages"][0]["content"], ref.body["messages"][0]["content"]
+        match = TRACE.match(system)
+        assert match, system[:100]
+        headers.add(match.group(0))
+        # the reference is the same request, at the same time, without the header
+        assert system[match.end() :] == ref_system and r.body["messages"][1:] == ref.body["messages"][1:]
+        assert ref.t == r.t and ref.session == r.session
+        assert ref.prompt_tokens == len(chat_tokens(tok, ref.body["messages"])) < r.prompt_tokens
+        by_session.setdefault(r.session, []).append(ref)
+    assert len(headers) == len(wl.requests)  # new values every step
+    for steps in by_session.values():
+        first = steps[0].body["messages"]
+        assert [m["role"] for m in first] == ["system", "user"]  # the task
+        for earlier, later in itertools.pairwise(steps):
+            before, after = earlier.body["messages"], later.body["messages"]
+            assert after[: len(before)] == before  # each step resends everything before it
+            call, result = after[len(before) :]
+            assert call["role"] == "assistant" and call["content"] is None
+            assert result == {**result, "role": "tool", "tool_call_id": call["tool_calls"][0]["id"]}
+            json.loads(call["tool_calls"][0]["function"]["arguments"])
