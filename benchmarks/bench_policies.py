@@ -1,10 +1,11 @@
 """Every routing policy on the same simulated fleet, per workload and load level, in one run.
 
-    python benchmarks/bench_policies.py                 # the full run (~10 min on 2 cores)
-    python benchmarks/bench_policies.py --quick         # smoke run (< 2 min)
+    python benchmarks/bench_policies.py --repeat 3      # the verdict run (see benchmarks/README.md)
+    python benchmarks/bench_policies.py --quick         # smoke run (a few minutes)
     python benchmarks/bench_policies.py --workload agent --load saturated
 
-For each workload (agent, mooncake_conversation, mooncake_synthetic, control) and load level
+For each workload (agent, agent_long, agent_toolloop, mooncake_conversation, mooncake_synthetic,
+control) and load level
 (moderate, saturated): the same pre-built requests are replayed open-loop through a fresh
 gateway per policy in front of the same 4 simulated replicas (separate processes; their
 prefix caches are flushed before every run, so every policy starts cold), and once more
@@ -601,7 +602,7 @@ def run_workload(by_level: dict[str, Workload], plan: Plan) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads, saturated level only (< 2 min)")
+    parser.add_argument("--quick", action="store_true", help="smaller workloads, saturated level only (smoke run)")
     parser.add_argument("--workload", action="append", choices=WORKLOAD_NAMES, help="repeatable; default: all")
     parser.add_argument("--load", action="append", choices=LEVELS, help="repeatable; default: both")
     parser.add_argument(
