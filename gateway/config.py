@@ -255,6 +255,19 @@ class StateSettings(_Strict):
         3.0, gt=0.0, le=600.0, description="a peer's load report older than this is dropped (the peer is gone)"
     )
 
+    secret_env: str = Field(
+        "PREFIX_GATEWAY_STATE_SECRET",
+        description="env var holding the shared secret that signs peer messages (HMAC-SHA256); when set, "
+        "unsigned or badly signed messages are dropped. Every gateway sharing the channel needs the same one",
+    )
+    secret: str | None = Field(
+        None, min_length=16, description="the shared secret in the file (prefer secret_env, from a Secret)"
+    )
+
+    def resolved_secret(self, environ: Mapping[str, str] | None = None) -> str | None:
+        env = os.environ if environ is None else environ
+        return env.get(self.secret_env) or self.secret
+
     @model_validator(mode="after")
     def _ttl_outlives_reports(self) -> StateSettings:
         every = max(1.0, self.load_interval_ms / 1000.0)  # a report goes out at least this often

@@ -36,6 +36,7 @@ from gateway.routing.base import Decision, RequestView
 from gateway.routing.routes import Route, RouteTable, build_route
 from gateway.state.affinity_sync import AffinitySync
 from gateway.state.peer_load import PeerLoad
+from gateway.state.signing import Signer
 from gateway.tasks import cancel_and_wait
 from gateway.upstream.aiohttp_client import aiohttp_factory
 from gateway.upstream.client import ClientFactory
@@ -151,6 +152,7 @@ class Gateway:
             batch_interval_s=state.batch_interval_ms / 1000.0,
             peer_load=PeerLoad(self.replicas, state.peer_load_ttl_s) if state.share_load else None,
             load_interval_s=state.load_interval_ms / 1000.0,
+            signer=Signer(secret) if (secret := state.resolved_secret(env)) else None,
         )
 
     # -- lifecycle ---------------------------------------------------------------------

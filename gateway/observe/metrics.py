@@ -245,9 +245,14 @@ class SyncCollector(Collector):
             records.add_metric([outcome], getattr(stats, outcome))
         errors = CounterMetricFamily(p + "errors", "Failed Redis calls and malformed messages")
         errors.add_metric([], stats.errors)
+        rejected = CounterMetricFamily(
+            p + "rejected", "Peer messages dropped for a missing, wrong or stale signature (state.secret_env)"
+        )
+        rejected.add_metric([], stats.rejected)
         peers = GaugeMetricFamily(p + "peers", "Other gateway processes whose load reports are current")
         peers.add_metric([], stats.peers)
         yield connected
         yield records
         yield errors
+        yield rejected
         yield peers

@@ -25,7 +25,10 @@ The channel ``<channel>:load`` carries each process's load reports
 ``{"v": 1, "pod": "<id>", "load": {"<replica>": [in_flight, queued_prefill_tokens], ...}}``,
 published every ``load_interval_ms`` when ``state.share_load`` is on.
 Messages from this process, for unknown routes or replicas, or malformed, are skipped and
-counted; none of them can raise into the gateway.
+counted; none of them can raise into the gateway.  With a shared secret every message is
+wrapped in an HMAC envelope (:mod:`gateway.state.signing`) and anything unsigned or badly
+signed is dropped and counted (``rejected``): another client of the same Redis cannot forge
+load or affinity.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import Any
 
 from gateway.routing.affinity import AffinityIndex
 from gateway.state.peer_load import PeerLoad, Report, load_rows, parse_load
+from gateway.state.signing import Signer
 from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_gateway.state")
@@ -74,6 +78,7 @@ class SyncStats:
     ignored: int = 0  # records from peers for a route or replica this process does not have
     dropped: int = 0  # local records never published (queue full, or Redis down)
     errors: int = 0  # failed Redis calls and malformed messages
+    rejected: int = 0  # messages dropped for a missing, wrong or stale signature (state.secret_env)
     peers: int = 0  # other gateway processes whose load reports are current
 
     def as_dict(self) -> dict[str, Any]:
@@ -151,6 +156,7 @@ class AffinitySync:
         pod_id: str | None = None,
         peer_load: PeerLoad | None = None,
         load_interval_s: float = 0.1,
+        signer: Signer | None = None,
     ) -> None:
         self.redis_url = redis_url
         self.channel = channel
@@ -168,6 +174,8 @@ class AffinitySync:
         self._publish_failing = False
         self.peer_load = peer_load
         self._load_interval = load_interval_s
+        self.signer = signer
+        self._rejected_warned = False
         self._attach()
 
     def _attach(self) -> None:
@@ -185,9 +193,21 @@ class AffinitySync:
         self._pending.append((route, replica, stored, prompt_tokens))
         self._wake.set()
 
+    def _seal(self, payload: bytes) -> bytes:
+        return payload if self.signer is None else self.signer.seal(payload)
+
     # -- peers' records -------------------------------------------------------------------
     def apply(self, payload: bytes | str) -> int:
         """Apply one pub/sub payload from a peer; returns the records applied (never raises)."""
+        if self.signer is not None:
+            opened = self.signer.open(payload)
+            if opened is None:
+                self.stats.rejected += 1
+                if not self._rejected_warned:  # once: a flood of forgeries must not flood the log
+                    self._rejected_warned = True
+                    log.warning("affinity sync: dropped an unsigned or badly signed message on %s", self.channel)
+                return 0
+            payload = opened
         try:
             message = parse_message(payload)
             pod = message["pod"]
@@ -293,7 +313,7 @@ class AffinitySync:
             while self._pending:
                 batch = [self._pending.popleft() for _ in range(min(len(self._pending), MAX_RECORDS_PER_MESSAGE))]
                 try:
-                    await self._redis.publish(self.channel, encode(self.pod_id, batch))
+                    await self._redis.publish(self.channel, self._seal(encode(self.pod_id, batch)))
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
@@ -331,7 +351,8 @@ class AffinitySync:
                 if report == last and now - sent_at < _LOAD_HEARTBEAT_S:
                     continue
                 await asyncio.wait_for(
-                    self._redis.publish(self.load_channel, encode_load(self.pod_id, report)), _LOAD_HEARTBEAT_S
+                    self._redis.publish(self.load_channel, self._seal(encode_load(self.pod_id, report))),
+                    _LOAD_HEARTBEAT_S,
                 )
                 last, sent_at, failing = report, now, False
             except asyncio.CancelledError:
