@@ -145,6 +145,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         super().on_message_complete()
 
+    def _unsupported_upgrade_warning(self) -> None:
+        # ws="none" on purpose: the request is served as plain HTTP; uvicorn's warning (which
+        # tells the operator to install a WebSocket library) would only be noise per request
+        log.debug("ignored an Upgrade request from %s", _addr(self.client))
+
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, "invalid HTTP request", "invalid_request")
 

@@ -60,6 +60,7 @@ def uvicorn_server(app: Any, config: GatewayConfig) -> uvicorn.Server:
         app,
         loop="uvloop",
         http=protocol_class(limits),  # httptools plus header/body timeouts and header limits
+        ws="none",  # no WebSocket endpoints: an Upgrade request is answered as plain HTTP (JSON)
         lifespan="on",
         access_log=False,
         log_config=None,

@@ -1,0 +1,66 @@
+"""A short fuzz run in CI: the benchmark's hostile requests against an in-process gateway.
+
+``benchmarks/bench_fuzz.py`` sends 10,000+ of these to a gateway process; this sends a few
+hundred of each family and asserts the same zeros: no 5xx, every error in OpenAI's shape,
+every request answered, no traceback logged, slow partial requests closed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from benchmarks.fuzz_cases import Tally, run_bodies, run_hostile, run_raw, run_slow
+from gateway.server import RunningGateway, serve_in_thread
+from tests.configs import gateway_config
+
+MAX_BODY = 1024 * 1024
+SERVER = {"port": 0, "header_timeout_s": 1.0, "body_timeout_s": 1.0, "max_body_bytes": MAX_BODY}
+
+
+@pytest.fixture(scope="module")
+def gw(sim_url: str) -> Iterator[RunningGateway]:
+    routes = [{"name": "fuzz", "policy": "prefix"}]
+    with serve_in_thread(gateway_config([sim_url], server=SERVER, routes=routes)) as running:
+        yield running
+
+
+def _assert_clean(tally: Tally) -> None:
+    summary = tally.as_dict()
+    assert (summary["gateway_5xx"], summary["non_openai_errors"], summary["no_answer"]) == (0, 0, 0), summary
+
+
+def _tracebacks(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def test_hypothesis_bodies(gw: RunningGateway, caplog: pytest.LogCaptureFixture) -> None:
+    tally = Tally()
+    with caplog.at_level(logging.WARNING):
+        run_bodies(gw.url, 300, tally)
+    _assert_clean(tally)
+    assert tally.statuses[200] > 0 and tally.statuses[400] > 0  # both valid and broken requests were sent
+    assert _tracebacks(caplog) == []
+
+
+def test_hostile_bodies_and_raw_garbage(gw: RunningGateway, caplog: pytest.LogCaptureFixture) -> None:
+    hostile, raw = Tally(), Tally()
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    with caplog.at_level(logging.WARNING):
+        run_hostile(gw.url, MAX_BODY, hostile)
+        run_raw(host, int(port), raw)
+    _assert_clean(hostile)
+    _assert_clean(raw)
+    assert raw.statuses[431] >= 2 and raw.statuses[400] > 50
+    assert _tracebacks(caplog) == []
+
+
+def test_slow_partial_requests_are_closed(gw: RunningGateway) -> None:
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    result = run_slow(host, int(port), gw.url, connections=20, deadline_s=10)
+    assert result["still_open_after_deadline"] == 0, result
+    assert result["normal_requests_served_meanwhile"] == "20/20"
+    assert httpx.get(f"{gw.url}/health", timeout=5).status_code == 200
