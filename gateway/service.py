@@ -313,6 +313,10 @@ class Gateway:
             "routes": routes,
             "replicas": {name: replica.snapshot() for name, replica in self.replicas.items()},
             "state": self._state_snapshot(),
+            "limits": {
+                **self.limiter.snapshot(),
+                "max_model_len": dict(self.context.max_len) if self.context is not None else None,
+            },
         }
 
     def _state_snapshot(self) -> dict[str, Any]:
