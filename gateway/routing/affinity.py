@@ -208,10 +208,12 @@ class AffinityIndex:
         lru = self._lru[name]
         holders = self._holders
         for i, key in enumerate(stored):
-            extent = prompt_tokens if i == 0 else None
+            # The deepest key is marked as the end of a prompt (0 without an extent): a later
+            # request matching exactly there continues that prompt (a conversation's next turn).
+            extent = (prompt_tokens or 0) if i == 0 else None
             if key in lru:
                 lru.move_to_end(key)
-                if extent is not None:
+                if extent is not None and (extent or lru[key] is None):
                     lru[key] = extent
             else:
                 lru[key] = extent
@@ -226,9 +228,19 @@ class AffinityIndex:
         return name in self._slot
 
     def extent(self, name: str, key: int) -> int | None:
-        """Prompt tokens of the last request ``name`` served whose window ended at ``key``."""
+        """Prompt tokens of the last request ``name`` served whose keys ended at ``key`` (None: unknown)."""
         lru = self._lru.get(name)
-        return None if lru is None else lru.get(key)
+        return (lru.get(key) or None) if lru is not None else None
+
+    def ends_at(self, name: str, key: int) -> bool:
+        """Whether some request ``name`` served ended (its deepest key) at ``key``.
+
+        A request whose best match is such a key continues an earlier prompt (a
+        conversation's history); one that matches only keys inside other prompts shares a
+        prefix with them (a tenant's system prompt), which may be served from anywhere.
+        """
+        lru = self._lru.get(name)
+        return lru is not None and lru.get(key) is not None
 
     # -- introspection -----------------------------------------------------------------
     def __len__(self) -> int:

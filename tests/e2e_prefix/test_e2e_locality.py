@@ -7,7 +7,10 @@ replica dies its conversations move to the others and keep working.
 
 from __future__ import annotations
 
+import random
+import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 from e2e_helpers import BLOCK, Conversation, ask, client, gateway, prompt_tokens_of, whole_blocks
 
@@ -82,3 +85,38 @@ def test_a_killed_replicas_conversations_move_and_still_succeed(fleet: ReplicaGr
         else:
             assert after == [home[conv.topic]] * 2  # the others did not move
             assert_grows_with_history(conv)
+
+
+def test_conversations_behind_a_10k_token_shared_head_keep_their_replica_and_spread(fleet: ReplicaGroup) -> None:
+    """An agent tenant: one ~10k-token system prompt (longer than the 4,096-token window),
+    16 conversations at once.  Keys cover the whole prompt, so each conversation is told
+    apart by its own messages: it stays with its history while the tenant spreads."""
+    rnd = random.Random(5)
+    head = " ".join(f"{rnd.choice(['tool', 'rule', 'step', 'case'])}{rnd.randrange(10_000)}" for _ in range(4_500))
+    system = {"role": "system", "content": "You are the operations agent. " + head}
+    assert prompt_tokens_of([system]) > 9_000
+    conversations = [Conversation(f"ticket {i}", messages=[system]) for i in range(16)]
+    turns = 5
+    # Slow health checks: on a loaded test machine a 1 s timeout can eject a busy replica, which
+    # (correctly) moves its conversations — not what this test is about.
+    health = {"interval_s": 2.0, "timeout_s": 10.0, "unhealthy_threshold": 3, "eject_s": 0.5}
+    with gateway(fleet.urls, health=health) as gw:
+        sdk = client(gw)
+        start = threading.Barrier(len(conversations))
+
+        def run(conv: Conversation) -> None:
+            start.wait(timeout=30)
+            for t in range(turns):
+                conv.turn(sdk, f"Step {t}: what next for {conv.topic}?")
+
+        with ThreadPoolExecutor(len(conversations)) as pool:
+            list(pool.map(run, conversations))
+    pairs = [(a, b) for conv in conversations for a, b in zip(conv.replies, conv.replies[1:], strict=False)]
+    kept = sum(a.replica == b.replica for a, b in pairs)
+    moves = len(conversations) * (turns - 1)
+    assert kept >= 0.95 * moves, [[r.replica for r in c.replies] for c in conversations]
+    homes = Counter(conv.replies[-1].replica for conv in conversations)
+    assert len(homes) == 4, homes
+    for conv in conversations:  # later turns reuse the head and the conversation's own history
+        last = conv.replies[-1]
+        assert last.cached_tokens is not None and last.cached_tokens >= 0.9 * last.prompt_tokens, last

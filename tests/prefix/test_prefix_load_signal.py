@@ -40,8 +40,8 @@ def test_without_affinity_the_least_queued_prefill_wins_over_fewer_requests() ->
 def test_queued_prefill_never_pulls_a_request_from_more_of_its_prompt() -> None:
     """Queued work chooses among equally good caches; a cache advantage is left to the load bound."""
     p = policy()
-    head = chain(8, 3)  # 128 tokens of this prompt cached on r2 only
-    p.index.record("r2", head + chain(4, 4))
+    head = chain(8, 3)  # 128 tokens of this prompt cached on r2 only: an earlier prompt ended there
+    p.index.record("r2", head)
     d = p.peek(req(head + chain(30, 5)), views({"r2": 50_000}))
     assert d.replica == "r2" and d.reason == "affinity"
     # the same prefix cached everywhere: now the shortest queue wins
@@ -49,6 +49,25 @@ def test_queued_prefill_never_pulls_a_request_from_more_of_its_prompt() -> None:
         p.index.record(name, head + chain(4, 4))
     d = p.peek(req(head + chain(30, 6)), views({"r2": 50_000, "r0": 900, "r1": 800, "r3": 700}))
     assert d.replica == "r3"
+
+
+def test_a_busy_shared_prefix_is_replicated_not_piled_on() -> None:
+    """A prefix found only *inside* other prompts (a system prompt) goes where the wait is shortest."""
+    p = policy()
+    head = chain(600, 3)  # a 9,600-token system prompt, cached on r2 inside another conversation
+    p.index.record("r2", head + chain(4, 4))
+    idle = p.peek(req(head + chain(30, 5)), views())
+    assert idle.replica == "r2" and idle.reason == "affinity"  # an idle holder keeps it
+    busy = p.peek(req(head + chain(30, 5)), views({"r2": 12_000}, {"r2": 1}))
+    assert busy.replica != "r2" and busy.reason == "spill"  # computes the head elsewhere
+    # a tolerance in requests of load keeps it on the holder
+    p2 = policy(shared_prefix_slack=200)
+    p2.index.record("r2", head + chain(4, 4))
+    assert p2.peek(req(head + chain(30, 5)), views({"r2": 12_000}, {"r2": 1})).replica == "r2"
+    # off (null): scored like any other request, the deep match wins
+    p3 = policy(shared_prefix_slack=None)
+    p3.index.record("r2", head + chain(4, 4))
+    assert p3.peek(req(head + chain(30, 5)), views({"r2": 12_000}, {"r2": 1})).replica == "r2"
 
 
 def test_a_long_cached_history_stays_home_despite_queued_prefill() -> None:

@@ -130,6 +130,21 @@ class PrefixPolicySettings(PolicySettings):
         description="a prompt running past its keys (they stop at the window when no text continues them): a "
         "replica matching every key is credited with the length of the prompt that last ended there",
     )
+    sticky_homes: bool = Field(
+        True,
+        description="a request continuing an earlier prompt (its deepest match is where that prompt ended: a "
+        "conversation's next turn) stays on that replica while it is under its load bound; off: scored like "
+        "any other request (load_cost_tokens may move it to a replica holding less of it)",
+    )
+    shared_prefix_slack: float | None = Field(
+        0.0,
+        ge=0.0,
+        description="a request that matches only a prefix shared inside other prompts (not where an earlier "
+        "prompt ended: a new conversation behind a tenant's system prompt) stays on the best-matching replica "
+        "while its load (in-flight + queued prefill, in requests) is at most the least loaded's + this; else "
+        "the least loaded replica takes it and caches the prefix too (replicate, don't hot-spot). "
+        "null: such requests are scored like any other",
+    )
     use_session_key: bool = Field(True, description="use the route's session header value as the ring key if present")
 
 
@@ -243,7 +258,21 @@ class PrefixPolicy:
             for r in replicas
         }
         scores: dict[str, float] = {}
-        if any(depth.get(name, 0) for name in under):
+        shared_slack = settings.shared_prefix_slack
+        has_match = any(depth.get(name, 0) for name in under)
+        homes = self._homes(keys, depth, under, matched) if has_match and settings.sticky_homes else []
+        if homes:
+            # A conversation's next turn: its history ends on these replicas (under their
+            # bound).  Stay: the bound, not a score, guards against hot spots.
+            branch = "home"
+            pick = homes[0] if len(homes) == 1 else next(self.ring.walk(tie_key, homes))
+            reason = "affinity" if matched.get(pick, 0) == max(matched.values()) else "spill"
+        elif has_match and shared_slack is not None and self._shared_only(keys, depth):
+            branch = "shared"
+            pick = self._place_shared(request, replicas, under, load, matched, tie_key, shared_slack, mean_weight)
+            reason = "affinity" if matched.get(pick, 0) == max(matched.values()) else "spill"
+        elif has_match:
+            branch = "score"
             for name in under:
                 scores[name] = matched.get(name, 0) - settings.load_cost_tokens * load[name] - queued[name]
             top = max(scores.values())
@@ -251,6 +280,7 @@ class PrefixPolicy:
             pick = tied[0] if len(tied) == 1 else next(self.ring.walk(tie_key, tied))
             reason = "affinity" if matched.get(pick, 0) == max(matched.values()) else "spill"
         else:
+            branch = "ring"
             home = next(self.ring.walk(ring_key, in_flight))
             slack = settings.ring_slack
             # in requests: queued tokens count load_cost_tokens per request (with load_cost_tokens
@@ -277,7 +307,12 @@ class PrefixPolicy:
             "blocks": len(keys),
             "block_size": block_size,
         }
+        if not commit and has_match and not scores:  # explain shows the generic scores on every branch
+            scores = {
+                name: matched.get(name, 0) - settings.load_cost_tokens * load[name] - queued[name] for name in under
+            }
         if not commit:
+            detail["branch"] = branch  # home | shared | score | ring
             # The explain-only part (hex key, per-candidate table) costs a ring walk and string
             # formatting: real requests only need the cheap fields above.
             detail["key"] = f"{ring_key:016x}"
@@ -303,6 +338,76 @@ class PrefixPolicy:
         }
 
     # -- helpers -----------------------------------------------------------------------
+    def _homes(
+        self, keys: Sequence[int], depth: dict[str, int], under: list[str], matched: dict[str, int]
+    ) -> list[str]:
+        """Under-bound replicas with the deepest match among them, if that match ends where an
+        earlier prompt ended there (this request continues it) and no other under-bound
+        replica holds as much (then moving would cost nothing: queued work may decide)."""
+        best = max(matched.get(name, 0) for name in under)
+        ends_at = self.index.ends_at
+        homes: list[str] = []
+        for name in under:
+            if matched.get(name, 0) != best:
+                continue
+            if not (depth.get(name, 0) and ends_at(name, keys[depth[name] - 1])):
+                return []
+            homes.append(name)
+        return homes
+
+    def _shared_only(self, keys: Sequence[int], depth: dict[str, int]) -> bool:
+        """True when no replica's match ends where an earlier prompt ended.
+
+        Then the request shares only a prefix *inside* other prompts (a tenant's system
+        prompt, a document many ask about): it continues none of them, so it may start on
+        any replica — unlike a conversation's next turn, whose history ends exactly where its
+        last turn ended, on one replica.
+        """
+        ends_at = self.index.ends_at
+        return not any(ends_at(name, keys[d - 1]) for name, d in depth.items())
+
+    def _place_shared(
+        self,
+        request: RequestView,
+        replicas: Sequence[ReplicaView],
+        under: list[str],
+        load: dict[str, float],
+        matched: dict[str, int],
+        tie_key: int,
+        slack: float,
+        mean_weight: float,
+    ) -> str:
+        """Where a request that shares only a prefix goes: replicate a busy prefix, don't pile on it.
+
+        Cost = in-flight requests plus queued prefill in requests (``load_cost_tokens`` per
+        request), per unit of weight.  The best-matching replica keeps the request while its
+        cost is at most the least busy replica's + ``slack``; otherwise the least busy replica
+        takes it (the one holding most of the prompt among equals) and computes the prefix,
+        so a hot prefix ends up cached on as many replicas as its traffic needs.  Ties break
+        on the request's own key: a tenant's conversations spread.
+        """
+        per_request = max(self.settings.load_cost_tokens, 1.0)
+        queue_weight = self.settings.prefill_queue_weight
+        cost: dict[str, float] = {}
+        weight_of = {r.name: float(r.weight) for r in replicas}
+        pending = {r.name: r.pending_prefill_tokens for r in replicas}
+        for name in under:
+            w = weight_of[name]
+            queued = queue_weight * pending[name] * mean_weight / w if w > 0 else 0.0
+            cost[name] = load[name] + queued / per_request
+        least = min(cost.values())
+        best = max(matched.get(name, 0) for name in under)
+        block = request.block_size or 1
+        holders = [name for name in under if matched.get(name, 0) > best - block]
+        holder_cost = min(cost[name] for name in holders)
+        if holder_cost <= least + slack:
+            pool = [name for name in holders if cost[name] == holder_cost]
+        else:
+            pool = [name for name in under if cost[name] == least]
+            top = max(matched.get(name, 0) for name in pool)
+            pool = [name for name in pool if matched.get(name, 0) == top]
+        return pool[0] if len(pool) == 1 else next(self.ring.walk(tie_key, pool))
+
     @staticmethod
     def _depth_tokens(request: RequestView, depth: int) -> int:
         """Prompt tokens covered by the request's first ``depth`` keys.
