@@ -1,6 +1,6 @@
 """The ``prefix`` policy: send a request where its prefix is cached, without hot spots.
 
-Inputs are the request's chained block keys (leading window, see :mod:`gateway.prefix`), its
+Inputs are the request's chained keys (the whole prompt, see :mod:`gateway.prefix`), its
 whole prompt length (estimated past the window), and each eligible replica's in-flight count
 and queued prefill (uncached prompt tokens of requests sent there that have no first byte
 yet, counted by the gateway).  Cached and queued work are compared in one unit, tokens: a
@@ -14,21 +14,30 @@ uncached tokens.  The decision, in order:
    requests there are enough), recomputing thousands of tokens to save a short wait, while
    short popular prefixes must not pile up.  Some replica is always under its bound, so the
    bound is never exceeded.
-2. **Affinity.**  The affinity index gives each replica the depth (in blocks) of the longest
-   prefix of this request it recently served; a replica matching the whole window is
-   credited with the length of the prompt that last ended its window there (a conversation's
-   previous turn), since only the window is keyed.  If an under-bound replica has a match,
-   pick the under-bound replica with the best ``cached_tokens - load_cost_tokens x load -
-   prefill_queue_weight x queued_prefill`` (both per unit of weight): the deepest match wins
-   unless that replica is much busier.  The queued-prefill term only counts while every
-   under-bound replica holds the same cached prefix (within a block) — a shared head, or
-   nothing: queued work then picks the shortest wait, but it never pulls a request away
-   from more of its prompt, which the fleet would have to recompute.
-   A prefix shared by *every* request (the Mooncake conversation trace's common 512-token
-   head) is matched equally everywhere, so it adds nothing to any score and the load term
-   spreads those requests; a conversation's own history is matched on one replica only and
-   keeps it there.  Reason ``affinity`` (the chosen replica has the deepest match overall) or
-   ``spill`` (a deeper match sits on a replica that was over its bound or too busy).
+2. **Affinity.**  The affinity index gives each replica the depth (in keys) of the longest
+   prefix of this request it recently served, and whether an earlier prompt ended there.
+   Keys cover the whole prompt (token blocks over the window, then text chunks, see
+   :mod:`gateway.prefix.pipeline`), so a depth converts to cached tokens exactly for token
+   blocks and by a character estimate past them.  If an under-bound replica has a match:
+
+   - **home**: the deepest match among under-bound replicas ends where an earlier prompt
+     ended (a conversation's previous turn) and no other under-bound replica holds as much:
+     stay (``sticky_homes``).  The bound guards hot spots; a score would move a conversation
+     behind a long shared head for a few tokens of load difference.
+   - **shared**: no match ends where a prompt ended — the request shares only a prefix inside
+     other prompts (a new conversation behind a tenant's system prompt).  The best holder
+     keeps it while it is the least busy (+ ``shared_prefix_slack`` requests; in-flight plus
+     queued prefill); else the least busy replica takes it and caches the prefix too: a hot
+     head is replicated instead of hot-spotted.
+   - **score** otherwise: the under-bound replica with the best ``cached_tokens -
+     load_cost_tokens x load - prefill_queue_weight x queued_prefill`` (both per unit of
+     weight).  The queued-prefill term only counts while every under-bound replica holds the
+     same cached prefix (within a block): it never pulls a request away from more of its
+     prompt, which the fleet would have to recompute.
+
+   Reason ``affinity`` (the chosen replica has the deepest match overall) or ``spill`` (a
+   deeper match sits on a replica that was over its bound, too busy, or the shared head was
+   replicated).
 3. **Ring.**  No under-bound replica has a match: walk the consistent-hash ring from the
    request's key (the chain key at ``key_depth_tokens``, or the session key) and take the
    first under-bound replica whose load (the same in-flight and queued-prefill cost) is at
@@ -41,8 +50,9 @@ uncached tokens.  The decision, in order:
 
 Every choice is recorded in the affinity index *at decision time* (a burst of requests with a
 new shared prefix follows the first one instead of scattering), and every tie is broken by
-the ring order of a request-specific key — never by list position — so gateway processes
-with the same membership and state choose the same replica.
+the ring order of the request's own key — its session header, else its deepest key, never a
+shared head's key and never list position — so gateway processes with the same membership
+and state choose the same replica, and conversations behind one head spread.
 
 ``Decision.detail`` carries ``predicted_cached_tokens`` and everything ``/admin/explain``
 shows.  No HTTP, metrics or logging here.
