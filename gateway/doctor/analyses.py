@@ -162,8 +162,10 @@ class RouteReplay:
         counts: Counter[str] = Counter()
         requests_with = 0
         for s in self.samples:
-            counts.update(s.normalized)
-            requests_with += bool(s.normalized)
+            # mode off counts nothing: the shadow pipeline's spans say what relocation would move
+            found = s.normalized or Counter(rule for _, rule in s.spans)
+            counts.update(found)
+            requests_with += bool(found)
         if not counts or not any(s.keys_relocated is not None for s in self.samples):
             return "relocate", None
 

@@ -183,3 +183,26 @@ def test_user_input_before_shared_instructions() -> None:
     assert first["gain"] > 0.5
     text = render_text(diagnose(corpus))
     assert "put the shared system text first" in text
+
+
+def test_mode_off_still_names_the_spans_relocation_would_move() -> None:
+    samples = [
+        Sample(
+            "main",
+            "chat",
+            "m",
+            None,
+            [Part("messages[0]", "system", 3000, f"s{i}")],
+            16,
+            [f"now{i}-{b}" for b in range(50)],
+            800,
+            keys_relocated=[f"stable-{b}" for b in range(50)],
+            tokens_relocated=820,
+            spans=[("messages[0].content", "iso_datetime")],
+        )
+        for i in range(8)
+    ]
+    corpus = Corpus("test", samples=samples, routes={"main": RouteInfo("main", "off")})
+    volatile = _causes(corpus)["volatile_span"]
+    assert volatile["data"]["rules"] == {"iso_datetime": 8}
+    assert volatile["hit_rate_now"] == 0 and volatile["hit_rate_if_fixed"] > 0.8
