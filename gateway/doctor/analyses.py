@@ -86,6 +86,9 @@ def diagnose(corpus: Corpus) -> Diagnosis:
         findings += kv_pressure(corpus, info, live, samples)
         findings += imbalance_spills(info, live)
         findings += learned_by_gateway(info, live, samples)
+        if not samples:
+            findings += volatile_from_stats(info, live)
+        findings += warmup_misses(info, live)
         out.routes.append(summary)
         out.findings += findings
     out.findings.sort(key=lambda f: f.rank, reverse=True)
@@ -440,16 +443,17 @@ def _span_data(span: LearnedSpan) -> dict[str, Any]:
 # -- causes read from live stats ---------------------------------------------------------------
 def learned_by_gateway(info: RouteInfo, live: dict[str, Any], samples: Sequence[Sample]) -> list[Finding]:
     """Spans the gateway itself learned (``normalization.learned`` in /admin/stats), with their rules."""
-    norm = live.get("normalization")
-    learned = norm.get("learned") if isinstance(norm, dict) else None
+    from gateway.prefix.settings import DETECTORS
+
+    learned = _normalization(live).get("learned")
     if not isinstance(learned, list) or not learned:
         return []
     out = []
     rules = []
     lines = []
     for entry in learned:
-        if not isinstance(entry, dict):
-            continue
+        if not isinstance(entry, dict) or entry.get("rule") in DETECTORS:
+            continue  # a detector's place seen to vary is known already (its cost shows as warmup_miss)
         rule = entry.get("suggested_rule")
         if isinstance(rule, dict) and rule.get("name") and rule.get("pattern"):
             rules.append({"name": str(rule["name"]), "pattern": str(rule["pattern"])})
@@ -479,6 +483,84 @@ def learned_by_gateway(info: RouteInfo, live: dict[str, Any], samples: Sequence[
         )
     )
     return out
+
+
+def _normalization(live: dict[str, Any]) -> dict[str, Any]:
+    norm = live.get("normalization")
+    return norm if isinstance(norm, dict) else {}
+
+
+def _rule_rows(live: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    rules = _normalization(live).get("rules")
+    return {k: v for k, v in rules.items() if isinstance(v, dict)} if isinstance(rules, dict) else {}
+
+
+def volatile_from_stats(info: RouteInfo, live: dict[str, Any]) -> list[Finding]:
+    """Without samples: the route's own counts of spans found but left in place (report/off mode)."""
+    if info.normalize == "relocate":
+        return []
+    found = {rule: row.get("found") for rule, row in _rule_rows(live).items()}
+    found = {rule: n for rule, n in found.items() if isinstance(n, int) and n > 0}
+    if not found:
+        return []
+    patch = {"route": info.name, "normalize": {"mode": "relocate"}}
+    return [
+        Finding(
+            "volatile_span",
+            info.name,
+            f"volatile values in the stable prefix ({', '.join(found)}) are not relocated",
+            [
+                "spans found by the route's detectors since start: "
+                + ", ".join(f"{rule} x{n}" for rule, n in sorted(found.items(), key=lambda kv: -kv[1])),
+                f"the route's normalize mode is {info.normalize!r}: they stay in place and split the cache",
+                "turn on the sample buffer (samples.enabled) to estimate what relocating gains",
+            ],
+            Fix(
+                summary="relocate them after the stable prefix (the model still receives every value)",
+                yaml=_route_yaml(info.name, {"normalize": {"mode": "relocate"}}),
+                patch=patch,
+            ),
+            severity=0.8,
+            data={"rules": found},
+        )
+    ]
+
+
+def warmup_misses(info: RouteInfo, live: dict[str, Any]) -> list[Finding]:
+    """Requests that kept a value in place while the gateway was still learning that it varies."""
+    misses = _normalization(live).get("warmup_misses")
+    requests = live.get("requests") or 0
+    if not isinstance(misses, int) or misses <= 0 or not requests or misses / requests < 0.02:
+        return []
+    from gateway.prefix.settings import DETECTORS
+
+    moved = [rule for rule, row in _rule_rows(live).items() if rule in DETECTORS and (row.get("moved") or 0) > 0]
+    section = {"normalize": {"always": moved}} if moved else None
+    share = misses / requests
+    return [
+        Finding(
+            "warmup_miss",
+            info.name,
+            f"{misses} requests ({_pct(share)}) kept a volatile value in place while the gateway learned that it "
+            "varies",
+            [
+                "a detected span is moved only once its value was seen to change at the same place; each new "
+                "template (and each place forgotten after normalize.learn.expire_s) costs a miss or two",
+                *(
+                    f"{rule}: moved {row.get('moved')} of {row.get('found')} found"
+                    for rule, row in _rule_rows(live).items()
+                ),
+            ],
+            Fix(
+                summary="move the detectors that always vary from the first request on (normalize.always), or "
+                "keep places longer (normalize.learn.expire_s) when templates come back after long pauses",
+                yaml=_route_yaml(info.name, section) if section else None,
+                patch={"route": info.name, **section} if section else None,
+            ),
+            severity=min(0.5, share),
+            data={"warmup_misses": misses, "share": round(share, 4)},
+        )
+    ]
 
 
 def _engines(corpus: Corpus, live: dict[str, Any]) -> dict[str, dict[str, Any]]:

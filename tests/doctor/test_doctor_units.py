@@ -206,3 +206,27 @@ def test_mode_off_still_names_the_spans_relocation_would_move() -> None:
     volatile = _causes(corpus)["volatile_span"]
     assert volatile["data"]["rules"] == {"iso_datetime": 8}
     assert volatile["hit_rate_now"] == 0 and volatile["hit_rate_if_fixed"] > 0.8
+
+
+def test_stats_alone_name_unrelocated_spans_and_warmup_misses() -> None:
+    report_mode = {
+        "mode": "report",
+        "rules": {"iso_datetime": {"found": 40, "moved": 0, "static": 0}, "uuid": {"found": 0, "moved": 0}},
+        "learned": [],
+        "warmup_misses": 0,
+    }
+    stats = _stats(normalize="report", requests=40, normalization=report_mode)
+    volatile = _causes(Corpus("test", stats=stats, routes={"main": RouteInfo("main", "report")}))["volatile_span"]
+    assert volatile["data"]["rules"] == {"iso_datetime": 40}
+    assert volatile["fix"]["patch"] == {"route": "main", "normalize": {"mode": "relocate"}}
+
+    relocating = {
+        "mode": "relocate",
+        "rules": {"iso_datetime": {"found": 100, "moved": 90, "static": 0}},
+        "learned": [],
+        "warmup_misses": 10,
+    }
+    stats = _stats(requests=100, normalization=relocating)
+    warmup = _causes(Corpus("test", stats=stats, routes={"main": RouteInfo("main", "relocate")}))["warmup_miss"]
+    assert warmup["data"] == {"warmup_misses": 10, "share": 0.1}
+    assert warmup["fix"]["patch"] == {"route": "main", "normalize": {"always": ["iso_datetime"]}}
