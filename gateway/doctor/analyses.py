@@ -213,7 +213,7 @@ class RouteReplay:
         if not self.with_text:
             return "rules", None
         normalize, prefix = self._settings()
-        base = Rekeyer(relocating(normalize), prefix)
+        base = Rekeyer(relocating(normalize, eager=True), prefix)
         texts: dict[str, list[str]] = {}
         for s in self.samples:
             moved = base.prepare(s.endpoint, s.body or {}).body

@@ -20,11 +20,24 @@ def without_salt(body: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != "cache_salt"}
 
 
-def relocating(normalize: NormalizeSettings, rules: list[dict[str, Any]] | None = None) -> NormalizeSettings:
-    """``normalize`` in ``relocate`` mode, with ``rules`` (name/pattern dicts) added."""
+def relocating(
+    normalize: NormalizeSettings, rules: list[dict[str, Any]] | None = None, *, eager: bool = False
+) -> NormalizeSettings:
+    """``normalize`` in ``relocate`` mode, with ``rules`` (name/pattern dicts) added.
+
+    ``eager``: move every detected span from the first request on and learn nothing new
+    (``always: ['*']``, no discovery, where the settings have them): the texts doctor diffs
+    for unknown spans must hold only those, with no placeholder appearing mid-way.
+    """
     update: dict[str, Any] = {"mode": "relocate"}
     if rules:
         update["rules"] = [*normalize.rules, *(RegexRule.model_validate(r) for r in rules)]
+    fields = type(normalize).model_fields
+    if eager and "always" in fields:
+        update["always"] = ["*"]
+    learn = getattr(normalize, "learn", None)
+    if eager and learn is not None and "discover" in type(learn).model_fields:
+        update["learn"] = learn.model_copy(update={"discover": False})
     return normalize.model_copy(update=update)
 
 

@@ -27,8 +27,10 @@ MAX_SPAN_CHARS = 96  # longer differences are content, not a volatile value
 MAX_SPAN_TOKENS = 24
 MIN_RIGHT_CONTEXT = 32  # a span in the stable prefix is followed by shared text
 LEFT_CONTEXT = 24  # characters of text before a span that identify its place
-MAX_PAIRS = 200
-MERGE_GAP_TOKENS = 2  # successive pairs compared per part position (the diff is quadratic-ish)
+MAX_PAIRS = 200  # successive pairs compared per part position (the diff is quadratic-ish)
+MERGE_GAP_TOKENS = 2  # changed runs this close are one value ("9:01" vs "10:02")
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+MIN_ANCHOR_SHARE = 0.5  # the text before a span must recur in this share of the texts: a stable place
 
 
 @dataclass(slots=True)
@@ -72,17 +74,32 @@ def diff_spans(a: str, b: str) -> list[tuple[int, int, int, int]]:
             runs[-1][1], runs[-1][3] = i2, j2  # "9:01" vs "10:02": one time, not two numbers
         else:
             runs.append([i1, i2, j1, j2])
-    spans = []
+    spans: list[tuple[int, int, int, int]] = []
     for i1, i2, j1, j2 in runs:
-        a0, a1, b0, b1 = oa[i1], oa[i2], ob[j1], ob[j2]
+        a0, a1, b0, b1 = _widen(a, b, oa[i1], oa[i2], ob[j1], ob[j2])
+        if spans and a0 <= spans[-1][1]:  # widening joined it to the previous run
+            a0, b0 = spans[-1][0], spans[-1][2]
+            spans.pop()
         if max(i2 - i1, j2 - j1) > MAX_SPAN_TOKENS or max(a1 - a0, b1 - b0) > MAX_SPAN_CHARS:
             continue
         if a1 == a0 or b1 == b0:  # an insertion or deletion: a structural change, not a value
+            continue
+        if "{{" in a[a0:a1] + b[b0:b1]:  # a placeholder on one side: a known span, moved on one request only
             continue
         if len(a) - a1 < MIN_RIGHT_CONTEXT or len(b) - b1 < MIN_RIGHT_CONTEXT:
             continue  # at the very end: that is where per-request text belongs
         spans.append((a0, a1, b0, b1))
     return spans
+
+
+def _widen(a: str, b: str, a0: int, a1: int, b0: int, b1: int) -> tuple[int, int, int, int]:
+    """Grow a changed run over shared id characters on both sides: ``frost-ember-12`` vs
+    ``frost-maple-34`` differ after ``frost-``, but the value is the whole code."""
+    while a0 > 0 and b0 > 0 and a[a0 - 1] == b[b0 - 1] and a[a0 - 1] in _ID_CHARS:
+        a0, b0 = a0 - 1, b0 - 1
+    while a1 < len(a) and b1 < len(b) and a[a1] == b[b1] and a[a1] in _ID_CHARS:
+        a1, b1 = a1 + 1, b1 + 1
+    return a0, a1, b0, b1
 
 
 def find_spans(texts: Mapping[str, Sequence[str]], min_changes: int = 2, max_values: int = 8) -> list[LearnedSpan]:
@@ -106,11 +123,18 @@ def find_spans(texts: Mapping[str, Sequence[str]], min_changes: int = 2, max_val
                 for value in (prev[a0:a1], cur[b0:b1]):
                     if value not in span.values and len(span.values) < max_values:
                         span.values.append(value)
-    spans = [s for s in found.values() if s.changes >= min_changes]
+    spans = [s for s in found.values() if s.changes >= min_changes and _anchored(s.left, texts[s.where])]
     for i, span in enumerate(spans, 1):
         span.pattern = suggest_pattern(span.left, span.values)
         span.name = f"learned_{i}"
     return spans
+
+
+def _anchored(left: str, texts: Sequence[str]) -> bool:
+    """True when ``left`` recurs in most texts: the span sits at one place of the template."""
+    if not left:
+        return True
+    return sum(left in text for text in texts) >= MIN_ANCHOR_SHARE * len(texts)
 
 
 def _char_class(chars: str) -> str:

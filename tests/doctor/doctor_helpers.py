@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import string
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -44,6 +43,9 @@ LOOKUP_PARAMETERS = {
 }
 
 
+WORDS = ["kite", "lamp", "river", "stone", "maple", "cloud", "ember", "frost", "grove", "harbor"]
+
+
 def _timestamp(i: int) -> str:
     return f"2025-03-04T05:{i // 60 % 60:02d}:{i % 60:02d}Z"
 
@@ -52,7 +54,7 @@ def planted_traffic(n: int = 30, seed: int = 7, unknown_id: bool = False) -> lis
     """``n`` chat bodies: a timestamp on top, a UUID in the tool description, every 6th one a
     prompt shorter than a block, and the rest salted per tenant (two tenants).
 
-    ``unknown_id`` adds a ``req_…`` id no detector knows to the system prompt.
+    ``unknown_id`` adds a session code no detector knows (``kite-maple-42``) to the system prompt.
     """
     rng = random.Random(seed)
     bodies = []
@@ -63,8 +65,8 @@ def planted_traffic(n: int = 30, seed: int = 7, unknown_id: bool = False) -> lis
             continue
         trace = uuid.UUID(int=rng.getrandbits(128), version=4)
         system = f"Current time: {_timestamp(i)}\n"
-        if unknown_id:
-            system += "Session " + "req_" + "".join(rng.choices(string.ascii_lowercase + string.digits, k=10)) + ".\n"
+        if unknown_id:  # a session code in a format no detector knows: two words and a number
+            system += f"Session code: {rng.choice(WORDS)}-{rng.choice(WORDS)}-{rng.randrange(10, 99)}.\n"
         tool = {
             "type": "function",
             "function": {

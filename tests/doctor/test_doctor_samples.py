@@ -51,7 +51,9 @@ def test_samples_keep_shapes_not_text(shared_fleet: ReplicaGroup, monkeypatch: p
     assert all(len(p["fp"]) == 8 for p in chat["parts"])
     assert chat["salt"] is not None and len(chat["salt"]) == 8
     assert chat["prompt_tokens"] > 500 and chat["keys"] and chat["keys_relocated"]
-    assert sorted(map(tuple, chat["spans"])) == [
+    # where relocation moves a value (from the first request whose value was seen to change)
+    last_chat = [sample for sample in data["samples"] if sample["endpoint"] == "chat"][-1]
+    assert sorted(map(tuple, last_chat["spans"])) == [
         ("messages[0].content", "iso_datetime"),
         ("tools[0].function.description", "uuid"),
     ]
