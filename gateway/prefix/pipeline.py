@@ -48,12 +48,12 @@ class PreparedPrompt:
     # prompt tokens up to its end (estimated from characters for text).
     text_keys: tuple[int, ...] = ()
     text_key_tokens: tuple[int, ...] = ()
+    units: str | None = None  # what the tokens are counted in: "exact (llama3)", "approximate (cl100k_base)"
 
     @property
     def keys(self) -> tuple[int, ...]:
         """The whole chain: token blocks of the window, then the continuation keys."""
         return self.block_keys + self.text_keys if self.text_keys else self.block_keys
-    units: str | None = None  # what the tokens are counted in: "exact (llama3)", "approximate (cl100k_base)"
 
 
 class PrefixPipeline:

@@ -20,7 +20,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.chat_template import chat_tokens
 from gateway.sim.asgi import TEXT, BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_bytes
 from gateway.sim.embeddings import embeddings
 from gateway.sim.generate import chat_completions, completions
@@ -98,9 +97,9 @@ async def tokenize(replica: Replica, body: bytes, receive: Receive, send: Send) 
     replica.resolve_model(req.model)
     if req.messages is not None:
         check_messages(req.messages)
-        tokens = chat_tokens(replica.tokenizer, req.messages, req.tools, req.add_generation_prompt)
+        tokens = replica.prompts.chat(req.messages, req.tools, req.add_generation_prompt)
     elif req.prompt is not None:
-        tokens = replica.tokenizer.encode(req.prompt)
+        tokens = replica.prompts.completion(req.prompt)
     else:
         raise APIError(400, "either 'prompt' or 'messages' is required", param="prompt")
     return _json({"count": len(tokens), "max_model_len": replica.max_model_len, "tokens": tokens, "token_strs": None})

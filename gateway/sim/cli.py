@@ -46,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("model and tokenizer")
     g.add_argument("--model", "--served-model-name", dest="model", default=DEFAULT_MODEL)
-    g.add_argument("--tokenizer", default=_default("tokenizer"), help="cl100k_base, o200k_base or a tokenizer.json")
+    g.add_argument(
+        "--tokenizer",
+        default=_default("tokenizer"),
+        help="llama3 (default: Llama 3.1 chat template), qwen3 (Qwen3 template), "
+        "cl100k_base or o200k_base (ChatML-like), or a tokenizer.json path",
+    )
     g.add_argument("--lora-modules", nargs="*", default=[], help="extra served LoRA names (NAME or NAME=PATH)")
 
     g = p.add_argument_group("KV cache and scheduler")

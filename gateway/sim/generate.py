@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gateway.chat_template import chat_tokens
 from gateway.sim.asgi import Receive, Send, start_stream, watch_disconnect
 from gateway.sim.engine import EngineError, EngineRequest
 from gateway.sim.faults import FaultSettings
@@ -59,7 +58,7 @@ async def chat_completions(replica: Replica, body: bytes, receive: Receive, send
     model, lora = replica.resolve_model(req.model)
     seed = replica.block_seed(lora, req.cache_salt)
     check_messages(req.messages)
-    prompt = chat_tokens(replica.tokenizer, req.messages, req.tools, req.add_generation_prompt)
+    prompt = replica.prompts.chat(req.messages, req.tools, req.add_generation_prompt)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     job = _Job(True, model, "chatcmpl-" + replica.new_id(), [prompt], req.n)
     return await _generate(replica, job, req, requested, seed, "messages", receive, send)
@@ -74,14 +73,14 @@ async def completions(replica: Replica, body: bytes, receive: Receive, send: Sen
     texts: list[str] | None = None
     if isinstance(raw, str):
         texts = [raw]
-        prompts = [replica.tokenizer.encode(raw)]
+        prompts = [replica.prompts.completion(raw)]
     elif not raw:
         raise APIError(400, "Prompt cannot be empty.", param="prompt")
     elif isinstance(raw[0], int):
         prompts = [list(raw)]  # type: ignore[arg-type]
     elif isinstance(raw[0], str):
         texts = list(raw)  # type: ignore[arg-type]
-        prompts = [replica.tokenizer.encode(t) for t in texts]
+        prompts = [replica.prompts.completion(t) for t in texts]
     else:
         prompts = [list(p) for p in raw]  # type: ignore[union-attr]
     for ids in prompts:

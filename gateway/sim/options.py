@@ -21,7 +21,10 @@ class SimOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     model: str = Field(DEFAULT_MODEL, min_length=1, alias="served_model_name")
-    tokenizer: str = "cl100k_base"
+    # The replica's own vocabulary and chat template (gateway/sim/tokenizer.py).  llama3 by
+    # default: deliberately not the gateway's fallback (cl100k_base), so a gateway that does not
+    # align with the served model shows it.  cl100k_base / o200k_base: ChatML-like layout.
+    tokenizer: str = "llama3"
     lora_modules: tuple[str, ...] = ()
 
     # KV cache and scheduler (vLLM names and defaults where vLLM has them)

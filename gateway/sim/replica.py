@@ -10,15 +10,15 @@ import itertools
 import os
 import time
 
-from gateway.prefix.blocks import chain_block_keys, first_block_seed
 from gateway.sim.engine import Engine, EngineRequest
 from gateway.sim.faults import FaultState
+from gateway.sim.hashing import block_hashes, block_seed
 from gateway.sim.metrics import SimMetrics
 from gateway.sim.options import SimOptions
 from gateway.sim.protocol import APIError
 from gateway.sim.textgen import TextGenerator
 from gateway.sim.tokencache import CachingTokenizer
-from gateway.tokenizer import get_tokenizer
+from gateway.sim.tokenizer import PromptBuilder, SimTokenizer
 
 
 class Replica:
@@ -26,7 +26,9 @@ class Replica:
 
     def __init__(self, options: SimOptions) -> None:
         self.options = options
-        self.tokenizer = CachingTokenizer(get_tokenizer(options.tokenizer))
+        # the replica's own tokenizer and chat rendering (never the gateway's: see sim/tokenizer.py)
+        self.tokenizer = CachingTokenizer(SimTokenizer(options.tokenizer))
+        self.prompts = PromptBuilder(self.tokenizer.inner, self.tokenizer.encode)
         self.metrics = SimMetrics(options)
         self.engine = Engine(options, self.metrics)
         self.textgen = TextGenerator(self.tokenizer, options.seed)
@@ -57,7 +59,7 @@ class Replica:
     def block_seed(self, lora: str | None, cache_salt: str | None) -> int:
         if cache_salt is not None and not cache_salt:
             raise APIError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
-        return first_block_seed(self.options.model, lora=lora, cache_salt=cache_salt)
+        return block_seed(self.options.model, lora, cache_salt)
 
     def check_prompt_len(self, num_tokens: int, what: str = "messages") -> None:
         if num_tokens >= self.max_model_len:
@@ -99,7 +101,7 @@ class Replica:
         out: list[EngineRequest] = []
         for choice in range(n):
             tokens = self.textgen.token_ids(digest, choice, out_len)
-            keys = chain_block_keys(prompt + tokens[:-1], self.block_size, seed)
+            keys = block_hashes(prompt + tokens[:-1], self.block_size, seed)
             out.append(EngineRequest(len(prompt), tokens, keys, reason, arrival))
         return out
 

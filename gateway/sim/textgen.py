@@ -16,7 +16,7 @@ from array import array
 
 import xxhash
 
-from gateway.tokenizer import Tokenizer
+from gateway.sim.tokencache import Tokenizer
 
 _OPENERS = "Sure The This Here Yes It In We That There Okay Well So As For To".split()  # noqa: SIM905
 _WORDS = " ".join(

@@ -9,14 +9,22 @@ into a dictionary lookup, and keeps one simulator process far ahead of the gatew
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
-from gateway.tokenizer import Tokenizer
+
+class Tokenizer(Protocol):
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, tokens: list[int]) -> str: ...
+
 
 MIN_CACHED_CHARS = 256  # short texts are cheaper to encode than to look up and store
 
 
 class CachingTokenizer:
-    """Same interface as :class:`gateway.tokenizer.Tokenizer`; returns fresh lists to callers."""
+    """Same interface as the wrapped tokenizer; returns fresh lists to callers."""
 
     def __init__(self, inner: Tokenizer, max_chars: int = 32 * 1024 * 1024) -> None:
         self.inner = inner

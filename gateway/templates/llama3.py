@@ -37,6 +37,8 @@ class Llama31Template:
         self._specials, self._split = special_tokens(
             tokenizer, ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
         )
+        # vLLM tokenizes a /v1/completions prompt with add_special_tokens: Llama gets its BOS
+        self.completion_prefix = self._specials["<|begin_of_text|>"]
 
     def segments(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> Iterator[str]:
         return iter(self.render(messages, tools, add_generation_prompt))

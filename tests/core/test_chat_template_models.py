@@ -193,3 +193,13 @@ def test_family_names() -> None:
     assert family_for_model("Qwen/Qwen3-8B") == "qwen3"
     assert family_for_model("meta-llama/Meta-Llama-3-8B-Instruct") == "llama3"  # 3.0: approximate
     assert family_for_model("mistralai/Mistral-7B-Instruct-v0.3") == "cl100k_base"
+
+
+def test_completions_get_llamas_bos_like_vllm() -> None:
+    from gateway.prefix.tokenize import ModelWindows
+
+    windows = ModelWindows("auto", 4096, 0)
+    llama = list(windows.for_model("meta-llama/Llama-3.1-8B-Instruct").text("The capital of France is"))
+    assert llama[0] == 128000 and llama[1:] == get_tokenizer("llama3").encode("The capital of France is")
+    qwen = list(windows.for_model("Qwen/Qwen3-8B").text("The capital of France is"))
+    assert qwen == get_tokenizer("qwen3").encode("The capital of France is")

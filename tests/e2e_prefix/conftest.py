@@ -18,6 +18,10 @@ from gateway.sim.launcher import ReplicaGroup
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 
 SIM_OPTIONS = {
+    # The replicas use the ChatML-like layout over cl100k_base, which is also what the gateway
+    # uses for an unknown model name (demo-model): these tests assert exact predictions.
+    # test_e2e_alignment.py runs the misaligned and model-aligned cases.
+    "tokenizer": "cl100k_base",
     "time_scale": 0,
     "enable_admin": True,
     "num_gpu_blocks": 4096,

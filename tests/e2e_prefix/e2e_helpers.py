@@ -65,7 +65,7 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
 
 
 def prompt_tokens_of(messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> int:
-    """Tokens of ``messages`` under the one chat template the simulator and the gateway share."""
+    """Tokens of ``messages`` in the ChatML-like layout over cl100k_base (the fleet's and the gateway's here)."""
     return len(chat_tokens(get_tokenizer(), messages, add_generation_prompt=add_generation_prompt))
 
 

@@ -9,7 +9,13 @@ import httpx
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.sim.tokenizer import PromptBuilder, SimTokenizer
 from tests.polling import wait_for
+
+# The replica's default tokenizer and prompt rendering (its own code, as vLLM would: Llama 3.1
+# template, specials parsed, BOS on completions): what prompt_tokens must count.
+SIM_TOKENIZER = SimTokenizer("llama3")
+SIM_PROMPTS = PromptBuilder(SIM_TOKENIZER, SIM_TOKENIZER.encode)
 
 # Instant (time_scale 0), quiet: what most tests want.
 FAST: dict[str, Any] = {"time_scale": 0, "log_stats_interval": 0, "disable_uvicorn_access_log": True}

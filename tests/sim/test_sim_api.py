@@ -7,11 +7,9 @@ from collections.abc import Callable
 import httpx
 import openai
 import pytest
-from sim_helpers import client, scrape
+from sim_helpers import SIM_PROMPTS, SIM_TOKENIZER, client, scrape
 
-from gateway.chat_template import chat_tokens
 from gateway.sim import DEFAULT_MODEL
-from gateway.tokenizer import get_tokenizer
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
 
@@ -23,7 +21,7 @@ def test_chat_non_streaming_parses_with_exact_usage(oai: openai.OpenAI) -> None:
     choice = resp.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
     assert choice.finish_reason == "length"
-    prompt = chat_tokens(get_tokenizer(), MESSAGES)
+    prompt = SIM_PROMPTS.chat(MESSAGES)
     assert resp.usage is not None
     assert resp.usage.prompt_tokens == len(prompt)
     assert resp.usage.completion_tokens == 7
@@ -31,7 +29,7 @@ def test_chat_non_streaming_parses_with_exact_usage(oai: openai.OpenAI) -> None:
     assert resp.usage.prompt_tokens_details is not None
     assert resp.usage.prompt_tokens_details.cached_tokens == 0
     # the reply is exactly 7 tokens of the same tokenizer
-    assert len(get_tokenizer().encode(choice.message.content)) == 7
+    assert len(SIM_TOKENIZER.encode(choice.message.content)) == 7
 
 
 def test_chat_role_chunk_comes_with_the_first_token_not_before_the_prefill(make_sim: Callable[..., str]) -> None:
@@ -78,12 +76,14 @@ def test_chat_streaming_chunks_usage_and_done(oai: openai.OpenAI, sim: str) -> N
 
 
 def test_completions_prompt_forms(oai: openai.OpenAI) -> None:
-    tok = get_tokenizer()
+    tok = SIM_PROMPTS
     one = oai.completions.create(model=DEFAULT_MODEL, prompt="The capital of France is", max_tokens=4)
     assert one.object == "text_completion" and len(one.choices) == 1
-    assert one.usage is not None and one.usage.prompt_tokens == len(tok.encode("The capital of France is"))
+    # vLLM adds Llama's <|begin_of_text|> to a completions prompt
+    assert one.usage is not None and one.usage.prompt_tokens == len(tok.completion("The capital of France is"))
+    assert one.usage.prompt_tokens == len(SIM_TOKENIZER.encode("The capital of France is")) + 1
 
-    ids = tok.encode("The capital of France is")
+    ids = tok.completion("The capital of France is")
     by_ids = oai.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=4)
     assert by_ids.choices[0].text == one.choices[0].text
     assert by_ids.usage is not None and by_ids.usage.prompt_tokens == len(ids)
@@ -91,7 +91,7 @@ def test_completions_prompt_forms(oai: openai.OpenAI) -> None:
     many = oai.completions.create(model=DEFAULT_MODEL, prompt=["alpha beta", "gamma"], max_tokens=3)
     assert [c.index for c in many.choices] == [0, 1]
     assert many.usage is not None
-    assert many.usage.prompt_tokens == len(tok.encode("alpha beta")) + len(tok.encode("gamma"))
+    assert many.usage.prompt_tokens == len(tok.completion("alpha beta")) + len(tok.completion("gamma"))
     assert many.usage.completion_tokens == 6
 
     lists = oai.completions.create(model=DEFAULT_MODEL, prompt=[ids, ids[:2]], max_tokens=2)
@@ -168,14 +168,13 @@ def test_lora_modules_are_served_models(make_sim) -> None:
 
 
 def test_tokenize_and_detokenize(sim: str) -> None:
-    tok = get_tokenizer()
     out = httpx.post(sim + "/tokenize", json={"model": DEFAULT_MODEL, "prompt": "Hello world"}).json()
-    assert out["tokens"] == tok.encode("Hello world") and out["count"] == len(out["tokens"])
+    assert out["tokens"] == SIM_PROMPTS.completion("Hello world") and out["count"] == len(out["tokens"])
     assert out["max_model_len"] == 32768
     chat = httpx.post(sim + "/tokenize", json={"messages": MESSAGES}).json()
-    assert chat["tokens"] == chat_tokens(tok, MESSAGES)
+    assert chat["tokens"] == SIM_PROMPTS.chat(MESSAGES)
     back = httpx.post(sim + "/detokenize", json={"tokens": out["tokens"]}).json()
-    assert back["prompt"] == "Hello world"
+    assert back["prompt"] == "<|begin_of_text|>Hello world"
 
 
 def test_embeddings_float_and_base64(oai: openai.OpenAI, sim: str) -> None:
@@ -185,7 +184,7 @@ def test_embeddings_float_and_base64(oai: openai.OpenAI, sim: str) -> None:
     assert len(vectors) == 3 and len(vectors[0]) == 32
     assert vectors[0] == pytest.approx(vectors[1]) and vectors[0] != pytest.approx(vectors[2])
     assert sum(v * v for v in vectors[0]) == pytest.approx(1.0, rel=1e-4)
-    tok = get_tokenizer()
+    tok = SIM_TOKENIZER
     assert resp.usage.prompt_tokens == 2 * len(tok.encode("hello world")) + len(tok.encode("something else"))
     raw = httpx.post(
         sim + "/v1/embeddings", json={"input": tok.encode("hello world"), "encoding_format": "float", "dimensions": 8}
@@ -278,7 +277,7 @@ def test_server_keeps_serving_after_bad_input(oai: openai.OpenAI, sim: str) -> N
 def test_caching_tokenizer_is_exact_and_bounded() -> None:
     from gateway.sim.tokencache import CachingTokenizer
 
-    inner = get_tokenizer()
+    inner = SIM_TOKENIZER
     cached = CachingTokenizer(inner, max_chars=8000)
     texts = [f"document {i}: " + "lorem ipsum dolor sit amet " * 60 for i in range(6)]  # ~1,600 chars each
     for text in [*texts, *reversed(texts)]:

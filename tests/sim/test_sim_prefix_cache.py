@@ -7,13 +7,11 @@ import random
 import httpx
 import openai
 import pytest
-from sim_helpers import client
+from sim_helpers import SIM_PROMPTS, client
 
-from gateway.chat_template import chat_tokens
-from gateway.prefix.blocks import chain_block_keys, first_block_seed
 from gateway.sim import DEFAULT_MODEL
+from gateway.sim.hashing import block_hashes, block_seed
 from gateway.sim.kvcache import PrefixCache, hit_block_limit
-from gateway.tokenizer import get_tokenizer
 
 BLOCK = 16
 
@@ -75,10 +73,9 @@ def test_shared_system_prompt_hits_exactly_the_shared_whole_blocks(oai: openai.O
     b = [system, {"role": "user", "content": "Summarize the history of Rome in one line."}]
     oai.chat.completions.create(model=DEFAULT_MODEL, messages=a, max_tokens=1)
     resp = oai.chat.completions.create(model=DEFAULT_MODEL, messages=b, max_tokens=1)
-    tok = get_tokenizer()
-    ta, tb = chat_tokens(tok, a), chat_tokens(tok, b)
+    ta, tb = SIM_PROMPTS.chat(a), SIM_PROMPTS.chat(b)
     common = next(i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y)
-    assert common >= len(chat_tokens(tok, [system], add_generation_prompt=False))
+    assert common >= len(SIM_PROMPTS.chat([system], add_generation_prompt=False))
     assert _cached(resp) == common // BLOCK * BLOCK
     assert _cached(resp) > 0
 
@@ -136,7 +133,7 @@ def test_small_kv_cache_evicts_older_prefixes(make_sim) -> None:
 
 
 def _keys(tokens: list[int]) -> list[int]:
-    return chain_block_keys(tokens, 4, first_block_seed("m"))
+    return block_hashes(tokens, 4, block_seed("m", None, None))
 
 
 def _serve(cache: PrefixCache, tokens: list[int]) -> int:
