@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from gateway.discovery.settings import DiscoveryConfig
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 
 ENDPOINTS = ("chat", "completions", "embeddings")
@@ -388,7 +389,11 @@ class RouteConfig(_Strict):
     endpoints: list[Literal["chat", "completions", "embeddings"]] = Field(
         default_factory=lambda: list(ENDPOINTS), description="endpoints served by this route"
     )
-    replicas: list[str] | None = Field(None, description="replica names in the pool (default: all)")
+    replicas: list[str] | None = Field(
+        None,
+        description="replica names in the pool, and discovery source names (every replica the source reports); "
+        "default: all",
+    )
     policy: str = Field(
         "prefix",
         description="routing policy name (see the registry); prefix: prefix-cache-aware, least loaded for "
@@ -418,7 +423,12 @@ class GatewayConfig(_Strict):
     state: StateSettings = Field(default_factory=StateSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
     samples: SampleSettings = Field(default_factory=SampleSettings)
-    replicas: list[ReplicaConfig] = Field(..., min_length=1)
+    replicas: list[ReplicaConfig] = Field(
+        default_factory=list, description="static replicas (at least one, unless discovery sources are set)"
+    )
+    discovery: list[DiscoveryConfig] = Field(
+        default_factory=list, description="replica sources (DNS, Kubernetes EndpointSlices), named for routes' pools"
+    )
     routes: list[RouteConfig] = Field(
         default_factory=lambda: [RouteConfig(name="default")],
         description="default: one route taking every model to every replica with the prefix policy",
@@ -426,7 +436,11 @@ class GatewayConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross_references(self) -> GatewayConfig:
+        if not self.replicas and not self.discovery:
+            raise ValueError("replicas: at least one replica (or a discovery source) is required")
         _unique([r.name for r in self.replicas], "replicas")
+        _unique([d.name for d in self.discovery], "discovery")
+        _unique([r.name for r in self.replicas] + [d.name for d in self.discovery], "replicas and discovery")
         _unique([r.name for r in self.routes], "routes")
         return self
 
@@ -434,7 +448,12 @@ class GatewayConfig(_Strict):
         if route.replicas is None:
             return list(self.replicas)
         by_name = {r.name: r for r in self.replicas}
-        return [by_name[n] for n in route.replicas]
+        return [by_name[n] for n in route.replicas if n in by_name]
+
+    def sources_of(self, route: RouteConfig) -> list[str]:
+        """The discovery sources whose replicas join ``route``'s pool (all of them by default)."""
+        names = [d.name for d in self.discovery]
+        return names if route.replicas is None else [n for n in route.replicas if n in names]
 
 
 def _unique(names: Sequence[str], where: str) -> None:
@@ -480,11 +499,16 @@ def _check_routes(config: GatewayConfig) -> list[tuple[str, str]]:
     from gateway.routing import registry  # late import: the registry imports the policies
 
     problems: list[tuple[str, str]] = []
-    names = {r.name for r in config.replicas}
+    names = {r.name for r in config.replicas} | {d.name for d in config.discovery}
     for i, route in enumerate(config.routes):
         for j, ref in enumerate(route.replicas or []):
             if ref not in names:
-                problems.append((f"routes[{i}].replicas[{j}]", f"unknown replica {ref!r}; known: {sorted(names)}"))
+                problems.append(
+                    (
+                        f"routes[{i}].replicas[{j}]",
+                        f"unknown replica {ref!r} (nor a discovery source); known: {sorted(names)}",
+                    )
+                )
         if route.replicas is not None and not route.replicas:
             problems.append((f"routes[{i}].replicas", "a route needs at least one replica"))
         if route.policy not in registry.POLICIES:

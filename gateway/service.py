@@ -19,11 +19,13 @@ from typing import Any
 
 from gateway.auth import KeyChecker
 from gateway.config import GatewayConfig
+from gateway.discovery.build import build_sources
 from gateway.errors import ModelNotFound
 from gateway.limits.admission import KeyLimiter
 from gateway.limits.context import ContextLimits
+from gateway.membership import Membership
 from gateway.observe.logs import AccessLog
-from gateway.observe.metrics import GatewayMetrics, ReplicaCollector, SyncCollector
+from gateway.observe.metrics import GatewayMetrics, MembershipCollector, ReplicaCollector, SyncCollector
 from gateway.observe.outcome import Outcome
 from gateway.observe.samples import SampleBuffer
 from gateway.observe.stats import StatsBook
@@ -95,6 +97,7 @@ class Gateway:
             self.replicas[rc.name] = Replica(rc, client, config.health, rc.resolved_api_key(env))
         self.routes = RouteTable(
             [build_route(rc, [self.replicas[r.name] for r in config.pool_of(rc)]) for rc in config.routes]
+            # discovered replicas join these pools once their sources answer (gateway.membership)
         )
         self.monitor = ReplicaMonitor(list(self.replicas.values()), config.health, config.scrape)
         self.metrics = GatewayMetrics()
@@ -119,6 +122,10 @@ class Gateway:
         limits = config.limits
         self.context = ContextLimits(limits.context_bytes_per_token) if limits.context_check else None
         self._context_task: asyncio.Task[None] | None = None
+        self.environ = env
+        self.membership = Membership(self, client_factory, env)
+        self.reloads: dict[str, int] = {"ok": 0, "rejected": 0, "unchanged": 0}
+        self.metrics.registry.register(MembershipCollector(self.membership, lambda: self.reloads))
         self.started_at = time.time()
 
     def _build_limiter(self, env: Mapping[str, str]) -> KeyLimiter:
@@ -158,6 +165,7 @@ class Gateway:
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         await self.monitor.start()
+        await self.membership.start(build_sources(self.config.discovery, self.membership.sources, self.environ))
         self.summary.start()
         if self.state_sync is not None:
             await self.state_sync.start()
@@ -174,6 +182,7 @@ class Gateway:
         if self.state_sync is not None:
             await self.state_sync.stop()
         await self.summary.stop()
+        await self.membership.stop()
         await self.monitor.stop()
 
     async def _learn_context(self) -> None:
@@ -317,6 +326,8 @@ class Gateway:
                 **self.limiter.snapshot(),
                 "max_model_len": dict(self.context.max_len) if self.context is not None else None,
             },
+            "membership": self.membership.snapshot(),
+            "reloads": dict(self.reloads),
         }
 
     def _state_snapshot(self) -> dict[str, Any]:

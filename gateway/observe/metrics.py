@@ -256,3 +256,49 @@ class SyncCollector(Collector):
         yield errors
         yield rejected
         yield peers
+
+
+class MembershipCollector(Collector):
+    """Discovery sources, draining replicas and config reloads, read at scrape time.
+
+    ``membership`` is duck-typed (``gateway.membership.Membership``: ``sources``, ``draining``,
+    ``drained``) and ``reloads`` a mapping outcome -> count, so this module imports neither.
+    """
+
+    def __init__(self, membership: Any, reloads: Callable[[], dict[str, int]]) -> None:
+        self._membership = membership
+        self._reloads = reloads
+
+    def collect(self) -> Iterable[Metric]:
+        p = "prefix_gateway_"
+        m = self._membership
+        labels = ["source", "kind"]
+        replicas = GaugeMetricFamily(p + "discovery_replicas", "Replicas a discovery source reports now", labels=labels)
+        up = GaugeMetricFamily(
+            p + "discovery_up", "1 unless the source's last lookup or API call failed", labels=labels
+        )
+        updates = CounterMetricFamily(p + "discovery_updates", "Answers received from the source", labels=labels)
+        errors = CounterMetricFamily(p + "discovery_errors", "Failed lookups or API calls", labels=labels)
+        changes = CounterMetricFamily(
+            p + "discovery_changes", "Replicas that joined or left through the source", labels=[*labels, "change"]
+        )
+        for name, stats in m.sources.items():
+            key = [name, stats.kind]
+            replicas.add_metric(key, stats.replicas)
+            up.add_metric(key, 0.0 if stats.failing else 1.0)
+            updates.add_metric(key, stats.updates)
+            errors.add_metric(key, stats.errors)
+            changes.add_metric([*key, "added"], stats.added)
+            changes.add_metric([*key, "removed"], stats.removed)
+        draining = GaugeMetricFamily(
+            p + "replicas_draining", "Replicas that left their pools and still finish running requests"
+        )
+        draining.add_metric([], len(m.draining))
+        drained = CounterMetricFamily(p + "replicas_drained", "Replicas that left and finished draining")
+        drained.add_metric([], m.drained)
+        reloads = CounterMetricFamily(
+            p + "config_reloads", "Config reloads (SIGHUP or file change) by outcome", labels=["outcome"]
+        )
+        for outcome, count in sorted(self._reloads().items()):
+            reloads.add_metric([outcome], count)
+        yield from (replicas, up, updates, errors, changes, draining, drained, reloads)
