@@ -95,7 +95,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if config.state.backend == "redis":
         config.state.resolved_redis_url()  # a bad URL in the environment: a clear error, not a traceback
     _exit_cleanly_on_signals()
-    serve(config)
+    # a config file is reloaded live (SIGHUP, or when it changes: a ConfigMap update)
+    serve(config, config_path=None if args.replica else (args.config or default_config_path()))
     return 0
 
 

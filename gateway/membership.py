@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.config import ReplicaConfig, RouteConfig
+from gateway.discovery.build import build_sources
+from gateway.discovery.settings import DiscoveryConfig
 from gateway.discovery.source import Endpoint
 from gateway.discovery.stats import SourceStats
 from gateway.replicas.pool import Replica
@@ -57,6 +59,7 @@ class Membership:
         self._drain_tasks: set[asyncio.Task[None]] = set()
         self._source_tasks: list[asyncio.Task[None]] = []
         self._lock = asyncio.Lock()
+        self._source_configs: list[dict[str, Any]] = []
 
     # -- pools -------------------------------------------------------------------------
     def pool(self, route: RouteConfig) -> list[Replica]:
@@ -186,6 +189,7 @@ class Membership:
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self, sources: Mapping[str, Any]) -> None:
         """Run each discovery source (``name -> object with async run(publish)``) in the background."""
+        self._source_configs = [c.model_dump() for c in self.gw.config.discovery]
         for name, source in sources.items():
 
             async def publish(endpoints: Sequence[Endpoint], name: str = name) -> None:
@@ -204,6 +208,24 @@ class Membership:
                 self.sources[name].errors += 1
                 log.exception("discovery %s failed; restarting it in 5 s", name)
                 await asyncio.sleep(5.0)
+
+    async def set_sources(self, configs: Sequence[DiscoveryConfig]) -> None:
+        """A reload's ``discovery:``: restart the sources if any changed; a removed one's replicas drain."""
+        if [c.model_dump() for c in configs] == self._source_configs:
+            return
+        await self.stop_sources()
+        names = {c.name for c in configs}
+        async with self._lock:
+            for owner in [o for o in self.owned if o != STATIC and o not in names]:
+                await self._reconcile(owner, {}, 600.0, refresh=True)
+                del self.owned[owner]
+                self.sources.pop(owner, None)
+        for config in configs:
+            self.owned.setdefault(config.name, {})
+            stats = self.sources.get(config.name)
+            if stats is None or stats.kind != config.kind:
+                self.sources[config.name] = SourceStats(config.kind)
+        await self.start(build_sources(configs, self.sources, self.environ))
 
     async def stop_sources(self) -> None:
         await cancel_and_wait(*self._source_tasks)

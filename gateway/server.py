@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -24,6 +25,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.httpserver import HttpLimits, protocol_class
 from gateway.observe.logs import configure_logging
+from gateway.reload import Reloader
 from gateway.service import Gateway
 from gateway.upstream.aiohttp_client import aiohttp_factory
 from gateway.upstream.client import ClientFactory
@@ -78,13 +80,17 @@ def serve(
     *,
     client_factory: ClientFactory = aiohttp_factory,
     announce: Callable[[str], None] | None = None,
+    config_path: str | os.PathLike[str] | None = None,
 ) -> None:
     """Serve until interrupted (what ``prefix-gateway serve`` calls).
 
     ``announce`` gets the base URL once the socket is bound (the demo prints its banner).
+    ``config_path``: the file ``config`` came from, reloaded live on SIGHUP or when it changes.
     """
     configure_logging(config.logging)
     gateway = Gateway(config, client_factory=client_factory)
+    if config_path is not None:
+        gateway.reloader = Reloader(gateway, config_path)
     sock = bind_socket(config.server.host, config.server.port)
     port = sock.getsockname()[1]
     log.info(
@@ -117,11 +123,15 @@ def serve_in_thread(
     client_factory: ClientFactory = aiohttp_factory,
     startup_timeout: float = 30.0,
     configure_logs: bool = False,
+    config_path: str | os.PathLike[str] | None = None,
+    reload_poll_s: float = 1.0,
 ) -> Iterator[RunningGateway]:
     """Run a gateway in a background thread (own event loop); yields once it serves."""
     if configure_logs:
         configure_logging(config.logging)
     gateway = Gateway(config, client_factory=client_factory)
+    if config_path is not None:
+        gateway.reloader = Reloader(gateway, config_path, reload_poll_s)
     sock = bind_socket(config.server.host, config.server.port)
     port = sock.getsockname()[1]
     server = uvicorn_server(create_app(gateway), config)

@@ -31,9 +31,9 @@ from gateway.observe.samples import SampleBuffer
 from gateway.observe.stats import StatsBook
 from gateway.observe.summary import SummaryReporter
 from gateway.prefix.pipeline import PreparedPrompt
+from gateway.reload import Reloader, prefix_indexes
 from gateway.replicas.monitor import ReplicaMonitor
 from gateway.replicas.pool import Replica
-from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import Decision, RequestView
 from gateway.routing.routes import Route, RouteTable, build_route
 from gateway.state.affinity_sync import AffinitySync
@@ -125,6 +125,7 @@ class Gateway:
         self.environ = env
         self.membership = Membership(self, client_factory, env)
         self.reloads: dict[str, int] = {"ok": 0, "rejected": 0, "unchanged": 0}
+        self.reloader: Reloader | None = None  # set by the server when serving from a file
         self.metrics.registry.register(MembershipCollector(self.membership, lambda: self.reloads))
         self.started_at = time.time()
 
@@ -146,11 +147,7 @@ class Gateway:
         state = self.config.state
         if state.backend != "redis":
             return None
-        indexes = {}
-        for route in self.routes.routes:
-            index = getattr(route.runner.policy, "index", None)
-            if isinstance(index, AffinityIndex):
-                indexes[route.name] = index
+        indexes = prefix_indexes(self.routes.routes)
         return AffinitySync(
             state.resolved_redis_url(env),  # ConfigError naming the env var if it holds no Redis URL
             state.channel,
@@ -167,6 +164,8 @@ class Gateway:
         await self.monitor.start()
         await self.membership.start(build_sources(self.config.discovery, self.membership.sources, self.environ))
         self.summary.start()
+        if self.reloader is not None:
+            await self.reloader.start()
         if self.state_sync is not None:
             await self.state_sync.start()
         await self.limiter.start()
@@ -179,6 +178,8 @@ class Gateway:
             await cancel_and_wait(self._context_task)
             self._context_task = None
         await self.limiter.stop()
+        if self.reloader is not None:
+            await self.reloader.stop()
         if self.state_sync is not None:
             await self.state_sync.stop()
         await self.summary.stop()

@@ -182,6 +182,14 @@ class AffinitySync:
         for route, index in self._indexes.items():
             index.listener = partial(self._enqueue, route)
 
+    def set_indexes(self, indexes: Mapping[str, AffinityIndex]) -> None:
+        """A config reload rebuilt routes: share the new indexes (and stop hearing the old ones)."""
+        for index in self._indexes.values():
+            index.listener = None
+        self._indexes = dict(indexes)
+        if self._tasks:  # started: listen now (before start(), start() attaches)
+            self._attach()
+
     # -- the request path: O(1), never waits ----------------------------------------------
     def _enqueue(self, route: str, replica: str, stored: list[int], prompt_tokens: int | None) -> None:
         if len(stored) > MAX_KEYS_PER_RECORD:  # peers would reject the batch: keep it local

@@ -45,6 +45,7 @@ class FakeKubeApi:
         self.version = 100
         self.slices: dict[str, dict[str, Any]] = {}
         self.watchers: list[asyncio.Queue[dict[str, Any] | None]] = []
+        self.history: list[tuple[int, dict[str, Any]]] = []  # replayed to a watch from its resourceVersion
         self.lists = 0
         self.watches = 0
         self.selectors: list[str] = []
@@ -80,13 +81,17 @@ class FakeKubeApi:
         obj["metadata"]["resourceVersion"] = str(self.version)
         kind = "MODIFIED" if obj["metadata"]["name"] in self.slices else "ADDED"
         self.slices[obj["metadata"]["name"]] = obj
-        self._broadcast({"type": kind, "object": obj})
+        self._event({"type": kind, "object": obj})
 
     def _delete(self, name: str) -> None:
         self.version += 1
         obj = self.slices.pop(name)
         obj["metadata"]["resourceVersion"] = str(self.version)
-        self._broadcast({"type": "DELETED", "object": obj})
+        self._event({"type": "DELETED", "object": obj})
+
+    def _event(self, event: dict[str, Any]) -> None:
+        self.history.append((self.version, event))
+        self._broadcast(event)
 
     def _broadcast(self, event: dict[str, Any]) -> None:
         for queue in self.watchers:
@@ -114,6 +119,10 @@ class FakeKubeApi:
         response = web.StreamResponse(headers={"content-type": "application/json"})
         await response.prepare(request)
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        since = int(request.query.get("resourceVersion") or self.version)
+        for version, event in self.history:  # what happened since the client's version
+            if version > since:
+                queue.put_nowait(event)
         self.watchers.append(queue)
         timeout = float(request.query.get("timeoutSeconds", "30"))
         try:
