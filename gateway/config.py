@@ -76,6 +76,12 @@ class ServerSettings(_Strict):
         description="serve /openapi.json, /docs and /redoc (off: they answer 404; the API is OpenAI's, "
         "the schema only helps someone mapping the gateway)",
     )
+    drain_grace_s: float = Field(
+        2.0,
+        ge=0,
+        description="on SIGTERM /ready turns 503 at once; new connections are still accepted this long "
+        "(load balancers catch up), then refused while running requests finish",
+    )
 
 
 class UpstreamSettings(_Strict):

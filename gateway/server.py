@@ -23,6 +23,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.drain import DrainingServer
 from gateway.httpserver import HttpLimits, protocol_class
 from gateway.observe.logs import configure_logging
 from gateway.reload import Reloader
@@ -72,7 +73,7 @@ def uvicorn_server(app: Any, config: GatewayConfig) -> uvicorn.Server:
         date_header=False,
     )
     access.handlers[:], access.propagate = saved
-    return uvicorn.Server(ucfg)
+    return DrainingServer(ucfg, getattr(app, "gateway", None), config.server.drain_grace_s)
 
 
 def serve(

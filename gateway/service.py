@@ -125,6 +125,7 @@ class Gateway:
         self.environ = env
         self.membership = Membership(self, client_factory, env)
         self.reloads: dict[str, int] = {"ok": 0, "rejected": 0, "unchanged": 0}
+        self.draining = False  # set on SIGTERM (gateway.drain): /ready answers 503
         self.reloader: Reloader | None = None  # set by the server when serving from a file
         self.metrics.registry.register(MembershipCollector(self.membership, lambda: self.reloads))
         self.started_at = time.time()
@@ -267,9 +268,12 @@ class Gateway:
 
     # -- read-only views ---------------------------------------------------------------
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Ready when every route has at least one healthy replica."""
+        """Ready when every route has at least one healthy replica, and not draining (SIGTERM)."""
         routes = {r.name: r.runner.healthy_count() for r in self.routes.routes}
-        return all(routes.values()), {"routes": {k: {"healthy_replicas": v} for k, v in routes.items()}}
+        detail: dict[str, Any] = {"routes": {k: {"healthy_replicas": v} for k, v in routes.items()}}
+        if self.draining:
+            return False, {"draining": True, **detail}
+        return all(routes.values()), detail
 
     async def models(self) -> list[dict[str, Any]]:
         """Union of the models healthy replicas serve, restricted to what some route accepts."""
