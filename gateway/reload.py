@@ -11,9 +11,9 @@ if that passes, an in-place swap that drops nothing:
 - static replicas are reconciled by ``gateway.membership`` (joiners probed, leavers drained);
 - discovery sources are restarted when their settings changed.
 
-Settings bound at start — the listening address (``server.host``/``port``), ``state``,
-``logging``, ``health``/``scrape`` of existing replicas and ``upstream`` of existing
-connections — keep their old values until a restart, and the log says so.
+Settings bound at start — ``server`` (but ``max_body_bytes`` and ``response_headers``, read
+per request), ``state``, ``logging``, ``limits``, ``health``, ``scrape`` and ``upstream`` —
+keep their old values until a restart, and the log says so.
 An invalid file is rejected with its errors; the old config keeps serving.  Every outcome is
 logged and counted (``prefix_gateway_config_reloads_total{outcome}``).
 """
@@ -45,6 +45,7 @@ log = logging.getLogger("prefix_gateway.reload")
 # how long a replica removed from the file keeps its connections for running requests
 STATIC_DRAIN_TIMEOUT_S = 600.0
 RESTART_ONLY = ("state", "logging", "health", "scrape", "upstream", "limits")
+SERVER_LIVE = ("max_body_bytes", "response_headers")
 
 
 class Reloader:
@@ -150,14 +151,16 @@ async def apply_config(gw: Gateway, new: GatewayConfig) -> list[str]:
     """Swap ``new`` in without dropping a request; returns notes on what waits for a restart."""
     old = gw.config
     notes = []
-    if (new.server.host, new.server.port) != (old.server.host, old.server.port):
-        notes.append("server.host/port change at restart")
     keep: dict[str, Any] = {}
     for section in RESTART_ONLY:
         if getattr(new, section) != getattr(old, section):
             notes.append(f"{section} changes at restart")
             keep[section] = getattr(old, section)
-    server = new.server.model_copy(update={"host": old.server.host, "port": old.server.port})
+    # of server:, only what the request path reads per request changes live
+    live = {name: getattr(new.server, name) for name in SERVER_LIVE}
+    server = old.server.model_copy(update=live)
+    if server != new.server:
+        notes.append("server listen address, timeouts and HTTP limits change at restart")
     effective = new.model_copy(update={"server": server, **keep})
 
     # everything that can fail is built before anything changes
