@@ -12,7 +12,8 @@ if that passes, an in-place swap that drops nothing:
 - discovery sources are restarted when their settings changed.
 
 Settings bound at start — ``server`` (but ``max_body_bytes`` and ``response_headers``, read
-per request), ``state``, ``logging``, ``limits``, ``health``, ``scrape`` and ``upstream`` —
+per request), ``state``, ``logging``, ``limits``, ``samples``, ``health``, ``scrape`` and
+``upstream`` —
 keep their old values until a restart, and the log says so.
 An invalid file is rejected with its errors; the old config keeps serving.  Every outcome is
 logged and counted (``prefix_gateway_config_reloads_total{outcome}``).
@@ -44,7 +45,7 @@ log = logging.getLogger("prefix_gateway.reload")
 
 # how long a replica removed from the file keeps its connections for running requests
 STATIC_DRAIN_TIMEOUT_S = 600.0
-RESTART_ONLY = ("state", "logging", "health", "scrape", "upstream", "limits")
+RESTART_ONLY = ("state", "logging", "health", "scrape", "upstream", "limits", "samples")
 SERVER_LIVE = ("max_body_bytes", "response_headers")
 
 
