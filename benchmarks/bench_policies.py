@@ -1,7 +1,8 @@
 """Every routing policy on the same simulated fleet, per workload and load level, in one run.
 
-    python benchmarks/bench_policies.py --repeat 3      # the verdict run (see benchmarks/README.md)
-    python benchmarks/bench_policies.py --quick         # smoke run (a few minutes)
+    python benchmarks/bench_policies.py --repeat 3          # every row, full samples (~45 min on 2 busy cores)
+    python benchmarks/bench_policies.py --quick --repeat 3  # the verdict run in ~20 min (see benchmarks/README.md)
+    python benchmarks/bench_policies.py --smoke             # harness check (a few minutes)
     python benchmarks/bench_policies.py --workload agent --load saturated
 
 For each workload (agent, agent_long, agent_toolloop, mooncake_conversation, mooncake_synthetic,
@@ -67,6 +68,8 @@ POLICIES = ("round_robin", "random", "least_loaded", "session", "prefix")
 # SGLang router, prefix) plus round-robin as context.  ``--policy`` picks others (random, session).
 DEFAULT_ROWS = ("round_robin", "least_loaded", "prefix")
 SGLANG = peer_sglang.ROW  # the peer router's row: not a gateway policy, a separate process
+LOAD_AWARE = report.LOAD_AWARE  # the control workload's reference row
+CONTROL = "control"
 LEVELS = ("moderate", "saturated")
 
 # The simulated fleet, the same hardware for every workload: one replica prefills 30k tokens
@@ -105,9 +108,9 @@ ORACLE_SIM: dict[str, Any] = {
 # "saturated".
 LOADS: dict[str, dict[str, float]] = {
     "agent": {"moderate": 0.6, "saturated": 1.25},
-    # round-robin hits ~83 % here (every replica soon holds the 4 tenants' 6k-12k-token heads):
-    # its uncached work is then ~0.6x / ~1.25x of capacity
-    "agent_long": {"moderate": 3.4, "saturated": 7.0},
+    # round-robin hits ~87 % here (every replica soon holds the 4 tenants' 6k-12k-token heads):
+    # its uncached work is then ~0.6x / ~1.2x of capacity
+    "agent_long": {"moderate": 4.5, "saturated": 9.0},
     "agent_toolloop": {"moderate": 0.6, "saturated": 1.25},  # round-robin ~0 %: the header on top
     "mooncake_conversation": {"moderate": 0.65, "saturated": 1.35},
     "mooncake_synthetic": {"moderate": 0.8, "saturated": 1.45},
@@ -116,7 +119,10 @@ LOADS: dict[str, dict[str, float]] = {
 MODERATE_RATE_RPS = 55.0  # wall-clock arrival rate of the moderate level (sets each workload's time_scale)
 ADMIN_KEY_ENV = "PREFIX_GATEWAY_ADMIN_KEY"
 ADMIN_KEY = secrets.token_hex(16)  # per benchmark process, for the gateways it starts
-QUICK_SIZE = 0.3
+SMOKE_SIZE = 0.3
+# --quick: the verdict run cut to fit ~20 minutes with --repeat 3 on 2 busy cores: half-size
+# samples (half the arrivals' span per cell) and only the rows the verdicts read.
+QUICK_SIZE = 0.5
 # The saturated level replays a 2x larger sample of the same workload (more conversations /
 # sessions of the same shape; for the traces a superset of the moderate sample): at the same
 # wall-clock rate its arrivals last twice as long, so queues have time to build.
@@ -428,6 +434,9 @@ def variants_for(workload: Workload, plan: Plan) -> list[Variant]:
     header costs (the SGLang and round-robin rows, which never normalize, show it too); then the
     extra ``--variant`` rows."""
     policies = plan.policies
+    if plan.lean:  # only what the verdicts read (and round-robin as context)
+        keep = {LOAD_AWARE} if workload.name == CONTROL else {SGLANG}
+        policies = [p for p in policies if p not in {LOAD_AWARE, SGLANG} - keep]
     # the peer router has no normalization: it gets the prompts as the application sent them
     variants = [Variant(p, p, "off" if p == SGLANG else workload.normalize) for p in policies]
     if plan.norm_off_row and workload.normalize != "off" and "prefix" in policies:
@@ -477,6 +486,7 @@ class Plan:
     extra: tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...] = ()  # --variant rows
     repeat: int = 1  # runs per cell; the table shows their medians
     norm_off_row: bool = False  # also prefix with normalization off where the workload needs it
+    lean: bool = False  # --quick: least_loaded only on the control, sglang everywhere but there
 
 
 def run_level(
@@ -595,14 +605,20 @@ def run_workload(by_level: dict[str, Workload], plan: Plan) -> dict[str, Any]:
             ldata = run_level(level_wl, level, time_scale, urls[:REPLICAS], urls[REPLICAS], plan, id_prefixes)
             ldata["workload"] = {k: v for k, v in level_wl.summary().items() if k != "endpoint"}
             wres["levels"][level] = ldata
-    verdicts = report.evaluate(wl.name, wres["levels"], control=wl.name == "control")
+    verdicts = report.evaluate(wl.name, wres["levels"], control=wl.name == CONTROL)
     wres["targets"] = report.verdicts_to_json(verdicts)
     return wres
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads, saturated level only (smoke run)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="half-size samples and only the rows the verdicts read (least_loaded on the control only, "
+        "sglang not on the control): with --repeat 3 about 20 minutes",
+    )
+    parser.add_argument("--smoke", action="store_true", help="smaller samples, saturated level only (harness check)")
     parser.add_argument("--workload", action="append", choices=WORKLOAD_NAMES, help="repeatable; default: all")
     parser.add_argument("--load", action="append", choices=LEVELS, help="repeatable; default: both")
     parser.add_argument(
@@ -634,8 +650,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t_start = time.monotonic()
     workloads = args.workload or list(WORKLOAD_NAMES)
-    levels = args.load or (["saturated"] if args.quick else list(LEVELS))
-    size = args.size if args.size is not None else (QUICK_SIZE if args.quick else 1.0)
+    levels = args.load or (["saturated"] if args.smoke else list(LEVELS))
+    default_size = SMOKE_SIZE if args.smoke else QUICK_SIZE if args.quick else 1.0
+    size = args.size if args.size is not None else default_size
     available = [] if args.no_gateway else registered_policies()
     sglang_missing = peer_sglang.unavailable_reason()
     if available and not sglang_missing:
@@ -668,6 +685,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "size": size,
             "seed": args.seed,
             "repeat": max(1, args.repeat),
+            "quick": bool(args.quick),
             "deadline": f"arrival span x {DEADLINE_FACTOR} + {DEADLINE_SLACK_S} s",
         },
         "missing_policies": missing,
@@ -675,7 +693,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workloads": {},
     }
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as tmp:
-        plan = Plan(levels, policies, direct, Path(tmp), tuple(args.variant), max(1, args.repeat), args.norm_off_row)
+        plan = Plan(
+            levels,
+            policies,
+            direct,
+            Path(tmp),
+            tuple(args.variant),
+            max(1, args.repeat),
+            args.norm_off_row,
+            lean=args.quick and not args.policy,
+        )
         for wname in workloads:
             t_build = time.monotonic()
             by_level: dict[str, Workload] = {}

@@ -1,0 +1,39 @@
+"""Which rows a run has: the default set, --quick's lean set, the optional extra rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.bench_policies import DEFAULT_ROWS, SGLANG, Plan, parse_variant, variants_for
+from benchmarks.workloads import Workload
+
+
+def _names(workload: str, normalize: str = "off", **plan) -> list[str]:
+    wl = Workload(name=workload, description="", requests=[], normalize=normalize)
+    base = Plan(["moderate"], [*DEFAULT_ROWS, SGLANG], False, Path("."), **plan)
+    return [v.name for v in variants_for(wl, base)]
+
+
+def test_default_rows_are_what_the_verdicts_read_plus_round_robin():
+    assert _names("agent_long") == ["round_robin", "least_loaded", "prefix", "sglang"]
+
+
+def test_quick_keeps_least_loaded_for_the_control_and_sglang_elsewhere():
+    assert _names("agent_long", lean=True) == ["round_robin", "prefix", "sglang"]
+    assert _names("control", lean=True) == ["round_robin", "least_loaded", "prefix"]
+
+
+def test_sglang_sees_prompts_unnormalized_and_norm_off_row_is_opt_in():
+    wl = Workload(name="agent_toolloop", description="", requests=[], normalize="relocate")
+    plan = Plan(["moderate"], ["prefix", SGLANG], False, Path("."), norm_off_row=True)
+    rows = {v.name: v.normalize for v in variants_for(wl, plan)}
+    assert rows == {"prefix": "relocate", "sglang": "off", "prefix_norm_off": "off"}
+    assert "prefix_norm_off" not in _names("agent_toolloop", normalize="relocate")
+
+
+def test_variant_rows_parse_settings_as_yaml_scalars():
+    assert parse_variant("strict:prefix:bound_extra=0,load_factor=1.5") == (
+        "strict",
+        "prefix",
+        (("bound_extra", 0), ("load_factor", 1.5)),
+    )
