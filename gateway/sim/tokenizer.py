@@ -124,12 +124,17 @@ class PromptBuilder:
     ) -> list[int]:
         if self._template is None:
             return self._chatml(messages, tools, add_generation_prompt)
-        text = self._template.render(
-            messages=_as_vllm(messages),
-            tools=_tools_as_vllm(tools),
-            add_generation_prompt=add_generation_prompt,
-            **_TEMPLATE_TOKENS[self.family or ""],
-        )
+        try:
+            text = self._template.render(
+                messages=_as_vllm(messages),
+                tools=_tools_as_vllm(tools),
+                add_generation_prompt=add_generation_prompt,
+                **_TEMPLATE_TOKENS[self.family or ""],
+            )
+        except Exception as exc:  # the template rejects the conversation: vLLM answers 400
+            from gateway.sim.protocol import APIError
+
+            raise APIError(400, f"chat template error: {type(exc).__name__}: {exc}"[:500], param="messages") from None
         return self.with_specials(text)
 
     def _chatml(self, messages: Sequence[Mapping[str, Any]], tools: Any, add_generation_prompt: bool) -> list[int]:

@@ -127,3 +127,12 @@ def test_missing_directory_fails_at_config_load_with_the_fix(tmp_path: Path) -> 
     }
     with pytest.raises(Exception, match="unknown tokenizer 'p99k_base'"):
         parse_config(raw)
+
+
+def test_bad_input_never_raises_on_the_hf_path(model_dir: Path) -> None:
+    from tests.core.test_chat_template_bad_input import BAD_BODIES
+
+    pipeline = PrefixPipeline(NormalizeSettings(mode="off"), PrefixSettings(tokenizer=f"hf:{model_dir}"))
+    for _name, messages, tools in BAD_BODIES:
+        body = {"model": "m", "messages": messages, **({"tools": tools} if tools is not None else {})}
+        assert pipeline.prepare("chat", body).units == f"exact (hf:{model_dir})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import httpx
@@ -231,6 +232,15 @@ def test_prompt_longer_than_max_model_len_is_400(make_sim) -> None:
     assert httpx.get(small + "/v1/models").json()["data"][0]["max_model_len"] == 64
 
 
+_TOOLS_WITHOUT_USER = json.dumps(
+    {"messages": [{"role": "system", "content": "s"}], "tools": [{"type": "function", "function": {"name": "f"}}]}
+).encode()
+_TWO_CALLS = [{"function": {"name": n, "arguments": "{}"}} for n in ("a", "b")]
+_TWO_TOOL_CALLS = json.dumps(
+    {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": _TWO_CALLS}]}
+).encode()
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [
@@ -245,6 +255,10 @@ def test_prompt_longer_than_max_model_len_is_400(make_sim) -> None:
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}'),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": "maybe"}'),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {}}'),
+        # Llama 3.1's template refuses these, so vLLM answers 400 (tools need a user message;
+        # one tool call per assistant turn)
+        ("/v1/chat/completions", _TOOLS_WITHOUT_USER),
+        ("/v1/chat/completions", _TWO_TOOL_CALLS),
         ("/v1/completions", b'{"prompt": ""}'),
         ("/v1/completions", b'{"prompt": []}'),
         ("/v1/completions", b'{"prompt": [-1, 5]}'),
