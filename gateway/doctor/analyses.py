@@ -150,7 +150,10 @@ class RouteReplay:
             finding.hit_rate_now = now
             finding.hit_rate_if_fixed = self.rate([fixer])
             finding.gain = finding.hit_rate_if_fixed - now
-            finding.gain_with_other_fixes = self.leave_one_out(fixer)
+            if fixer == "relocate" and "rules" in self.fixes:
+                finding.evidence.append("the suggested rules (learned_span) relocate too: that fix includes this one")
+            else:
+                finding.gain_with_other_fixes = self.leave_one_out(fixer)
         out = [finding for _, finding in found]
         out += self.short_prompts()
         out += self.user_first()
