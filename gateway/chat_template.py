@@ -133,29 +133,30 @@ def vllm_tool_calls(tool_calls: Any) -> list[dict[str, Any]]:
     return out
 
 
-def vllm_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """The messages a vLLM chat template sees: string content, parsed tool-call arguments.
+def vllm_message(message: Any) -> dict[str, Any] | None:
+    """One message as vLLM hands it to a string-format template (None: not a message).
 
-    Mirrors vLLM's chat parsing for string-format templates (``role``, ``content``, and
-    ``tool_calls`` / ``tool_call_id`` / ``name`` / ``reasoning_content`` when present).
-    Malformed messages are skipped rather than raising.
+    ``role``, string ``content``, and ``tool_calls`` (assistant) / ``tool_call_id`` / ``name`` /
+    ``reasoning_content`` when present.  Malformed input is skipped rather than raising.
     """
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        if not isinstance(message, Mapping):
-            continue
-        role = message.get("role")
-        item: dict[str, Any] = {"role": role if isinstance(role, str) else "user"}
-        item["content"] = vllm_content(message.get("content"))
-        calls = message.get("tool_calls")
-        if calls is not None and item["role"] == "assistant":
-            item["tool_calls"] = vllm_tool_calls(calls)
-        for key in ("tool_call_id", "name", "reasoning_content"):
-            value = message.get(key)
-            if isinstance(value, str):
-                item[key] = value
-        out.append(item)
-    return out
+    if type(message) is not dict and not isinstance(message, Mapping):  # (dict first: ABC checks are slow)
+        return None
+    role = message.get("role")
+    item: dict[str, Any] = {"role": role if isinstance(role, str) else "user"}
+    item["content"] = vllm_content(message.get("content"))
+    calls = message.get("tool_calls")
+    if calls is not None and item["role"] == "assistant":
+        item["tool_calls"] = vllm_tool_calls(calls)
+    for key in ("tool_call_id", "name", "reasoning_content"):
+        value = message.get(key)
+        if isinstance(value, str):
+            item[key] = value
+    return item
+
+
+def vllm_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """The messages a vLLM chat template sees (see :func:`vllm_message`)."""
+    return [m for m in map(vllm_message, messages) if m is not None]
 
 
 def vllm_tools(tools: Any) -> list[dict[str, Any]] | None:

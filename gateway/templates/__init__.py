@@ -54,11 +54,16 @@ class Runs:
             self._buf.clear()
         self._out.append(token)
 
+    def drain(self) -> list[str]:
+        """The segments completed so far (the pending text run stays pending)."""
+        out, self._out = self._out, []
+        return out
+
     def finish(self) -> list[str]:
         if self._buf:
             self._out.append("".join(self._buf))
             self._buf.clear()
-        return self._out
+        return self.drain()
 
 
 def special_tokens(tokenizer: Tokenizer, names: Iterable[str]) -> tuple[dict[str, SpecialToken], re.Pattern[str]]:

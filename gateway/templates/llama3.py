@@ -7,6 +7,9 @@ default ``date_string``); with ``tools``, "Environment: ipython" goes into the s
 and the tool schemas (``tojson(indent=4)``) into the *first user message*; an assistant tool
 call renders as ``{"name": ..., "parameters": ...}``; a tool result renders under the
 ``ipython`` role as JSON (a string content is JSON-quoted: Jinja finds strings iterable).
+
+Segments are generated lazily, message by message: the window tokenizer stops pulling once
+its window is full, so a long history past the window is never rendered.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from gateway.chat_template import hf_tojson, vllm_messages, vllm_tools
+from gateway.chat_template import hf_tojson, vllm_message, vllm_tools
 from gateway.templates import Runs, special_tokens
 from gateway.tokenizer import Tokenizer
 
@@ -40,18 +43,19 @@ class Llama31Template:
         # vLLM tokenizes a /v1/completions prompt with add_special_tokens: Llama gets its BOS
         self.completion_prefix = self._specials["<|begin_of_text|>"]
 
-    def segments(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> Iterator[str]:
-        return iter(self.render(messages, tools, add_generation_prompt))
-
     def render(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> list[str]:
-        msgs = vllm_messages(messages)
+        return list(self.segments(messages, tools, add_generation_prompt))
+
+    def segments(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> Iterator[str]:
         tool_list = vllm_tools(tools)
+        views = (v for v in map(vllm_message, messages) if v is not None)
+        first = next(views, None)
         r = Runs(self._specials, self._split)
         r.lit("<|begin_of_text|>")
         system = ""
-        if msgs and msgs[0]["role"] == "system":
-            system = msgs[0]["content"].strip()
-            msgs = msgs[1:]
+        if first is not None and first["role"] == "system":
+            system = first["content"].strip()
+            first = None
         r.lit("<|start_header_id|>system<|end_header_id|>\n\n")
         if tool_list is not None:
             r.lit("Environment: ipython\n")
@@ -59,40 +63,48 @@ class Llama31Template:
         r.lit("Today Date: " + self.date_string + "\n\n")
         r.text(system)
         r.lit("<|eot_id|>")
+        yield from r.drain()
         if tool_list is not None:
-            first = ""
-            if msgs:  # (the template raises without one; vLLM then answers 400)
-                first = msgs[0]["content"].strip()
-                msgs = msgs[1:]
-            r.lit("<|start_header_id|>user<|end_header_id|>\n\n")
+            user = first if first is not None else next(views, None)
+            first = None
+            r.lit("<|start_header_id|>user<|end_header_id|>\n\n")  # (no user message: vLLM answers 400)
             r.lit(_TOOLS_PREAMBLE)
             for tool in tool_list:
                 r.text(hf_tojson(tool, indent=4))
                 r.lit("\n\n")
-            r.text(first)
+            r.text(user["content"].strip() if user is not None else "")
             r.lit("<|eot_id|>")
-        for m in msgs:
-            role = m["role"]
-            if not (role in ("ipython", "tool") or "tool_calls" in m):
-                r.lit("<|start_header_id|>")
-                r.text(role)
-                r.lit("<|end_header_id|>\n\n")
-                r.text(m["content"].strip())
-                r.lit("<|eot_id|>")
-            elif "tool_calls" in m:
-                r.lit("<|start_header_id|>assistant<|end_header_id|>\n\n")
-                calls = m["tool_calls"]
-                if calls:  # (more than one call makes the template raise: vLLM answers 400)
-                    function = calls[0]["function"]
-                    r.text('{"name": "' + function["name"] + '", ')
-                    r.text('"parameters": ')
-                    r.text(hf_tojson(function.get("arguments")))
-                    r.text("}")
-                r.lit("<|eot_id|>")
-            else:
-                r.lit("<|start_header_id|>ipython<|end_header_id|>\n\n")
-                r.text(hf_tojson(m["content"]))
-                r.lit("<|eot_id|>")
+            yield from r.drain()
+        if first is not None:
+            self._message(r, first)
+            yield from r.drain()
+        for m in views:
+            self._message(r, m)
+            yield from r.drain()
         if add_generation_prompt:
             r.lit("<|start_header_id|>assistant<|end_header_id|>\n\n")
-        return r.finish()
+        yield from r.finish()
+
+    @staticmethod
+    def _message(r: Runs, m: dict[str, Any]) -> None:
+        role = m["role"]
+        if not (role in ("ipython", "tool") or "tool_calls" in m):
+            r.lit("<|start_header_id|>")
+            r.text(role)
+            r.lit("<|end_header_id|>\n\n")
+            r.text(m["content"].strip())
+            r.lit("<|eot_id|>")
+        elif "tool_calls" in m:
+            r.lit("<|start_header_id|>assistant<|end_header_id|>\n\n")
+            calls = m["tool_calls"]
+            if calls:  # (more than one call makes the template raise: vLLM answers 400)
+                function = calls[0]["function"]
+                r.text('{"name": "' + function["name"] + '", ')
+                r.text('"parameters": ')
+                r.text(hf_tojson(function.get("arguments")))
+                r.text("}")
+            r.lit("<|eot_id|>")
+        else:
+            r.lit("<|start_header_id|>ipython<|end_header_id|>\n\n")
+            r.text(hf_tojson(m["content"]))
+            r.lit("<|eot_id|>")

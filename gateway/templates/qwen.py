@@ -16,10 +16,10 @@ Rebuilt from the ``chat_template`` of Qwen/Qwen2.5-7B-Instruct and Qwen/Qwen3-8B
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from gateway.chat_template import hf_tojson, vllm_messages, vllm_tools
+from gateway.chat_template import hf_tojson, vllm_content, vllm_message, vllm_tools
 from gateway.templates import Runs, special_tokens
 from gateway.tokenizer import Tokenizer
 
@@ -50,19 +50,27 @@ class QwenTemplate:
         names = _BASE + (_QWEN3_EXTRA if version == "3" else ())
         self._specials, self._split = special_tokens(tokenizer, names)
 
-    def segments(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> Iterator[str]:
-        return iter(self.render(messages, tools, add_generation_prompt))
-
     def render(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> list[str]:
-        msgs = vllm_messages(messages)
+        return list(self.segments(messages, tools, add_generation_prompt))
+
+    def segments(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> Iterator[str]:
+        """Lazily, message by message (a consumer that stops early never renders the rest)."""
+        valid: list[Any] = []
+        roles: list[str] = []
+        for m in messages:  # one cheap pass over the whole conversation: roles only
+            if type(m) is dict or isinstance(m, Mapping):
+                valid.append(m)
+                role = m.get("role")
+                roles.append(role if type(role) is str else "user")
         tool_list = vllm_tools(tools)
         qwen3 = self.version == "3"
         r = Runs(self._specials, self._split)
-        has_system = bool(msgs) and msgs[0]["role"] == "system"
+        first = vllm_message(valid[0]) if valid else None
+        has_system = first is not None and first["role"] == "system"
         if tool_list:
             r.lit("<|im_start|>system\n")
-            if has_system:
-                r.text(msgs[0]["content"] + ("\n\n" if qwen3 else ""))
+            if first is not None and has_system:
+                r.text(first["content"] + ("\n\n" if qwen3 else ""))
             elif not qwen3:
                 r.lit(_QWEN25_SYSTEM)
             r.lit(_TOOLS_HEAD if qwen3 else "\n\n" + _TOOLS_HEAD)
@@ -70,19 +78,25 @@ class QwenTemplate:
                 r.lit("\n")
                 r.text(hf_tojson(tool))
             r.lit(_TOOLS_TAIL)
-        elif has_system:
+        elif first is not None and has_system:
             r.lit("<|im_start|>system\n")
-            r.text(msgs[0]["content"])
+            r.text(first["content"])
             r.lit("<|im_end|>\n")
         elif not qwen3:
             r.lit("<|im_start|>system\n" + _QWEN25_SYSTEM + "<|im_end|>\n")
-        last_query = _last_query_index(msgs) if qwen3 else -1
-        n = len(msgs)
-        for i, m in enumerate(msgs):
-            role = m["role"]
+        yield from r.drain()
+        last_query = _last_query_index(valid, roles) if qwen3 else -1
+        n = len(valid)
+        for i, raw in enumerate(valid):
+            role = roles[i]
+            if role == "system" and i == 0:
+                continue  # rendered above
+            m = first if i == 0 and first is not None else vllm_message(raw)
+            if m is None:
+                continue
             content = m["content"]
             plain_assistant = not qwen3 and role == "assistant" and not m.get("tool_calls")
-            if role == "user" or (role == "system" and i > 0) or plain_assistant:
+            if role == "user" or role == "system" or plain_assistant:
                 r.lit("<|im_start|>")
                 r.text(role + "\n" + content)
                 r.lit("<|im_end|>\n")
@@ -92,16 +106,17 @@ class QwenTemplate:
                 else:
                     self._qwen25_assistant(r, m)
             elif role == "tool":
-                if i == 0 or msgs[i - 1]["role"] != "tool":
+                if i == 0 or roles[i - 1] != "tool":
                     r.lit("<|im_start|>user")
                 r.lit("\n<tool_response>\n")
                 r.text(content)
                 r.lit("\n</tool_response>")
-                if i == n - 1 or msgs[i + 1]["role"] != "tool":
+                if i == n - 1 or roles[i + 1] != "tool":
                     r.lit("<|im_end|>\n")
+            yield from r.drain()
         if add_generation_prompt:
             r.lit("<|im_start|>assistant\n")
-        return r.finish()
+        yield from r.finish()
 
     @staticmethod
     def _qwen25_assistant(r: Runs, m: dict[str, Any]) -> None:
@@ -146,12 +161,11 @@ class QwenTemplate:
         r.lit("<|im_end|>\n")
 
 
-def _last_query_index(msgs: list[dict[str, Any]]) -> int:
+def _last_query_index(valid: list[Any], roles: list[str]) -> int:
     """Qwen3's ``ns.last_query_index``: the last user message that is not a wrapped tool response."""
-    for index in range(len(msgs) - 1, -1, -1):
-        m = msgs[index]
-        if m["role"] == "user":
-            c = m["content"]
+    for index in range(len(valid) - 1, -1, -1):
+        if roles[index] == "user":
+            c = vllm_content(valid[index].get("content"))
             if not (c.startswith("<tool_response>") and c.endswith("</tool_response>")):
                 return index
-    return len(msgs) - 1
+    return len(valid) - 1
