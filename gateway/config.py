@@ -109,6 +109,12 @@ class UpstreamSettings(_Strict):
         description="ask replicas for usage in streams (stream_options.include_usage) and strip it again "
         "when the client did not ask, so token metrics cover streams too",
     )
+    stream_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="longest silence between two chunks of a stream once it has started: a stalled "
+        "stream then ends with an SSE error event (time to the first chunk is read_timeout_s)",
+    )
     forward_client_authorization: bool = Field(
         False,
         description="pass the client's Authorization header upstream (instead of the replica's api_key) "
@@ -134,10 +140,49 @@ class HealthSettings(_Strict):
     _path = field_validator("path")(lambda cls, value: _absolute_path(value))
     unhealthy_threshold: int = Field(2, ge=1, description="consecutive failed active checks that mark a replica down")
     healthy_threshold: int = Field(1, ge=1, description="consecutive good active checks that bring it back")
+    # -- outlier detection on real traffic (Envoy-like; see docs/faults.md) --------------
     passive_5xx_threshold: int = Field(
-        5, ge=1, description="consecutive 5xx responses on real traffic that mark a replica down"
+        5,
+        ge=1,
+        description="consecutive failures on real traffic (5xx, connect failures, broken connections, "
+        "stalled streams) that eject a replica; one failure never does",
     )
-    eject_s: float = Field(5.0, ge=0, description="a replica marked down by real traffic stays out at least this long")
+    eject_s: float = Field(
+        5.0, ge=0, description="base ejection time: the n-th ejection in a row lasts eject_s * 2^(n-1), capped"
+    )
+    max_eject_s: float = Field(60.0, ge=0, description="cap on one ejection's length")
+    failure_rate_percent: float = Field(
+        50.0, ge=0, le=100, description="also eject when this share of a window's requests failed (0 = off)"
+    )
+    failure_rate_window_s: float = Field(10.0, gt=0, description="window of the failure-rate check")
+    failure_rate_min_requests: int = Field(
+        20, ge=1, description="requests a window needs before its failure rate counts"
+    )
+    max_ejected_percent: float = Field(
+        50.0,
+        ge=0,
+        le=100,
+        description="never eject more than this share of the fleet at once (at least one replica may be)",
+    )
+    panic_threshold_percent: float = Field(
+        50.0,
+        ge=0,
+        le=100,
+        description="when a route's healthy share falls below this, route over all its replicas (panic "
+        "mode) instead of failing requests (0 = off)",
+    )
+    slow_ttft_factor: float = Field(
+        3.0,
+        ge=0,
+        description="a replica whose smoothed time to first byte exceeds this times the fleet's median is "
+        "deprioritized (never ejected); 0 = off",
+    )
+    slow_min_extra_s: float = Field(
+        0.5, ge=0, description="...and exceeds the median by at least this much (ignores noise at tiny latencies)"
+    )
+    slow_probe_every: int = Field(
+        10, ge=1, description="a deprioritized replica still gets every n-th request it would have been offered"
+    )
 
 
 class ScrapeSettings(_Strict):

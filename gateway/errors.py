@@ -172,6 +172,22 @@ class UpstreamReadTimeout(UpstreamError):
     kind = "timeout"
 
 
+class UpstreamAbandoned(UpstreamError):
+    """The gateway stopped waiting for a replica that went down (frozen, ejected) while a healthy one is left.
+
+    Raised with ``before_send=True`` (no byte reached the client, so retrying elsewhere is safe);
+    it says nothing new about the replica, which is already down, so passive health ignores it.
+    """
+
+    kind = "abandoned"
+
+
+class UpstreamStalled(UpstreamError):
+    """A started stream sent nothing for ``upstream.stream_idle_timeout_s``."""
+
+    kind = "stalled"
+
+
 class UpstreamBroken(UpstreamError):
     """The connection broke after the request was sent (reset, truncated response)."""
 

@@ -156,7 +156,11 @@ class Membership:
         """Build a joining replica: client started and probed once (down until a probe says up)."""
         config = self.gw.config
         replica = Replica(
-            rc, self.client_factory(rc, config.upstream), config.health, rc.resolved_api_key(self.environ)
+            rc,
+            self.client_factory(rc, config.upstream),
+            config.health,
+            rc.resolved_api_key(self.environ),
+            fleet=self.gw.fleet,  # its ejections are capped with the others' (gateway.replicas.outlier)
         )
         await replica.client.start()
         replica.healthy = False  # no traffic before its first good health check

@@ -25,7 +25,13 @@ from gateway.limits.admission import KeyLimiter
 from gateway.limits.context import ContextLimits
 from gateway.membership import Membership
 from gateway.observe.logs import AccessLog
-from gateway.observe.metrics import GatewayMetrics, MembershipCollector, ReplicaCollector, SyncCollector
+from gateway.observe.metrics import (
+    GatewayMetrics,
+    MembershipCollector,
+    ReplicaCollector,
+    RouteCollector,
+    SyncCollector,
+)
 from gateway.observe.outcome import Outcome
 from gateway.observe.samples import SampleBuffer
 from gateway.observe.stats import StatsBook
@@ -33,6 +39,7 @@ from gateway.observe.summary import SummaryReporter
 from gateway.prefix.pipeline import PreparedPrompt
 from gateway.reload import Reloader, prefix_indexes
 from gateway.replicas.monitor import ReplicaMonitor
+from gateway.replicas.outlier import Fleet
 from gateway.replicas.pool import Replica
 from gateway.routing.base import Decision, RequestView
 from gateway.routing.routes import Route, RouteTable, build_route
@@ -92,9 +99,11 @@ class Gateway:
         env = os.environ if environ is None else environ
         self.config = config
         self.replicas: dict[str, Replica] = {}
+        # ejection cap and slow-replica comparison over whatever the membership is now
+        self.fleet = Fleet(lambda: self.replicas.values(), config.health)
         for rc in config.replicas:
             client = client_factory(rc, config.upstream)
-            self.replicas[rc.name] = Replica(rc, client, config.health, rc.resolved_api_key(env))
+            self.replicas[rc.name] = Replica(rc, client, config.health, rc.resolved_api_key(env), fleet=self.fleet)
         self.routes = RouteTable(
             [build_route(rc, [self.replicas[r.name] for r in config.pool_of(rc)]) for rc in config.routes]
             # discovered replicas join these pools once their sources answer (gateway.membership)
@@ -102,6 +111,7 @@ class Gateway:
         self.monitor = ReplicaMonitor(list(self.replicas.values()), config.health, config.scrape)
         self.metrics = GatewayMetrics()
         self.metrics.registry.register(ReplicaCollector(lambda: list(self.replicas.values())))
+        self.metrics.registry.register(RouteCollector(lambda: [(r.name, r.runner) for r in self.routes.routes]))
         for route in self.routes.routes:
             self.metrics.declare_route(route.name, route.policy, [r.name for r in route.runner.replicas])
         self.stats = StatsBook()
@@ -310,12 +320,15 @@ class Gateway:
                     **(pair.as_dict() if pair else {"requests": 0}),
                     "in_flight": replica.in_flight,
                     "healthy": replica.healthy,
+                    "slow": replica.slow,
                     "engine_hit_rate": None if replica.engine is None else replica.engine.hit_rate,
                 }
             routes[route.name] = {
                 "policy": route.policy,
                 "normalize": route.normalize_mode,
                 "healthy_replicas": route.runner.healthy_count(),
+                "panic": route.runner.in_panic(),
+                "panic_decisions": route.runner.panic_decisions,
                 "replicas": per_replica,
                 **(tally.as_dict() if tally else {"requests": 0}),
                 "engine_hit_rate": round(hits / queries, 4) if queries else None,

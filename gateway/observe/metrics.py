@@ -168,6 +168,40 @@ class ReplicaCollector(Collector):
         )
         healthy = GaugeMetricFamily(p + "replica_healthy", "1 if the replica takes traffic", labels=["replica"])
         changes = CounterMetricFamily(p + "replica_health_changes", "Health state transitions", labels=["replica"])
+        outlier = {
+            "ejections_total": CounterMetricFamily(
+                p + "replica_ejections", "Ejections by outlier detection (real traffic)", labels=["replica"]
+            ),
+            "eject_denied": CounterMetricFamily(
+                p + "replica_eject_denied",
+                "Ejections refused because the fleet's ejected share was at max_ejected_percent",
+                labels=["replica"],
+            ),
+            "failures_total": CounterMetricFamily(
+                p + "replica_passive_failures",
+                "Failed real requests counted by outlier detection (5xx, transport, stalls)",
+                labels=["replica"],
+            ),
+            "passive_recoveries": CounterMetricFamily(
+                p + "replica_passive_recoveries",
+                "Times a down replica came back because a real request succeeded (panic traffic)",
+                labels=["replica"],
+            ),
+            "cancelled_on_down": CounterMetricFamily(
+                p + "replica_cancelled_on_down",
+                "Requests that stopped waiting for the replica when it went down and moved on",
+                labels=["replica"],
+            ),
+        }
+        ejected = GaugeMetricFamily(
+            p + "replica_ejected", "1 while the replica is ejected by outlier detection", labels=["replica"]
+        )
+        slow = GaugeMetricFamily(
+            p + "replica_slow", "1 while the replica is deprioritized as slow (time to first byte)", labels=["replica"]
+        )
+        ttfb = GaugeMetricFamily(
+            p + "replica_ttfb_ewma_seconds", "Smoothed time to first byte of streams", labels=["replica"]
+        )
         gauges = {
             "kv_cache_usage": GaugeMetricFamily(
                 p + "engine_kv_cache_usage", "Scraped vllm:kv_cache_usage_perc (0-1)", labels=["replica"]
@@ -208,6 +242,12 @@ class ReplicaCollector(Collector):
             pending.add_metric(name, replica.pending_prefill_tokens)
             healthy.add_metric(name, 1.0 if replica.healthy else 0.0)
             changes.add_metric(name, replica.health_changes)
+            for field, family in outlier.items():
+                family.add_metric(name, getattr(replica, field))
+            ejected.add_metric(name, 1.0 if replica.ejected_until > now and not replica.healthy else 0.0)
+            slow.add_metric(name, 1.0 if replica.slow else 0.0)
+            if replica.ttfb_ewma is not None:
+                ttfb.add_metric(name, replica.ttfb_ewma)
             engine = replica.engine
             if engine is None:
                 continue
@@ -220,9 +260,32 @@ class ReplicaCollector(Collector):
         yield pending
         yield healthy
         yield changes
+        yield from outlier.values()
+        yield ejected
+        yield slow
+        yield ttfb
         yield age
         yield from gauges.values()
         yield from counters.values()
+
+
+class RouteCollector(Collector):
+    """Per-route panic mode (healthy share below the threshold), read at scrape time."""
+
+    def __init__(self, routes: Callable[[], Sequence[tuple[str, Any]]]) -> None:
+        self._routes = routes  # (route name, its PolicyRunner)
+
+    def collect(self) -> Iterable[Metric]:
+        p = "prefix_gateway_"
+        panic = GaugeMetricFamily(
+            p + "route_panic", "1 while the route routes over all replicas (panic mode)", labels=["route"]
+        )
+        decisions = CounterMetricFamily(p + "route_panic_decisions", "Decisions made in panic mode", labels=["route"])
+        for name, runner in self._routes():
+            panic.add_metric([name], 1.0 if runner.in_panic() else 0.0)
+            decisions.add_metric([name], runner.panic_decisions)
+        yield panic
+        yield decisions
 
 
 class SyncCollector(Collector):

@@ -23,10 +23,11 @@ from gateway.errors import (
     InternalError,
     NoHealthyReplica,
     Unauthorized,
-    UpstreamConnectError,
+    UpstreamAbandoned,
     UpstreamError,
     UpstreamReadTimeout,
     UpstreamRedirect,
+    UpstreamStalled,
     UpstreamStreamFailed,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -91,16 +92,13 @@ def _is_json(content_type: str | None, data: bytes) -> bool:
 def report_failure(replica: Replica, exc: UpstreamError) -> None:
     """Passive health for a transport failure on real traffic.
 
-    Unreachable (refused, connect timeout) ejects at once; a close before answering (often a
-    stale keep-alive race) or a connection broken mid-request counts like a 5xx, so only a run
-    of them ejects; a read timeout says "slow", not "broken", and counts for nothing.
+    Refused, connect timeout, reset, broken or stalled: one failure each (outlier detection
+    ejects on a run of them or a failure rate, never on one).  A read timeout says "slow", not
+    "broken", and an abandoned wait concerns a replica already down: neither counts.
     """
-    if isinstance(exc, UpstreamReadTimeout):
+    if isinstance(exc, (UpstreamReadTimeout, UpstreamAbandoned)):
         return
-    if isinstance(exc, UpstreamConnectError):
-        replica.report_transport_error(str(exc))
-    else:
-        replica.report_5xx(502)
+    replica.report_transport_error(f"{exc.kind}: {exc}")
 
 
 class ProxyEndpoint:
@@ -224,6 +222,8 @@ class Exchange:
         self.decision, self.replica = decision, replica
         # the runner owns both halves: acquire here, release in _let_go
         self._prefill_charge = plan.route.runner.acquire(replica, plan.request, decision)
+        # from now on the request has reached a replica: an abort is counted there, not as "none"
+        self._note_decision()
 
     def _prefill_answered(self) -> None:
         """The replica sent its first byte: this request's prefill no longer queues ahead of others."""
@@ -272,7 +272,7 @@ class Exchange:
             self._hold(plan, decision, replica)
             self.t_upstream = perf_counter()
             try:
-                response = await replica.client.post(self.path, payload, self._upstream_headers(replica))
+                response = await self._post(plan, replica, payload, tried)
             except UpstreamError as exc:
                 self._let_go(completed=False)
                 report_failure(replica, exc)
@@ -308,6 +308,39 @@ class Exchange:
             self.response = response
             self._note_decision()
             return response
+
+    async def _post(self, plan: Plan, replica: Replica, payload: bytes, tried: list[str]) -> UpstreamResponse:
+        """POST to ``replica``, but stop waiting if it goes down meanwhile and a healthy one is left.
+
+        A frozen or ejected replica would otherwise hold the request until the read timeout
+        (minutes); no byte reached the client yet, so the caller retries elsewhere.  With no
+        healthy replica left (panic) waiting is the best chance, so the request stays.
+        """
+        task = asyncio.current_task()
+        abandoned = False
+
+        def give_up() -> None:
+            nonlocal abandoned
+            if abandoned or self.client_gone or task is None:
+                return
+            if not any(r.healthy and r is not replica and r.name not in tried for r in plan.route.runner.replicas):
+                return
+            abandoned = True
+            replica.cancelled_on_down += 1
+            task.cancel()
+
+        handle = replica.on_down(give_up)
+        try:
+            return await replica.client.post(self.path, payload, self._upstream_headers(replica))
+        except asyncio.CancelledError:
+            if not abandoned or self.client_gone or task is None:
+                raise
+            task.uncancel()
+            raise UpstreamAbandoned(
+                f"replica {replica.name} went down while the request waited", before_send=True
+            ) from None
+        finally:
+            replica.off_down(handle)
 
     def _note_decision(self) -> None:
         o, decision = self.outcome, self.decision
@@ -404,32 +437,32 @@ class Exchange:
         self.started = True
         await send({"type": "http.response.start", "status": 200, "headers": self._response_headers(content_type)})
         first = True
+        idle_s = self.gw.config.upstream.stream_idle_timeout_s
+        loop = asyncio.get_running_loop()
         try:
-            async for data in response.chunks():
-                out = relay.feed(data)
-                if out:
-                    if first:
-                        t_in = perf_counter()
-                        self._prefill_answered()  # the replica is done prefilling, however slow the client
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                    if first:
-                        now = perf_counter()
-                        self.outcome.ttft_s = now - self.t0
-                        self.added = (self.t_upstream - self.t0) + (now - t_in)
-                        first = False
-        except UpstreamError as exc:
-            response.abort()
-            self.usage = relay.usage
-            self.outcome.error_kind = f"upstream_{exc.kind}"
-            if self.replica is not None:
-                report_failure(self.replica, exc)
-            log.warning("request %s: stream from replica %s failed: %s", self.request_id, self.outcome.replica, exc)
-            error = UpstreamStreamFailed(
-                f"upstream stream failed: replica {self.outcome.replica!r} (request id {self.request_id})"
-            )
-            self.done = True
-            event = b"data: " + error.to_bytes() + b"\n\n"
-            await send({"type": "http.response.body", "body": event, "more_body": False})
+            # Until the first chunk the replica may be queueing or prefilling (read_timeout_s
+            # covers that); after it, a silence longer than idle_s is a stalled stream.  The
+            # deadline is off while a chunk is handed to the client: a slow reader is not a stall.
+            async with asyncio.timeout(None) as deadline:
+                async for data in response.chunks():
+                    deadline.reschedule(None)
+                    out = relay.feed(data)
+                    if out:
+                        if first:
+                            t_in = perf_counter()
+                            self._prefill_answered()  # the replica is done prefilling, however slow the client
+                            if self.replica is not None:
+                                self.replica.record_ttfb(t_in - self.t_upstream)
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                        if first:
+                            now = perf_counter()
+                            self.outcome.ttft_s = now - self.t0
+                            self.added = (self.t_upstream - self.t0) + (now - t_in)
+                            first = False
+                    deadline.reschedule(loop.time() + idle_s)
+        except (UpstreamError, TimeoutError) as caught:
+            exc = caught if isinstance(caught, UpstreamError) else UpstreamStalled(f"no data for {idle_s:g} s")
+            await self._fail_stream(response, relay, exc)
             return
         self.usage = relay.usage
         tail = relay.finish()
@@ -438,6 +471,28 @@ class Exchange:
             self.replica.report_ok()
         self.done = True
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _fail_stream(self, response: UpstreamResponse, relay: StreamRelay, exc: UpstreamError) -> None:
+        """End a started stream with an OpenAI-style error event, never a silent hang or cut."""
+        response.abort()
+        self.usage = relay.usage
+        self.outcome.error_kind = f"upstream_{exc.kind}"
+        if self.replica is not None:
+            report_failure(self.replica, exc)
+        log.warning("request %s: stream from replica %s failed: %s", self.request_id, self.outcome.replica, exc)
+        if isinstance(exc, UpstreamStalled):
+            error = UpstreamStreamFailed(
+                f"upstream stream stalled: replica {self.outcome.replica!r} sent nothing for "
+                f"{self.gw.config.upstream.stream_idle_timeout_s:g} s (request id {self.request_id})",
+                code="upstream_stream_idle_timeout",
+            )
+        else:
+            error = UpstreamStreamFailed(
+                f"upstream stream failed: replica {self.outcome.replica!r} (request id {self.request_id})"
+            )
+        self.done = True
+        event = b"data: " + error.to_bytes() + b"\n\n"
+        await self.send({"type": "http.response.body", "body": event, "more_body": False})
 
     async def _send_error(self, exc: GatewayError) -> None:
         body = exc.to_bytes()

@@ -2,10 +2,19 @@
 
 Health has two inputs.  *Active*: ``GET /health`` every ``interval_s``; ``unhealthy_threshold``
 consecutive failures take a replica out, ``healthy_threshold`` successes bring it back.
-*Passive*: real traffic — a connection failure takes it out at once, ``passive_5xx_threshold``
-consecutive 5xx answers too; either way it stays out at least ``eject_s`` and then needs a
-good active check (a replica whose ``/health`` is fine but whose completions fail must not
-flap straight back).
+*Passive* (outlier detection on real traffic): ``passive_5xx_threshold`` consecutive failures
+(5xx, connect failures, broken connections, stalled streams) or a failure rate above
+``failure_rate_percent`` over a window *eject* the replica — never a single failure, since one
+connect timeout is what any overloaded replica gives.  The n-th ejection in a row lasts
+``eject_s * 2^(n-1)`` (capped at ``max_eject_s``) and ends only with a good active check or a
+request that succeeds there (panic traffic): a replica whose ``/health`` is fine but whose
+completions fail must not flap straight back.  Back from an ejection it is on probation: one
+failure ejects it again, ``passive_5xx_threshold`` successes in a row end the probation.
+The rules that need the whole fleet (ejection cap, panic mode, slow replicas) live in
+:mod:`gateway.replicas.outlier`.
+
+When a replica goes down, requests still waiting for its answer are told (``on_down``): the
+proxy retries them elsewhere instead of leaving them stuck on a frozen process.
 
 In-flight counts are plain ints: the event loop is single-threaded, and the runner
 increments them at decision time, so policies see load that no scrape could show yet.
@@ -15,11 +24,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gateway.config import HealthSettings, ReplicaConfig
 from gateway.replicas.engine import EngineStats
+from gateway.replicas.outlier import TTFB_ALPHA, FailureWindow
 from gateway.routing.base import ReplicaView
 from gateway.upstream.client import UpstreamClient
+
+if TYPE_CHECKING:
+    from gateway.replicas.outlier import Fleet
 
 log = logging.getLogger("prefix_gateway.replicas")
 
@@ -33,6 +48,7 @@ class Replica:
         client: UpstreamClient,
         health: HealthSettings,
         api_key: str | None = None,
+        fleet: Fleet | None = None,
     ) -> None:
         self.config = config
         self.name = config.name
@@ -59,6 +75,24 @@ class Replica:
         self.engine_baseline: tuple[float, float] | None = None
         self.engine_error: str | None = None
         self.health_changes = 0
+        # -- outlier detection (see the module docstring and gateway.replicas.outlier) --
+        self.fleet: Fleet | None = fleet
+        self.window = FailureWindow(health.failure_rate_window_s)
+        self.ejections = 0  # ejections in a row: the back-off exponent
+        self.ejections_total = 0
+        self.eject_denied = 0  # ejections the fleet's cap refused
+        self.failures_total = 0  # failed requests seen by passive checking
+        self.passive_recoveries = 0
+        self.cancelled_on_down = 0  # waiting requests moved away when it went down
+        self.probation = False
+        self._probation_successes = 0
+        self.returned_at = 0.0
+        self.ttfb_ewma: float | None = None  # smoothed time to first byte of streams (s)
+        self.ttfb_samples = 0
+        self.slow = False
+        self._slow_skips = 0
+        self._down_listeners: dict[int, Callable[[], None]] = {}
+        self._listener_seq = 0
 
     # -- views -------------------------------------------------------------------------
     def view(self) -> ReplicaView:
@@ -83,41 +117,129 @@ class Replica:
         ):
             self.engine_baseline = (engine.prefix_cache_hits, engine.prefix_cache_queries)
 
+    @property
+    def health_settings(self) -> HealthSettings:
+        return self._health
+
     # -- health transitions ------------------------------------------------------------
-    def _down(self, reason: str, *, eject: bool, now: float) -> None:
+    def _down(self, reason: str, *, now: float) -> None:
         self.last_error = reason
         self.active_successes = 0
-        if eject:
-            self.ejected_until = max(self.ejected_until, now + self._health.eject_s)
         if self.healthy:
             self.healthy = False
             self.health_changes += 1
             log.warning("replica %s is now UNHEALTHY: %s", self.name, reason)
+            for listener in list(self._down_listeners.values()):
+                listener()
 
-    def _up(self) -> None:
+    def _up(self, now: float, how: str = "active check") -> None:
         if not self.healthy:
             self.healthy = True
             self.health_changes += 1
             self.passive_5xx = 0
-            log.info("replica %s is healthy again", self.name)
+            self.window.clear()
+            if self.ejections:
+                self.probation = True
+                self._probation_successes = 0
+            self.returned_at = now
+            log.info("replica %s is healthy again (%s)", self.name, how)
 
-    def report_ok(self) -> None:
+    def _eject(self, reason: str, now: float) -> None:
+        h = self._health
+        if self.fleet is not None and not self.fleet.may_eject(self, now):
+            self.eject_denied += 1
+            return
+        if self.returned_at and now - self.returned_at > max(h.max_eject_s, h.eject_s):
+            self.ejections = 0  # behaved for a long while since the last one: start over
+        self.ejections += 1
+        self.ejections_total += 1
+        self.probation = False
+        length = min(h.max_eject_s, h.eject_s * 2 ** min(self.ejections - 1, 30))
+        self.ejected_until = max(self.ejected_until, now + length)
+        self._down(f"ejected for {length:g} s: {reason}", now=now)
+
+    # -- passive checks: real traffic ----------------------------------------------------
+    def report_ok(self, now: float | None = None) -> None:
         """A real request got a non-5xx answer."""
+        now = time.monotonic() if now is None else now
         self.passive_5xx = 0
+        self.window.add(False, now)
+        if self.probation:
+            self._probation_successes += 1
+            if self._probation_successes >= self._health.passive_5xx_threshold:
+                self.probation = False
+        if not self.healthy and now >= self.ejected_until:
+            # panic traffic (or a request that outlived a failed check) got through: it is back
+            self.passive_recoveries += 1
+            self._up(now, "a request succeeded")
 
-    def report_5xx(self, status: int, now: float | None = None) -> None:
+    def report_failure(self, reason: str, now: float | None = None) -> None:
+        """A real request failed because of this replica (5xx, transport failure, stall)."""
+        now = time.monotonic() if now is None else now
         self.passive_5xx += 1
-        if self.passive_5xx >= self._health.passive_5xx_threshold:
-            self._down(
-                f"{self.passive_5xx} consecutive {status} answers (passive)",
-                eject=True,
-                now=time.monotonic() if now is None else now,
+        self.failures_total += 1
+        self.window.add(True, now)
+        if not self.healthy and self.ejected_until > now:
+            return  # already out
+        h = self._health
+        if self.probation:
+            self._eject(f"{reason} while on probation (passive)", now)
+        elif self.passive_5xx >= h.passive_5xx_threshold:
+            self._eject(f"{self.passive_5xx} consecutive failures, last: {reason} (passive)", now)
+        elif (
+            h.failure_rate_percent > 0
+            and self.window.total >= h.failure_rate_min_requests
+            and self.window.rate() * 100.0 >= h.failure_rate_percent
+        ):
+            self._eject(
+                f"{self.window.failed} of {self.window.total} requests failed in "
+                f"{h.failure_rate_window_s:g} s, last: {reason} (passive)",
+                now,
             )
 
-    def report_transport_error(self, reason: str, now: float | None = None) -> None:
-        """A real request could not reach the replica (connection refused/reset)."""
-        self._down(f"{reason} (passive)", eject=True, now=time.monotonic() if now is None else now)
+    def report_5xx(self, status: int, now: float | None = None) -> None:
+        self.report_failure(f"HTTP {status}", now)
 
+    def report_transport_error(self, reason: str, now: float | None = None) -> None:
+        """A real request could not reach the replica (refused, connect timeout, reset): one failure."""
+        self.report_failure(reason, now)
+
+    def record_ttfb(self, seconds: float, now: float | None = None) -> None:
+        """Time from sending a stream request to its first byte: the slow-replica signal."""
+        ewma = self.ttfb_ewma
+        self.ttfb_ewma = seconds if ewma is None else ewma + TTFB_ALPHA * (seconds - ewma)
+        self.ttfb_samples += 1
+        if self.fleet is not None:
+            self.fleet.note_ttfb(time.monotonic() if now is None else now)
+
+    def set_slow(self, slow: bool) -> None:
+        self.slow = slow
+        self._slow_skips = 0
+        if slow:
+            log.warning("replica %s is slow (time to first byte %.3f s): deprioritized", self.name, self.ttfb_ewma)
+        else:
+            log.info("replica %s is no longer slow", self.name)
+
+    def slow_turn(self, dry_run: bool = False) -> bool:
+        """A slow replica was offered a request: True on every ``slow_probe_every``-th offer."""
+        turn = self._slow_skips + 1
+        if turn >= self._health.slow_probe_every:
+            turn = 0
+        if not dry_run:
+            self._slow_skips = turn
+        return turn == 0
+
+    # -- requests waiting on this replica ------------------------------------------------
+    def on_down(self, listener: Callable[[], None]) -> int:
+        """Call ``listener`` (synchronously) if the replica goes down; returns a handle for :meth:`off_down`."""
+        self._listener_seq += 1
+        self._down_listeners[self._listener_seq] = listener
+        return self._listener_seq
+
+    def off_down(self, handle: int) -> None:
+        self._down_listeners.pop(handle, None)
+
+    # -- active checks -------------------------------------------------------------------
     def record_probe(self, ok: bool, detail: str = "", now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self.last_probe = now
@@ -129,13 +251,32 @@ class Replica:
                 and self.active_successes >= self._health.healthy_threshold
                 and now >= self.ejected_until
             ):
-                self._up()
+                self._up(now)
         else:
             self.active_successes = 0
             self.active_failures += 1
             self.last_error = detail
             if self.active_failures >= self._health.unhealthy_threshold:
-                self._down(f"health check failed: {detail}", eject=False, now=now)
+                self._down(f"health check failed: {detail}", now=now)
+
+    def outlier_snapshot(self, now: float | None = None) -> dict[str, object]:
+        """Outlier-detection state for ``/admin/stats``."""
+        now = time.monotonic() if now is None else now
+        return {
+            "ejected_for_s": round(max(0.0, self.ejected_until - now), 3),
+            "ejections_in_a_row": self.ejections,
+            "ejections_total": self.ejections_total,
+            "eject_denied": self.eject_denied,
+            "probation": self.probation,
+            "consecutive_failures": self.passive_5xx,
+            "failures_total": self.failures_total,
+            "window_requests": self.window.total,
+            "window_failure_rate": round(self.window.rate(), 4),
+            "passive_recoveries": self.passive_recoveries,
+            "cancelled_on_down": self.cancelled_on_down,
+            "slow": self.slow,
+            "ttfb_ewma_s": None if self.ttfb_ewma is None else round(self.ttfb_ewma, 4),
+        }
 
     def snapshot(self) -> dict[str, object]:
         """JSON-friendly state for ``/admin/stats``."""
@@ -150,6 +291,7 @@ class Replica:
             "peer_in_flight": self.peer_in_flight,
             "peer_pending_prefill_tokens": self.peer_pending_prefill_tokens,
             "last_error": self.last_error,
+            "outlier": self.outlier_snapshot(),
             "engine": None
             if engine is None
             else {

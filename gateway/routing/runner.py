@@ -18,6 +18,7 @@ import logging
 from collections.abc import Collection, Sequence
 
 from gateway.errors import NoHealthyReplica
+from gateway.replicas.outlier import select_eligible
 from gateway.replicas.pool import Replica
 from gateway.routing.base import Decision, Policy, ReplicaView, RequestView
 from gateway.routing.policies.least_loaded import least_loaded
@@ -36,6 +37,7 @@ class PolicyRunner:
         self._by_name = {r.name: r for r in self.replicas}
         self._turn = 0
         self._warned_invalid = False
+        self.panic_decisions = 0  # decisions made over all replicas (healthy share below the panic threshold)
 
     def set_replicas(self, replicas: Sequence[Replica]) -> None:
         """The pool's membership changed (reload, discovery): tell the policy too.
@@ -54,15 +56,24 @@ class PolicyRunner:
     def healthy_count(self) -> int:
         return sum(1 for r in self.replicas if r.healthy)
 
+    def in_panic(self) -> bool:
+        """Whether decisions now go over all replicas (see gateway.replicas.outlier)."""
+        return select_eligible(self.replicas, dry_run=True)[1]
+
     def decide(
         self, request: RequestView, exclude: Collection[str] = (), *, dry_run: bool = False
     ) -> tuple[Decision, Replica]:
         """Pick a replica for ``request`` among healthy ones not in ``exclude``.
 
+        Below the panic threshold, among all not in ``exclude``; slow ones only now and then.
+
         Raises :class:`NoHealthyReplica` (503) when none is left.  ``dry_run``: decide
         without advancing or teaching the policy (see the module docstring).
         """
-        eligible = [r for r in self.replicas if r.healthy and r.name not in exclude]
+        # health, panic mode and slow replicas: gateway.replicas.outlier
+        eligible, panic = select_eligible(self.replicas, exclude, dry_run=dry_run)
+        if panic and eligible and not dry_run:
+            self.panic_decisions += 1
         if not eligible:
             healthy = self.healthy_count()
             if exclude and healthy:

@@ -28,12 +28,13 @@ def _translate(exc: BaseException, *, started: bool) -> UpstreamError:
         return UpstreamConnectError("connect timed out", before_send=True)
     if isinstance(exc, aiohttp.ClientConnectorError):
         return UpstreamConnectError(f"cannot connect: {exc.os_error or exc}", before_send=True)
-    if isinstance(exc, aiohttp.ServerDisconnectedError) and not started:
-        # The server closed the (pooled) connection without answering: either an idle
-        # keep-alive race or a crash; in both cases no work is left running there.
-        return UpstreamDisconnected("server closed the connection before answering", before_send=True)
     if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return UpstreamReadTimeout("upstream read timed out")
+    if isinstance(exc, aiohttp.ClientConnectionError) and not started:
+        # The server closed or reset the connection before any response header: an idle
+        # keep-alive race, a crash or a kill.  Nothing reached the client and nothing is left
+        # running there, so it is retried like any other failure before the first byte.
+        return UpstreamDisconnected(f"connection lost before answering: {type(exc).__name__}", before_send=True)
     return UpstreamBroken(f"{type(exc).__name__}: {exc}")
 
 

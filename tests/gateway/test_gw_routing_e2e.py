@@ -58,7 +58,9 @@ def test_replica_marked_down_gets_no_traffic_and_returns_when_healthy(sims: list
     with running_gateway(sims, routes=[{"name": "main", "policy": "round_robin"}]) as gw:
         replica = gw.gateway.replicas["r1"]
         # the replica "restarts": /health and inference answer 503 for a while
-        httpx.post(f"{sims[1]}/sim/restart", json={"downtime_ms": 1500}).raise_for_status()
+        httpx.post(
+            f"{sims[1]}/sim/restart", json={"downtime_ms": 4000}
+        ).raise_for_status()  # long enough for a busy machine
         wait_for(lambda: not replica.healthy, what="r1 to be marked down by the active check")
         assert httpx.get(f"{gw.url}/metrics").text.count('prefix_gateway_replica_healthy{replica="r1"} 0.0') == 1
         during = collections.Counter(replica_of(gw) for _ in range(9))
@@ -91,15 +93,18 @@ def test_connection_refused_retries_on_another_replica(sims: list[str]) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    # long health interval: the dead replica is still believed healthy when traffic arrives
+    # long health interval: the dead replica is still believed healthy when traffic arrives;
+    # one refused connection is one failure, a run of passive_5xx_threshold (2 here) ejects
     urls = [dead, sims[0]]
-    with running_gateway(urls, health={"interval_s": 60}, routes=[{"name": "main", "policy": "round_robin"}]) as gw:
-        gw.gateway.replicas["r0"].healthy = True  # pretend the startup check has not noticed yet
-        replies = [replica_of(gw) for _ in range(4)]
-        assert replies == ["r1"] * 4  # every request answered, none by the dead replica
+    health = {"interval_s": 60, "passive_5xx_threshold": 2}
+    with running_gateway(urls, health=health, routes=[{"name": "main", "policy": "round_robin"}]) as gw:
+        r0 = gw.gateway.replicas["r0"]
+        r0.healthy = True  # pretend the startup check has not noticed yet
+        replies = [replica_of(gw) for _ in range(6)]
+        assert replies == ["r1"] * 6  # every request answered, none by the dead replica
         text = httpx.get(f"{gw.url}/metrics").text
-        assert metric_sum(text, "prefix_gateway_retries_total", route="main") == 1
-        assert not gw.gateway.replicas["r0"].healthy
+        assert metric_sum(text, "prefix_gateway_retries_total", route="main") == 2
+        assert not r0.healthy and r0.ejections_total == 1
 
 
 def test_503_before_first_byte_is_retried_elsewhere_with_a_bound(sims: list[str]) -> None:

@@ -91,8 +91,42 @@ def test_a_close_before_answering_is_retryable_and_only_counts_like_a_5xx() -> N
     assert not replica.healthy
 
     refused = Replica(ReplicaConfig(name="r1", url="http://h:2"), None, settings)  # type: ignore[arg-type]
+    report_failure(refused, UpstreamConnectError("connect timed out", before_send=True))
+    assert refused.healthy  # one connect failure (an overloaded accept queue, say) never ejects
     report_failure(refused, UpstreamConnectError("refused", before_send=True))
-    assert not refused.healthy  # unreachable ejects at once
+    assert not refused.healthy  # a run of them does
+
+
+def test_a_reset_before_response_headers_is_retryable() -> None:
+    reset = aiohttp.ClientOSError(104, "Connection reset by peer")
+    mapped = _translate(reset, started=False)
+    assert isinstance(mapped, UpstreamDisconnected) and mapped.before_send
+    assert not _translate(reset, started=True).before_send  # after headers: the client may have bytes
+    assert not _translate(aiohttp.SocketTimeoutError(), started=False).before_send  # slow, maybe working
+
+
+async def test_a_server_resetting_without_answering_raises_a_retryable_disconnect() -> None:
+    import socket
+    import struct
+
+    async def reset_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")  # the request arrived; the process dies: RST, no answer
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+
+    server = await asyncio.start_server(reset_at_once, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = AiohttpUpstream(ReplicaConfig(name="r0", url=f"http://127.0.0.1:{port}"), UpstreamSettings())
+    await client.start()
+    try:
+        with pytest.raises(UpstreamDisconnected) as info:
+            await client.post("/v1/chat/completions", b"{}", {"Content-Type": "application/json"})
+        assert info.value.before_send
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_a_server_closing_without_answering_raises_a_retryable_disconnect() -> None:

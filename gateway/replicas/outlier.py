@@ -1,0 +1,151 @@
+"""Fleet-wide outlier rules: the ejection cap, panic mode and slow-replica deprioritization.
+
+A single replica can judge its own failures (``Replica.report_*``), but three rules need the
+whole fleet, so they live here:
+
+- **Ejection cap.**  A load spike that makes every replica time out must not take the whole
+  fleet out: at most ``max_ejected_percent`` of the replicas are ejected by real traffic at
+  once (always at least one may be).  Active health checks are not capped — a replica whose
+  ``/health`` fails is down whatever the others do.
+- **Panic mode.**  When a route's healthy share falls below ``panic_threshold_percent`` the
+  route picks among *all* its replicas (as Envoy does): answers that may fail beat a certain
+  503 for everything, and traffic reaching a replica that is back is what brings it back
+  (passive recovery) without waiting for the next active check.
+- **Slow replicas.**  A replica whose smoothed time to first byte is far above the fleet's
+  median is deprioritized — it gets only every ``slow_probe_every``-th request it is offered,
+  so its latency keeps being measured — but never ejected: slow is not broken.
+
+Membership is read through a callable so that replicas added or removed at run time
+(discovery, reload) are covered without telling this module.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from gateway.config import HealthSettings
+
+if TYPE_CHECKING:
+    from gateway.replicas.pool import Replica
+
+#: smoothing of the time-to-first-byte average (weight of the newest sample)
+TTFB_ALPHA = 0.2
+#: samples a replica needs before it can be judged slow (or serve as a reference)
+TTFB_MIN_SAMPLES = 5
+#: how often (seconds) the slow flags are recomputed, at most
+SLOW_REFRESH_S = 0.25
+#: bound on one replica's failure-rate window, whatever the request rate
+WINDOW_MAX_EVENTS = 4096
+
+
+class FailureWindow:
+    """Outcomes of real requests over the last ``window_s`` seconds (bounded)."""
+
+    __slots__ = ("_events", "failed", "window_s")
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, bool]] = deque()
+        self.failed = 0
+
+    def add(self, failed: bool, now: float) -> None:
+        events = self._events
+        events.append((now, failed))
+        self.failed += failed
+        horizon = now - self.window_s
+        while events and (events[0][0] < horizon or len(events) > WINDOW_MAX_EVENTS):
+            self.failed -= events.popleft()[1]
+
+    @property
+    def total(self) -> int:
+        return len(self._events)
+
+    def rate(self) -> float:
+        return self.failed / len(self._events) if self._events else 0.0
+
+    def clear(self) -> None:
+        self._events.clear()
+        self.failed = 0
+
+
+class Fleet:
+    """Rules that compare a replica with the others (see the module docstring)."""
+
+    def __init__(self, members: Callable[[], Iterable[Replica]], health: HealthSettings) -> None:
+        self._members = members
+        self.health = health
+        self._slow_checked = 0.0
+
+    def adopt(self, replicas: Iterable[Replica]) -> None:
+        """Point replicas at this fleet (their ejections are then capped with the others)."""
+        for replica in replicas:
+            replica.fleet = self
+
+    def may_eject(self, replica: Replica, now: float) -> bool:
+        """Whether ejecting ``replica`` now keeps the ejected share within the cap."""
+        members = list(self._members())
+        percent = self.health.max_ejected_percent
+        if percent <= 0:
+            return False
+        cap = max(1, int(len(members) * percent / 100.0))
+        ejected = sum(1 for r in members if r is not replica and r.ejected_until > now)
+        return ejected + 1 <= cap
+
+    def note_ttfb(self, now: float) -> None:
+        """A replica has a new latency sample: recompute the slow flags (rate-limited)."""
+        if now - self._slow_checked >= SLOW_REFRESH_S:
+            self._slow_checked = now
+            refresh_slow(list(self._members()), self.health)
+
+
+def refresh_slow(replicas: Sequence[Replica], health: HealthSettings) -> None:
+    """Flag replicas whose smoothed time to first byte is far above the others' median."""
+    factor = health.slow_ttft_factor
+    measured = [r for r in replicas if r.ttfb_samples >= TTFB_MIN_SAMPLES and r.ttfb_ewma is not None]
+    for replica in replicas:
+        slow = False
+        if factor > 0 and replica in measured:
+            others = [r.ttfb_ewma for r in measured if r is not replica and r.ttfb_ewma is not None]
+            if others:
+                median = statistics.median(others)
+                own = replica.ttfb_ewma or 0.0
+                slow = own > factor * median and own - median >= health.slow_min_extra_s
+        if slow != replica.slow:
+            replica.set_slow(slow)
+
+
+def select_eligible(
+    replicas: Sequence[Replica], exclude: Collection[str] = (), *, dry_run: bool = False
+) -> tuple[list[Replica], bool]:
+    """The replicas a route may pick from now, and whether the route is in panic mode.
+
+    Healthy ones not yet tried; in panic mode every one not yet tried (a retry prefers a
+    healthy one).  Slow replicas are left out while a faster one is eligible, except every
+    ``slow_probe_every``-th time (``dry_run`` advances no such turn).
+    """
+    if not replicas:
+        return [], False
+    health = replicas[0].health_settings
+    healthy = sum(1 for r in replicas if r.healthy)
+    threshold = health.panic_threshold_percent
+    panic = threshold > 0 and healthy * 100.0 < threshold * len(replicas)
+    if panic:
+        pool = [r for r in replicas if r.name not in exclude]
+        if exclude:
+            preferred = [r for r in pool if r.healthy]
+            if preferred:
+                pool = preferred
+    else:
+        pool = [r for r in replicas if r.healthy and r.name not in exclude]
+    if len(pool) > 1 and any(r.slow for r in pool):
+        fast = [r for r in pool if not r.slow]
+        if fast:
+            chosen = list(fast)
+            for r in pool:
+                if r.slow and r.slow_turn(dry_run):
+                    chosen.append(r)
+            pool = chosen
+    return pool, panic
