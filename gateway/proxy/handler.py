@@ -323,6 +323,8 @@ class Exchange:
             nonlocal abandoned
             if abandoned or self.client_gone or task is None:
                 return
+            if len(tried) + 1 > self.gw.config.upstream.max_retries:
+                return  # no retry left: an answer from this replica (once back) is the only one
             if not any(r.healthy and r is not replica and r.name not in tried for r in plan.route.runner.replicas):
                 return
             abandoned = True

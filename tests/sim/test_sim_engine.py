@@ -82,8 +82,21 @@ def test_full_kv_cache_makes_requests_wait_and_preempts(make_sim) -> None:
     assert m["vllm:prefix_cache_queries_total"] == 3 * 160  # a readmission is not a second query
 
 
-def test_cache_hits_shorten_time_to_first_token(make_sim) -> None:
-    # a miss costs 0.6 s of simulated prefill, a hit 8 tokens' worth: the gap dwarfs any overhead
+def test_cache_hits_shorten_time_to_first_token(make_sim, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A miss costs 0.6 s of simulated prefill, a hit 8 tokens' worth.  The engine's step lengths
+    # are recorded as it computes them (not measured): a busy machine cannot flake the check.
+    from gateway.sim.engine import Engine
+
+    steps: list[float] = []
+    schedule = Engine._schedule
+
+    def recording(self: Engine) -> tuple[list, int]:
+        scheduled, prefill_tokens = schedule(self)
+        if scheduled:
+            steps.append((self.step_base_s + prefill_tokens / self.prefill_tps) * self.time_scale)
+        return scheduled, prefill_tokens
+
+    monkeypatch.setattr(Engine, "_schedule", recording)
     url = make_sim(time_scale=1.0, prefill_tokens_per_s=5000, decode_ms_per_token=5)
     c = client(url)
     prompt = [7 + t % 1000 for t in range(3000)]
@@ -104,9 +117,14 @@ def test_cache_hits_shorten_time_to_first_token(make_sim) -> None:
         return first, cached
 
     miss, miss_cached = ttft()
+    miss_steps = sum(steps)
+    steps.clear()
     hit, hit_cached = ttft()
+    hit_steps = sum(steps)
     assert miss_cached == 0 and hit_cached == 2992
-    assert hit < miss / 2  # prefill of 8 uncached tokens vs 3000
+    assert miss_steps >= 3000 / 5000  # the whole prompt was prefilled
+    assert hit_steps < miss_steps / 10  # prefill of 8 uncached tokens vs 3000 (plus two decode steps)
+    assert hit > 0 and miss >= 3000 / 5000  # a sleep is never shorter than asked: the miss really waited
 
 
 def test_stream_is_incremental_and_disconnect_aborts(make_sim) -> None:

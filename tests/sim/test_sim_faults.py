@@ -67,21 +67,31 @@ def test_error_rate_by_flag_and_at_runtime(make_sim) -> None:
 def test_extra_latency(make_sim) -> None:
     url = make_sim(enable_admin=True)
     c = client(url)
-    start = time.perf_counter()
     c.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=1)
-    fast = time.perf_counter() - start
     _set(url, extra_latency_ms=150)
     start = time.perf_counter()
     c.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=1)
     slow = time.perf_counter() - start
-    assert slow >= 0.15 and slow > fast  # a sleep is never shorter than asked
+    # a sleep is never shorter than asked; no comparison with an unfaulted request's time, which a
+    # busy machine can stretch past 150 ms
+    assert slow >= 0.15
 
 
-def test_stall_after_chunks_keeps_the_connection_silent(make_sim) -> None:
+def test_stall_after_chunks_keeps_the_connection_silent(make_sim, caplog: pytest.LogCaptureFixture) -> None:
+    # No timing: read the three events, then wait (with a deadline) for the simulator to say it
+    # is holding the stream; the connection is still open and nothing else came.
     url = make_sim(stall_after_chunks=3)
-    events, error = _events(url, read_timeout=0.5)
-    assert len(events) == 3 and isinstance(error, httpx.ReadTimeout)
-    assert "[DONE]" not in events[-1]
+    events: list[str] = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=STREAM_BODY, timeout=30) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        while len(events) < 3:
+            line = next(lines)
+            if line.startswith("data: "):
+                events.append(line)
+        poll(lambda: any("stalling stream" in r.getMessage() for r in caplog.records), timeout=30)
+        assert not resp.is_closed
+    assert all("[DONE]" not in e for e in events)
 
 
 def test_drop_after_chunks_cuts_the_connection(make_sim) -> None:
