@@ -137,6 +137,7 @@ class Exchange:
         self.started = False  # response headers sent to the client
         self.done = False  # final body message is being sent: a disconnect now is harmless
         self.client_gone = False
+        self.failed_upstream = False  # the final attempt's replica answered 5xx: it served nothing
         self.t_upstream = 0.0
         self.added = 0.0
         self._watcher: asyncio.Task[None] | None = None
@@ -231,14 +232,15 @@ class Exchange:
             PolicyRunner.prefill_done(self.replica, self._prefill_charge)
         self._prefill_charge = 0
 
-    def _let_go(self, completed: bool) -> None:
+    def _let_go(self, completed: bool, served: bool = True) -> None:
+        """Release the attempt's replica; ``served=False``: it failed before answering anything."""
         replica, plan = self.replica, self.plan
         if replica is None or plan is None or self.decision is None:
             return
         self._prefill_answered()
         self.replica = None
         cached = self.usage.cached_tokens if self.usage is not None else None
-        plan.route.runner.release(replica, plan.request, self.decision, cached, completed)
+        plan.route.runner.release(replica, plan.request, self.decision, cached, completed, served)
 
     def _upstream_headers(self, replica: Replica) -> dict[str, str]:
         """The client's Authorization goes upstream only where a route (or upstream) says so;
@@ -274,7 +276,7 @@ class Exchange:
             try:
                 response = await self._post(plan, replica, payload, tried)
             except UpstreamError as exc:
-                self._let_go(completed=False)
+                self._let_go(completed=False, served=False)
                 report_failure(replica, exc)
                 tried.append(replica.name)
                 following = (
@@ -300,7 +302,7 @@ class Exchange:
                         raise
                     else:
                         response.release()
-                    self._let_go(completed=False)
+                    self._let_go(completed=False, served=False)
                     tried.append(replica.name)
                     decision, replica = following
                     self.outcome.retries += 1
@@ -399,6 +401,7 @@ class Exchange:
         if replica is not None:
             if status >= 500:
                 replica.report_5xx(status)
+                self.failed_upstream = True
             else:
                 replica.report_ok()
         if status == 200:
@@ -513,7 +516,7 @@ class Exchange:
             self.ticket = None
         o = self.outcome
         completed = o.status == 200 and o.error_kind is None
-        self._let_go(completed)
+        self._let_go(completed, served=not self.failed_upstream)
         if o.status == 0:
             o.status = 500
         usage = self.usage

@@ -33,6 +33,9 @@ from collections.abc import Callable, Iterable, Sequence
 ENTRY_BYTES = 400
 
 
+_MISSING = object()
+
+
 class AffinityIndex:
     """Prefix block key → replicas predicted to hold it (a bit mask), with per-replica LRUs."""
 
@@ -174,20 +177,22 @@ class AffinityIndex:
                 break
         return depth
 
-    def record(self, name: str, keys: Sequence[int], prompt_tokens: int | None = None) -> None:
+    def record(self, name: str, keys: Sequence[int], prompt_tokens: int | None = None) -> list[int]:
         """``name`` is serving a prompt with these keys: it will hold them (most recent).
 
         ``prompt_tokens``: the whole prompt's length when it runs past the keyed window; it is
         kept with the deepest key so that a later request whose whole window matches can
         estimate how much more than the window is cached (see :meth:`extent`).  A set
         ``listener`` hears of every local record (to share it with other gateway processes).
+        Returns the keys ``name`` did not hold before (what :meth:`unrecord` may take back).
         """
         if not keys:
-            return
+            return []
         stored = self.stored_keys(keys)
-        self.record_stored(name, stored, prompt_tokens)
+        added = self.record_stored(name, stored, prompt_tokens)
         if self.listener is not None:
             self.listener(name, stored, prompt_tokens)
+        return added
 
     def stored_keys(self, keys: Sequence[int]) -> list[int]:
         """The keys :meth:`record` keeps, deepest first: every ``stride``-th and the deepest."""
@@ -195,18 +200,19 @@ class AffinityIndex:
         last = len(keys) - 1
         return [keys[i] for i in range(last, -1, -1) if i == last or (i + 1) % stride == 0]
 
-    def record_stored(self, name: str, stored: Sequence[int], prompt_tokens: int | None = None) -> None:
+    def record_stored(self, name: str, stored: Sequence[int], prompt_tokens: int | None = None) -> list[int]:
         """Record keys already chosen by :meth:`stored_keys` (deepest first), e.g. from a peer.
 
         Deepest first, so the shared head of the prompt ends up most recently used;
         ``prompt_tokens`` goes with the deepest key.
         """
         if not stored:
-            return
+            return []
         is_new = name not in self._slot
         bit = 1 << self._ensure(name)
         lru = self._lru[name]
         holders = self._holders
+        added: list[int] = []
         for i, key in enumerate(stored):
             # The deepest key is marked as the end of a prompt (0 without an extent): a later
             # request matching exactly there continues that prompt (a conversation's next turn).
@@ -218,10 +224,31 @@ class AffinityIndex:
             else:
                 lru[key] = extent
                 holders[key] = holders.get(key, 0) | bit
+                added.append(key)
         if is_new:
             self._trim_all()
         else:
             self._trim(name, self.capacity())
+        return added
+
+    def unrecord(self, name: str, keys: Sequence[int]) -> None:
+        """Take back keys a :meth:`record` added for ``name`` whose request it never served
+        (the attempt failed before any answer): the index must not teach a replica that never
+        computed the prefix.  Only local: peers that heard of the record keep it until LRU."""
+        lru = self._lru.get(name)
+        slot = self._slot.get(name)
+        if lru is None or slot is None:
+            return
+        bit = 1 << slot
+        holders = self._holders
+        for key in keys:
+            if lru.pop(key, _MISSING) is _MISSING:
+                continue
+            mask = holders.get(key, 0) & ~bit
+            if mask:
+                holders[key] = mask
+            else:
+                holders.pop(key, None)
 
     def knows(self, name: str) -> bool:
         """Whether ``name`` is a tracked replica (records for others are ignored by callers)."""

@@ -128,9 +128,21 @@ class PolicyRunner:
         decision: Decision,
         cached_tokens: int | None,
         completed: bool,
+        served: bool = True,
     ) -> None:
-        """The request left ``replica``; a completed one teaches the policy (e.g. affinity)."""
+        """The request left ``replica``; a completed one teaches the policy (e.g. affinity).
+
+        ``served=False``: the attempt failed before the replica answered (it was retried
+        elsewhere or failed): a policy with ``forget_attempt`` takes back what it recorded.
+        """
         replica.in_flight -= 1
+        if not served:
+            forget = getattr(self.policy, "forget_attempt", None)
+            if forget is not None:
+                try:
+                    forget(request, decision)
+                except Exception:  # a policy bug must not fail the request
+                    log.exception("policy %s forget_attempt() failed", self.policy_name)
         if completed:
             try:
                 self.policy.observe(request, decision, cached_tokens)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fault_helpers import Load, gateway, set_faults
+from fault_helpers import MODEL, Load, gateway, sdk, set_faults
 
 from gateway.sim.launcher import ReplicaGroup
 
@@ -18,3 +18,19 @@ def test_thirty_percent_503s_from_one_replica_are_invisible(fleet: ReplicaGroup)
         r2 = gw.gateway.replicas["r2"]
         assert load.tally.client_failures == 0, load.tally.as_dict()
         assert r2.failures_total > 0  # the faults did happen (and were retried)
+
+
+def test_failed_attempts_teach_the_affinity_index_nothing(fleet: ReplicaGroup) -> None:
+    """Requests placed on a replica that answers 503 are retried elsewhere: the prefix index
+    credits their prefixes to the replica that served them, never to the one that failed."""
+    set_faults(fleet.urls[0], error_rate=1.0, error_status=503)
+    routes = [{"name": "main", "policy": "prefix"}]
+    with gateway(fleet.urls[:2], routes=routes, health={"passive_5xx_threshold": 100}) as gw:
+        client = sdk(gw)
+        for i in range(8):
+            words = " ".join(f"w{i}x{j}" for j in range(120))  # distinct prompts, several blocks each
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=1)
+        index = gw.gateway.routes.routes[0].runner.policy.index
+        assert gw.gateway.replicas["r0"].failures_total > 0  # some were placed on r0 first
+        assert index.entries("r0") == 0
+        assert index.entries("r1") > 0

@@ -138,3 +138,25 @@ def test_health_state_machine() -> None:
     assert replica.healthy
     replica.report_transport_error("connection refused", now=20.0)
     assert not replica.healthy and "connection refused" in (replica.last_error or "")
+
+
+def test_an_attempt_that_served_nothing_is_taken_back_from_the_policy() -> None:
+    class Forgetting(Recording):
+        def __init__(self) -> None:
+            super().__init__()
+            self.forgotten: list[str] = []
+
+        def forget_attempt(self, request: RequestView, decision: Decision) -> None:
+            self.forgotten.append(decision.replica)
+
+    pool = replicas(2)
+    policy = Forgetting()
+    runner = PolicyRunner("route", "recording", policy, pool)
+    decision, replica = runner.decide(REQ)
+    runner.acquire(replica, REQ, decision)
+    runner.release(replica, REQ, decision, None, completed=False, served=False)
+    assert policy.forgotten == [replica.name] and policy.observed == []
+    decision, replica = runner.decide(REQ)
+    runner.acquire(replica, REQ, decision)
+    runner.release(replica, REQ, decision, None, completed=False)  # aborted after it served: kept
+    assert policy.forgotten == [replica.name]

@@ -108,3 +108,15 @@ def test_memory_bytes_is_honest() -> None:
     finally:
         tracemalloc.stop()
     assert used * 0.9 <= index.memory_bytes() <= 4 * 1024 * 1024, (used, index.memory_bytes())
+
+
+def test_unrecord_takes_back_only_what_a_record_added() -> None:
+    index = AffinityIndex(1000)
+    index.set_members(["a", "b"])
+    index.record("a", [1, 2])
+    added = index.record("a", [1, 2, 3, 4])
+    assert added == [4, 3]  # deepest first; 1 and 2 were already held
+    index.record("b", [1, 2, 3])
+    index.unrecord("a", added)
+    assert index.match([1, 2, 3, 4], ["a", "b"]) == {"a": 2, "b": 3}
+    assert index.holders(3) == ["b"] and index.holders(4) == []

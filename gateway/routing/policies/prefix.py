@@ -49,7 +49,8 @@ uncached tokens.  The decision, in order:
 4. **Fallback.**  No keys at all (prompt shorter than one block, embeddings): least loaded.
 
 Every choice is recorded in the affinity index *at decision time* (a burst of requests with a
-new shared prefix follows the first one instead of scattering), and every tie is broken by
+new shared prefix follows the first one instead of scattering) and taken back if the attempt
+fails before the replica answers (``forget_attempt``), and every tie is broken by
 the ring order of the request's own key — its session header, else its deepest key, never a
 shared head's key and never list position — so gateway processes with the same membership
 and state choose the same replica, and conversations behind one head spread.
@@ -301,8 +302,9 @@ class PrefixPolicy:
             pick = next(name for name in self.ring.walk(ring_key, under) if cost[name] <= limit)
             reason = "ring" if pick == home and best_any == 0 else "spill"
 
+        added: list[int] = []
         if commit:
-            self.index.record(pick, keys, self._beyond_window(request))
+            added = self.index.record(pick, keys, self._beyond_window(request))
         predicted = matched.get(pick, 0)
         prompt_tokens = request.prompt_tokens_estimate or request.prompt_tokens
         if prompt_tokens:
@@ -321,6 +323,8 @@ class PrefixPolicy:
             scores = {
                 name: matched.get(name, 0) - settings.load_cost_tokens * load[name] - queued[name] for name in under
             }
+        if added:
+            detail["recorded_keys"] = added  # taken back by forget_attempt if the attempt fails
         if not commit:
             detail["branch"] = branch  # home | shared | score | ring
             # The explain-only part (hex key, per-candidate table) costs a ring walk and string
@@ -334,6 +338,14 @@ class PrefixPolicy:
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
         """Nothing to learn: the index was updated when the request was placed."""
         return None
+
+    def forget_attempt(self, request: RequestView, decision: Decision) -> None:
+        """The attempt failed before the replica served anything (refused, reset, 5xx): take
+        back what the decision newly recorded, so a retried request's prefix is not credited to
+        the replica that failed it.  Keys the replica held before stay."""
+        keys = decision.detail.get("recorded_keys")
+        if keys:
+            self.index.unrecord(decision.replica, keys)
 
     def snapshot(self) -> dict[str, Any]:
         """State for ``/admin/stats``: ring membership and affinity-index occupancy."""
