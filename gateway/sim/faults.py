@@ -48,11 +48,15 @@ class FaultState:
         self._down_until = 0.0
 
     def update(self, patch: dict[str, Any]) -> FaultSettings:
-        """Apply a partial update (``reset: true`` first restores the defaults); validates fully."""
+        """Apply a partial update (``reset: true`` first restores the defaults and ends a
+        restart's downtime, so tests need not wait it out); validates fully."""
         patch = dict(patch)
-        base: dict[str, Any] = {} if patch.pop("reset", False) else self.settings.model_dump()
+        reset = bool(patch.pop("reset", False))
+        base: dict[str, Any] = {} if reset else self.settings.model_dump()
         base.update(patch)
         self.settings = FaultSettings.model_validate(base)
+        if reset:
+            self._down_until = 0.0
         return self.settings
 
     def should_fail(self) -> bool:

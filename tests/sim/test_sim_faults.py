@@ -141,7 +141,9 @@ def test_restart_fails_in_flight_requests_and_can_take_downtime(make_sim) -> Non
     thread = threading.Thread(target=slow)
     thread.start()
     poll(lambda: httpx.get(url + "/sim/state").json()["running"] == 1)
-    out = httpx.post(url + "/sim/restart", json={"downtime_ms": 300}).json()
+    # a downtime far longer than the checks take (a busy machine cannot end it early), then
+    # ended on purpose: {"reset": true} also ends a restart's downtime
+    out = httpx.post(url + "/sim/restart", json={"downtime_ms": 120_000}).json()
     assert out["aborted_requests"] == 1
     assert httpx.get(url + "/health").status_code == 503  # restarting
     with pytest.raises(openai.APIStatusError) as info:
@@ -149,6 +151,7 @@ def test_restart_fails_in_flight_requests_and_can_take_downtime(make_sim) -> Non
     assert info.value.status_code == 503
     thread.join(timeout=30)
     assert isinstance(outcome[0], openai.APIStatusError) and outcome[0].status_code == 503
+    _set(url, reset=True)
     poll(lambda: httpx.get(url + "/health").status_code == 200)
     assert c.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=1).usage is not None
     assert scrape(url)["vllm:request_success_total{finished_reason=abort}"] == 1
