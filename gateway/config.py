@@ -181,7 +181,7 @@ class HealthSettings(_Strict):
         0.5, ge=0, description="...and exceeds the median by at least this much (ignores noise at tiny latencies)"
     )
     slow_probe_every: int = Field(
-        10, ge=1, description="a deprioritized replica still gets every n-th request it would have been offered"
+        10, ge=1, description="a deprioritized replica still gets every n-th request of its routes (a latency probe)"
     )
 
 

@@ -12,7 +12,7 @@ whole fleet, so they live here:
   503 for everything, and traffic reaching a replica that is back is what brings it back
   (passive recovery) without waiting for the next active check.
 - **Slow replicas.**  A replica whose smoothed time to first byte is far above the fleet's
-  median is deprioritized — it gets only every ``slow_probe_every``-th request it is offered,
+  median is deprioritized — it gets only every ``slow_probe_every``-th request of its routes,
   so its latency keeps being measured — but never ejected: slow is not broken.
 
 Membership is read through a callable so that replicas added or removed at run time
@@ -123,8 +123,9 @@ def select_eligible(
     """The replicas a route may pick from now, and whether the route is in panic mode.
 
     Healthy ones not yet tried; in panic mode every one not yet tried (a retry prefers a
-    healthy one).  Slow replicas are left out while a faster one is eligible, except every
-    ``slow_probe_every``-th time (``dry_run`` advances no such turn).
+    healthy one).  Slow replicas are left out while a faster one is eligible, except that
+    every ``slow_probe_every``-th request offered to a slow replica goes to it alone
+    (``dry_run`` advances no such turn).
     """
     if not replicas:
         return [], False
@@ -143,9 +144,11 @@ def select_eligible(
     if len(pool) > 1 and any(r.slow for r in pool):
         fast = [r for r in pool if not r.slow]
         if fast:
-            chosen = list(fast)
+            # On its turn a slow replica gets the request outright: a probe that keeps its
+            # latency measured (so it can stop being slow), whatever the policy would prefer.
+            probe = None
             for r in pool:
-                if r.slow and r.slow_turn(dry_run):
-                    chosen.append(r)
-            pool = chosen
+                if r.slow and r.slow_turn(dry_run) and probe is None:
+                    probe = r
+            pool = [probe] if probe is not None else fast
     return pool, panic

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fault_helpers import MODEL, Load, gateway, sdk, set_faults
+from fault_helpers import MODEL, Load, gateway, sdk, set_faults, wait_for
 
 from gateway.sim.launcher import ReplicaGroup
 
@@ -34,3 +34,30 @@ def test_failed_attempts_teach_the_affinity_index_nothing(fleet: ReplicaGroup) -
         assert gw.gateway.replicas["r0"].failures_total > 0  # some were placed on r0 first
         assert index.entries("r0") == 0
         assert index.entries("r1") > 0
+
+
+def test_a_slow_replica_is_deprioritized_not_ejected(fleet: ReplicaGroup) -> None:
+    """A replica whose streams start seconds late gets only every slow_probe_every-th request
+    while it is slow (a latency probe); it is never ejected."""
+    set_faults(fleet.urls[1], extra_latency_ms=2500)
+    health = {"slow_ttft_factor": 3.0, "slow_min_extra_s": 1.0, "slow_probe_every": 20}
+    routes = [{"name": "main", "policy": "round_robin"}]  # blind to load: only the slow rule moves traffic
+    with gateway(fleet.urls, health=health, routes=routes) as gw:
+        r1 = gw.gateway.replicas["r1"]
+
+        def started() -> int:  # requests sent to r1 so far: finished + in flight
+            tally = gw.gateway.stats.by_route_replica.get(("main", "r1"))
+            return (tally.requests if tally else 0) + r1.in_flight
+
+        load = Load(gw.openai_base_url, concurrency=6, stream_share=1.0, max_tokens=5).start()
+        try:
+            wait_for(lambda: r1.slow, timeout=60, what="r1 flagged slow")
+            before = started()
+            load.wait_done(60)
+            served_while_slow = started() - before
+        finally:
+            assert load.stop()
+        assert load.tally.client_failures == 0, load.tally.as_dict()
+        assert r1.healthy and r1.ejections_total == 0
+        # round robin would give it a quarter (15 of 60); slow, every 20th (3 of 60)
+        assert served_while_slow <= 6, served_while_slow

@@ -173,8 +173,8 @@ def test_a_slow_replica_is_deprioritized_not_ejected_and_still_probed() -> None:
     assert [r.slow for r in pool] == [False, False, False, True]
     assert pool[3].healthy
     offers = [select_eligible(pool)[0] for _ in range(10)]
-    assert sum(pool[3] in e for e in offers) == 2  # every 5th offer
-    assert all(pool[:3] == [r for r in e if r is not pool[3]] for e in offers)
+    assert offers.count([pool[3]]) == 2  # every 5th request goes to it alone (a latency probe)
+    assert offers.count(pool[:3]) == 8  # the others never see it
     assert select_eligible(pool[3:])[0] == [pool[3]]  # alone, a slow replica still serves
     for i in range(20):  # it recovers: its probes bring the average down
         pool[3].record_ttfb(0.1, now=30.0 + i)
