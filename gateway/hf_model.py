@@ -90,6 +90,9 @@ class JinjaTemplate:
             if added
             else None
         )
+        by_id = {token_id: text for text, token_id in added.items()}
+        # /v1/completions: vLLM encodes with add_special_tokens, i.e. the post-processor's prefix
+        self.completion_prefix = tuple(SpecialToken(by_id.get(i, ""), i) for i in tokenizer.completion_prefix())
 
     def render(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> str:
         return self._template.render(

@@ -190,6 +190,17 @@ class HFTokenizer:
     def special_id(self, token: str) -> int | None:
         return self._specials.get(token)
 
+    def completion_prefix(self) -> list[int]:
+        """Ids the tokenizer's post-processor puts before a prompt (Llama 3: its BOS), as vLLM's
+        ``add_special_tokens=True`` does for /v1/completions: found by encoding a probe both ways."""
+        probe = "a"
+        bare = self._tok.encode(probe, add_special_tokens=False).ids
+        full = self._tok.encode(probe, add_special_tokens=True).ids
+        for start in range(len(full) - len(bare) + 1):
+            if full[start : start + len(bare)] == bare:
+                return full[:start]
+        return []
+
     def added_tokens(self) -> dict[str, int]:
         """Every added token (special or not): the tokenizer splits them out before BPE."""
         return dict(self._specials)

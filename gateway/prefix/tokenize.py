@@ -141,8 +141,8 @@ class WindowTokenizer:
 
     def text(self, prompt: str) -> array[int]:
         """A completion prompt string: one segment (after the model's BOS when vLLM adds one)."""
-        prefix = getattr(self.template, "completion_prefix", None)
-        return self.segments((prefix, prompt) if prefix is not None and prompt else (prompt,))
+        prefix = getattr(self.template, "completion_prefix", ())
+        return self.segments((*prefix, prompt) if prefix and prompt else (prompt,))
 
     def ids(self, prompt: Sequence[int]) -> array[int]:
         """A completion prompt given as token ids: the leading window as is."""

@@ -41,7 +41,7 @@ class Llama31Template:
             tokenizer, ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
         )
         # vLLM tokenizes a /v1/completions prompt with add_special_tokens: Llama gets its BOS
-        self.completion_prefix = self._specials["<|begin_of_text|>"]
+        self.completion_prefix = (self._specials["<|begin_of_text|>"],)
 
     def render(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> list[str]:
         return list(self.segments(messages, tools, add_generation_prompt))

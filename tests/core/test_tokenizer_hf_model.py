@@ -136,3 +136,22 @@ def test_bad_input_never_raises_on_the_hf_path(model_dir: Path) -> None:
     for _name, messages, tools in BAD_BODIES:
         body = {"model": "m", "messages": messages, **({"tools": tools} if tools is not None else {})}
         assert pipeline.prepare("chat", body).units == f"exact (hf:{model_dir})"
+
+
+def test_completions_get_the_post_processors_prefix_like_vllm(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM encodes a completions prompt with add_special_tokens: a BOS-adding post-processor counts."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    bos = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text((model_dir / "tokenizer_config.json").read_text())
+    pipeline = PrefixPipeline(NormalizeSettings(mode="off"), PrefixSettings(tokenizer=f"hf:{tmp_path}"))
+    text = "Once upon a time in Zürich"
+    window = list(pipeline.tokens.for_model("m").text(text))
+    assert window == tok.encode(text, add_special_tokens=True).ids and window[0] == bos
+    plain = PrefixPipeline(NormalizeSettings(mode="off"), PrefixSettings(tokenizer=f"hf:{model_dir}"))
+    assert list(plain.tokens.for_model("m").text(text)) == tok.encode(text, add_special_tokens=False).ids
