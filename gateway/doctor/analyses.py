@@ -596,10 +596,13 @@ def tokenizer_misalignment(corpus: Corpus, info: RouteInfo, live: dict[str, Any]
                 f"over {live.get('predicted_requests')} requests: the gateway's tokens or blocks do not line up "
                 "with the engines' (or the engines evict: see KV pressure)"
             )
+            units = live.get("predicted_units")
+            if live.get("predicted_exact") is False and isinstance(units, str):
+                evidence.append(f"the predictions are counted in {units} tokens, not the served model's")
     if not evidence:
         return []
     prefix = {
-        "tokenizer": "/path/to/the/model/tokenizer.json",
+        "tokenizer": "hf:/path/to/the/model_dir",
         "block_size": wrong_block[0] if wrong_block else info.block_size,
     }
     return [
@@ -609,7 +612,8 @@ def tokenizer_misalignment(corpus: Corpus, info: RouteInfo, live: dict[str, Any]
             "the gateway's tokenizer or block size does not match the engines'",
             evidence,
             Fix(
-                summary=f"hash with the served model's own tokenizer (now {info.tokenizer}) and the engines' "
+                summary=f"hash with the served model's own tokenizer and chat template (now {info.tokenizer}; "
+                "`auto` knows Llama 3.x and Qwen2.5/3 by name, `hf:DIR` reads any local model) and the engines' "
                 "--block-size, so predicted blocks are the engines' blocks",
                 yaml=_route_yaml(info.name, {"prefix": prefix}),
                 patch={"route": info.name, "prefix": prefix},

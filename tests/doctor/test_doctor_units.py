@@ -101,6 +101,8 @@ def _causes(corpus: Corpus) -> dict[str, dict[str, Any]]:
 
 def test_tokenizer_misalignment_from_predicted_vs_reported() -> None:
     stats = _stats(
+        predicted_units="approximate (cl100k_base)",
+        predicted_exact=False,
         hit_rate_predicted=0.82,
         hit_rate_reported=0.31,
         predicted_requests=400,
@@ -113,6 +115,7 @@ def test_tokenizer_misalignment_from_predicted_vs_reported() -> None:
     assert mismatch["fix"]["patch"]["prefix"]["block_size"] == 32
     assert "tokenizer:" in mismatch["fix"]["yaml"]
     assert any("block size [32]" in line for line in mismatch["evidence"])
+    assert any("approximate (cl100k_base)" in line for line in mismatch["evidence"])
     healthy = _stats(hit_rate_predicted=0.8, hit_rate_reported=0.78, predicted_requests=400)
     assert "tokenizer_mismatch" not in _causes(Corpus("test", stats=healthy))
 
