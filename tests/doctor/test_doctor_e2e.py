@@ -6,7 +6,10 @@ must land within 5 points of doctor's prediction."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ from gateway.cli import main
 from gateway.sim.launcher import ReplicaGroup
 
 TOLERANCE = 0.05
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def doctor(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -68,9 +72,17 @@ def test_doctor_on_a_running_gateway_names_the_causes_and_predicts_the_fix(
     with gateway(fleet.urls, [route("report")], samples={"enabled": True}) as gw:
         prompt, cached = send(gw, bodies)
         report = doctor(capsys, "--gateway", gw.url)
-        capsys.readouterr()
-        assert main(["doctor", "--gateway", gw.url]) == 0
-        text = capsys.readouterr().out
+        # the text report, from the installed command's own process
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        run = subprocess.run(
+            [sys.executable, "-m", "gateway", "doctor", "--gateway", gw.url],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert run.returncode == 0, run.stderr
+        text = run.stdout
     assert cached / prompt < 0.05  # the planted causes really ruin the cache
     volatile = assert_names_the_planted_causes(report)
     summary = report["routes"][0]
@@ -125,3 +137,16 @@ def test_doctor_reports_what_it_cannot_see(
     notes = "\n".join(report["notes"])
     assert "line 2: not valid JSON" in notes and "request 1: 400" in notes and "request 2: 404" in notes
     assert main(["doctor", "--file", str(tmp_path / "missing.jsonl"), "--config", str(config)]) == 1
+
+
+def test_doctor_learns_an_unknown_span_from_a_gateway_that_keeps_text(
+    shared_fleet: ReplicaGroup, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the debug setting samples.include_text, the gateway source can be diffed like a file."""
+    monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
+    with gateway(shared_fleet.urls, [route("report")], samples={"enabled": True, "include_text": True}) as gw:
+        send(gw, planted_traffic(18, unknown_id=True))
+        report = doctor(capsys, "--gateway", gw.url)
+    (span,) = finding(report, "learned_span")["data"]["spans"]
+    assert span["where"] == "messages[0]" and span["left"].endswith("Session code: ")
+    assert finding(report, "volatile_span")["data"]["rules"]

@@ -4,8 +4,10 @@ learned, user input before shared text)."""
 
 from __future__ import annotations
 
+import json
 import re
 import string
+from pathlib import Path
 from random import Random
 from typing import Any
 
@@ -233,3 +235,21 @@ def test_stats_alone_name_unrelocated_spans_and_warmup_misses() -> None:
     warmup = _causes(Corpus("test", stats=stats, routes={"main": RouteInfo("main", "relocate")}))["warmup_miss"]
     assert warmup["data"] == {"warmup_misses": 10, "share": 0.1}
     assert warmup["fix"]["patch"] == {"route": "main", "normalize": {"always": ["iso_datetime"]}}
+
+
+def test_user_input_before_shared_instructions_in_a_file(tmp_path: Path) -> None:
+    from gateway.doctor.sources import from_jsonl
+    from tests.configs import gateway_config
+
+    shared = "You are the travel desk. " + "Follow the booking rules in section {} carefully. " * 40
+    lines = [
+        json.dumps({"model": "m", "messages": [{"role": "user", "content": q}, {"role": "system", "content": shared}]})
+        for q in ("Book Oslo.", "Cancel my trip to Rome please.", "Any seats to Lima?", "Refund for Kyoto?")
+    ]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    config = gateway_config(["http://127.0.0.1:9"], routes=[{"name": "main", "policy": "prefix"}])
+    found = _causes(from_jsonl(path, config))
+    first = found["user_first"]
+    assert (first["data"]["where"], first["data"]["shared"]) == ("messages[0]", "messages[1]")
+    assert first["data"]["estimated_tokens"] >= 400 and first["gain"] > 0.5
