@@ -57,6 +57,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` and `gatew
 import yaml  # noqa: E402
 
 from benchmarks import peer_sglang, report  # noqa: E402
+from benchmarks.procstat import cpu_seconds  # noqa: E402
 from benchmarks.replay import id_prefix, median_of_runs, prepare, replay, summarize  # noqa: E402
 from benchmarks.workloads import WORKLOAD_NAMES, Workload, build  # noqa: E402
 
@@ -570,7 +571,11 @@ def run_level(
                     continue
                 # the peer router names no replica: its responses are attributed by their ids
                 ids = id_prefixes if v.policy == SGLANG else None
+                cpu0 = cpu_seconds(gws[v.name].process.pid)
                 s = run_once(wire, gws[v.name].url, fleet, names, deadline, via_gateway=True, id_prefixes=ids)
+                # the router's own CPU per request: on a shared machine it decides how much of
+                # the CPU a router needs, hence how its latency suffers from the neighbours
+                s["router_cpu_ms_per_request"] = (cpu_seconds(gws[v.name].process.pid) - cpu0) * 1000 / len(wire)
                 s["gateway"] = gateway_stats(gws[v.name].url)
                 runs.setdefault(v.name, []).append(s)
                 print(fmt_short(v.name, s) + tag)
@@ -702,6 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sim": {k: SIM[k] for k in SIM if k not in ("enable_admin", "disable_uvicorn_access_log", "model")},
             "oracle_blocks": ORACLE_SIM["num_gpu_blocks"],
             "sglang_router": _version("sglang-router"),
+            "tokenizers": _tokenizers(),
             "loads": {w: LOADS[w] for w in workloads},
             "size": size,
             "seed": args.seed,
@@ -756,6 +762,20 @@ def _save(results: dict[str, Any], out: Path) -> None:
     tmp = out / "bench_policies.json.tmp"
     tmp.write_text(json.dumps(results, indent=1, default=float))
     tmp.replace(out / "bench_policies.json")
+
+
+def _tokenizers() -> dict[str, str | None]:
+    """The replicas' own tokenizer and the gateway's setting: misalignment is part of the run."""
+    out: dict[str, str | None] = {"sim": None, "gateway": None}
+    with contextlib.suppress(Exception):
+        from gateway.sim.options import SimOptions
+
+        out["sim"] = SimOptions().tokenizer
+    with contextlib.suppress(Exception):
+        from gateway.prefix.settings import PrefixSettings
+
+        out["gateway"] = PrefixSettings().tokenizer
+    return out
 
 
 def _version(dist: str) -> str | None:

@@ -229,6 +229,7 @@ def _row(
         _fmt(load.get("max_over_mean"), ".2f"),
         _fmt(load.get("assign_certain_ok_share"), ".0%"),
         _fmt(run.get("throughput_rps"), ".1f"),
+        _fmt(run.get("router_cpu_ms_per_request"), ".1f"),
         _fmt(paired(run, rr, ["ttft_ms", "p50"]), ".2f") + "x",
         _fmt(paired(run, rr, ["ttft_ms", "p90"]), ".2f") + "x",
         _ok_sent(run),
@@ -255,6 +256,7 @@ HEADERS = [
     "in-flight max/mean",
     "bound@assign",
     "req/s",
+    "router CPU ms/req",
     "p50/RR",
     "p90/RR",
     "ok/sent",
@@ -370,6 +372,12 @@ def render_text(results: Mapping[str, Any]) -> str:
                 replicas=meta.get("replicas", "?"), oracle_blocks=meta.get("oracle_blocks", "?"), **sim
             )
         )
+    if meta.get("sglang_router") or meta.get("tokenizers"):
+        tok = meta.get("tokenizers") or {}
+        parts.append(
+            f"sglang-router {meta.get('sglang_router') or 'not installed'}; replicas tokenize with "
+            f"{tok.get('sim') or '?'}, the gateway's tokenizer setting is {tok.get('gateway') or '?'}."
+        )
     if results.get("missing_policies"):
         parts.append("Policies not available in this checkout (skipped): " + ", ".join(results["missing_policies"]))
     if meta.get("mode"):
@@ -420,7 +428,9 @@ def render_text(results: Mapping[str, Any]) -> str:
         "uncached prompt tokens (prefill work) from the engines' counters: the balance target. 'in-flight "
         "max/mean' = time average of the per-replica in-flight max/mean (information); 'bound@assign' = share of "
         "requests whose replica, counting them, certainly held <= 1.25 x mean + 1 in flight when they were sent "
-        "(information). RR = round_robin (context)."
+        "(information). 'router CPU ms/req' = the router process's CPU time over the run per request (on a shared "
+        "machine the CPU a router needs decides how much its latency suffers from the neighbours). "
+        "RR = round_robin (context)."
     )
     return "\n".join(parts)
 
