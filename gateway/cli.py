@@ -46,6 +46,12 @@ def add_serve(sub: Any) -> None:
     p.add_argument("--policy", default="prefix", help="policy for --replica quick start (default: prefix)")
     p.add_argument("--host", help="override server.host")
     p.add_argument("--port", type=int, help="override server.port")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateway processes on the port, sharing routing state (through Redis, else a local broker)",
+    )
     p.set_defaults(run=run_serve)
 
 
@@ -94,9 +100,16 @@ def run_serve(args: argparse.Namespace) -> int:
     config = build_serve_config(args)
     if config.state.backend == "redis":
         config.state.resolved_redis_url()  # a bad URL in the environment: a clear error, not a traceback
-    _exit_cleanly_on_signals()
     # a config file is reloaded live (SIGHUP, or when it changes: a ConfigMap update)
-    serve(config, config_path=None if args.replica else (args.config or default_config_path()))
+    config_path = None if args.replica else str(args.config or default_config_path())
+    if args.workers < 1:
+        raise SystemExit("prefix-gateway serve: --workers must be at least 1")
+    if args.workers > 1:
+        from gateway.workers import serve_workers
+
+        return serve_workers(config, args.workers, config_path)
+    _exit_cleanly_on_signals()
+    serve(config, config_path=config_path)
     return 0
 
 

@@ -34,10 +34,13 @@ from gateway.upstream.client import ClientFactory
 log = logging.getLogger("prefix_gateway")
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """``reuse_port``: several worker processes bind the same port; the kernel spreads connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.set_inheritable(True)
     return sock
@@ -82,17 +85,19 @@ def serve(
     client_factory: ClientFactory = aiohttp_factory,
     announce: Callable[[str], None] | None = None,
     config_path: str | os.PathLike[str] | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Serve until interrupted (what ``prefix-gateway serve`` calls).
 
     ``announce`` gets the base URL once the socket is bound (the demo prints its banner).
     ``config_path``: the file ``config`` came from, reloaded live on SIGHUP or when it changes.
+    ``reuse_port``: one of several worker processes on the port (``gateway.workers``).
     """
     configure_logging(config.logging)
     gateway = Gateway(config, client_factory=client_factory)
     if config_path is not None:
         gateway.reloader = Reloader(gateway, config_path)
-    sock = bind_socket(config.server.host, config.server.port)
+    sock = bind_socket(config.server.host, config.server.port, reuse_port=reuse_port)
     port = sock.getsockname()[1]
     log.info(
         "prefix-gateway listening on %s (%d replicas, routes: %s)",

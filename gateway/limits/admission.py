@@ -79,9 +79,8 @@ class KeyLimiter:
             return
         import redis.asyncio as aioredis
 
-        self._client = aioredis.from_url(
-            self.redis_url, socket_connect_timeout=1.0, socket_timeout=1.0, socket_keepalive=True
-        )
+        keepalive = {} if self.redis_url.startswith("unix://") else {"socket_keepalive": True}  # TCP only
+        self._client = aioredis.from_url(self.redis_url, socket_connect_timeout=1.0, socket_timeout=1.0, **keepalive)
         self.shared = RedisLimits(self._client, self.prefix, self.lease_s)
 
     async def stop(self) -> None:

@@ -248,9 +248,9 @@ class AffinitySync:
 
         self._attach()
         # timeouts and keepalive: a silently dropped path to Redis must fail calls, not hang them
-        self._redis = aioredis.from_url(
-            self.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0, socket_keepalive=True
-        )
+        # (keepalive is a TCP option: a unix:// URL rejects it)
+        keepalive = {} if self.redis_url.startswith("unix://") else {"socket_keepalive": True}
+        self._redis = aioredis.from_url(self.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0, **keepalive)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._subscribe_loop()), loop.create_task(self._publish_loop())]
         if self.peer_load is not None:
