@@ -306,6 +306,13 @@ class StateSettings(_Strict):
     peer_load_ttl_s: float = Field(
         3.0, gt=0.0, le=600.0, description="a peer's load report older than this is dropped (the peer is gone)"
     )
+    catch_up_keys: int = Field(
+        16_384,
+        ge=0,
+        le=1_000_000,
+        description="when a new gateway process appears (its first load report), send it this many of the most "
+        "recent affinity keys so it does not start blind (needs share_load; 0 = off)",
+    )
 
     secret_env: str = Field(
         "PREFIX_GATEWAY_STATE_SECRET",

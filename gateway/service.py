@@ -44,6 +44,7 @@ from gateway.replicas.pool import Replica
 from gateway.routing.base import Decision, RequestView
 from gateway.routing.routes import Route, RouteTable, build_route
 from gateway.state.affinity_sync import AffinitySync
+from gateway.state.catchup import CatchUp
 from gateway.state.peer_load import PeerLoad
 from gateway.state.signing import Signer
 from gateway.tasks import cancel_and_wait
@@ -125,6 +126,7 @@ class Gateway:
         self.access_log = AccessLog(config.logging)
         self.admin_keys = KeyChecker(config.admin.key_hashes(env))
         self.client_keys = KeyChecker(config.auth.key_hashes(env))
+        self.catch_up: CatchUp | None = None  # set with shared load (gateway.state.catchup)
         self.state_sync = self._build_state_sync(env)
         if self.state_sync is not None:
             self.metrics.registry.register(SyncCollector(self.state_sync.stats))
@@ -159,16 +161,21 @@ class Gateway:
         if state.backend != "redis":
             return None
         indexes = prefix_indexes(self.routes.routes)
-        return AffinitySync(
+        peer_load = PeerLoad(self.replicas, state.peer_load_ttl_s) if state.share_load else None
+        sync = AffinitySync(
             state.resolved_redis_url(env),  # ConfigError naming the env var if it holds no Redis URL
             state.channel,
             indexes,
             max_pending=state.max_pending,
             batch_interval_s=state.batch_interval_ms / 1000.0,
-            peer_load=PeerLoad(self.replicas, state.peer_load_ttl_s) if state.share_load else None,
+            peer_load=peer_load,
             load_interval_s=state.load_interval_ms / 1000.0,
             signer=Signer(secret) if (secret := state.resolved_secret(env)) else None,
         )
+        if peer_load is not None and state.catch_up_keys:
+            self.catch_up = CatchUp(sync, state.catch_up_keys)
+            peer_load.on_new_peer = self.catch_up.new_peer
+        return sync
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -352,7 +359,10 @@ class Gateway:
         sync = self.state_sync
         if sync is None:
             return {"backend": self.config.state.backend}
-        return {"backend": "redis", "channel": sync.channel, "pod": sync.pod_id, **sync.stats.as_dict()}
+        catch_up = (
+            {"snapshots_sent": self.catch_up.sent, "records_sent": self.catch_up.records} if self.catch_up else {}
+        )
+        return {"backend": "redis", "channel": sync.channel, "pod": sync.pod_id, **sync.stats.as_dict(), **catch_up}
 
 
 def _policy_state(route: Route) -> dict[str, Any] | None:

@@ -190,6 +190,15 @@ class AffinitySync:
         if self._tasks:  # started: listen now (before start(), start() attaches)
             self._attach()
 
+    @property
+    def indexes(self) -> Mapping[str, AffinityIndex]:
+        return self._indexes
+
+    def offer(self, records: Sequence[Record]) -> None:
+        """Queue records that are not new placements (a catch-up snapshot, ``gateway.state.catchup``)."""
+        for route, replica, keys, prompt_tokens in records:
+            self._enqueue(route, replica, keys, prompt_tokens)
+
     # -- the request path: O(1), never waits ----------------------------------------------
     def _enqueue(self, route: str, replica: str, stored: list[int], prompt_tokens: int | None) -> None:
         if len(stored) > MAX_KEYS_PER_RECORD:  # peers would reject the batch: keep it local

@@ -15,7 +15,7 @@ published, never the sums, so nothing is counted twice.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gateway.replicas.pool import Replica
@@ -28,16 +28,21 @@ class PeerLoad:
     """This process's load report, and its peers' reports applied to the local replicas."""
 
     def __init__(self, replicas: Mapping[str, Replica], ttl_s: float = 3.0) -> None:
-        self._replicas = dict(replicas)
+        self._replicas = replicas  # the live mapping: discovery and config reloads change it
         self.ttl_s = ttl_s
         self._peers: dict[str, tuple[float, Report]] = {}  # pod -> (received at, report)
+        # called with a pod's id when its first report arrives (gateway.state.catchup)
+        self.on_new_peer: Callable[[str], None] | None = None
 
     def local_report(self) -> Report:
         return {name: (r.in_flight, r.pending_prefill_tokens) for name, r in self._replicas.items()}
 
     def apply(self, pod: str, report: Report, now: float) -> None:
+        new = pod not in self._peers
         self._peers[pod] = (now, report)
         self._recompute()
+        if new and self.on_new_peer is not None:
+            self.on_new_peer(pod)
 
     def expire(self, now: float) -> None:
         stale = [pod for pod, (at, _) in self._peers.items() if now - at > self.ttl_s]

@@ -1,0 +1,90 @@
+"""Snapshot catch-up: a gateway process that joins gets its peers' recent affinity, not a blank index."""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+from gateway.config import HealthSettings, ReplicaConfig
+from gateway.replicas.pool import Replica
+from gateway.routing.affinity import AffinityIndex
+from gateway.state.affinity_sync import AffinitySync
+from gateway.state.catchup import CatchUp, snapshot_records
+from gateway.state.peer_load import PeerLoad
+from tests.polling import until
+
+NAMES = ["r0", "r1", "r2"]
+
+
+def index() -> AffinityIndex:
+    idx = AffinityIndex(10_000, stride=4)
+    idx.set_members(NAMES)
+    return idx
+
+
+def chains(n: int, seed: int) -> list[list[int]]:
+    rnd = random.Random(seed)
+    head = [rnd.getrandbits(64) for _ in range(8)]  # a shared system prompt
+    return [head + [rnd.getrandbits(64) for _ in range(rnd.randint(4, 40))] for _ in range(n)]
+
+
+def test_a_snapshot_rebuilds_matches_extents_and_recency() -> None:
+    source = index()
+    convs = chains(30, 1)
+    for i, keys in enumerate(convs):
+        source.record(NAMES[i % 3], keys, prompt_tokens=1000 + i)
+    target = index()
+    for route, name, keys, tokens in snapshot_records({"chat": source}, keys_total=100_000):
+        assert route == "chat"
+        target.record_stored(name, keys, tokens)
+    for i, keys in enumerate(convs):
+        assert target.match(keys, NAMES) == source.match(keys, NAMES)
+        deepest = source.stored_keys(keys)[0]
+        assert target.extent(NAMES[i % 3], deepest) == source.extent(NAMES[i % 3], deepest) == 1000 + i
+    assert list(target._lru["r0"]) == list(source._lru["r0"])  # the same recency order
+
+
+def test_a_snapshot_is_bounded() -> None:
+    source = index()
+    for i, keys in enumerate(chains(200, 2)):
+        source.record(NAMES[i % 3], keys)
+    records = snapshot_records({"chat": source}, keys_total=300)
+    assert 0 < sum(len(keys) for _, _, keys, _ in records) <= 300
+    assert snapshot_records({"chat": index()}, keys_total=300) == []  # nothing learned: nothing sent
+
+
+def fleet() -> dict[str, Replica]:
+    return {
+        name: Replica(ReplicaConfig(name=name, url=f"http://h:{i + 1}"), object(), HealthSettings())  # type: ignore[arg-type]
+        for i, name in enumerate(NAMES)
+    }
+
+
+def process(redis_url: str, channel: str, idx: AffinityIndex) -> tuple[AffinitySync, CatchUp]:
+    load = PeerLoad(fleet(), ttl_s=2.0)
+    sync = AffinitySync(redis_url, channel, {"chat": idx}, batch_interval_s=0.001, peer_load=load, load_interval_s=0.05)
+    catch_up = CatchUp(sync, keys_total=10_000, min_interval_s=0.0, delay_s=0.2)
+    load.on_new_peer = catch_up.new_peer
+    return sync, catch_up
+
+
+async def test_a_process_that_joins_learns_its_peers_recent_affinity(redis_url: str) -> None:
+    channel = f"test-catchup-{uuid.uuid4().hex}"
+    old_index, new_index = index(), index()
+    old, old_catch_up = process(redis_url, channel, old_index)
+    await old.start()
+    try:
+        convs = chains(20, 3)
+        for i, keys in enumerate(convs):
+            old_index.record(NAMES[i % 3], keys, prompt_tokens=500)
+        await until(lambda: old.stats.published == 20, what="records published to nobody")
+        new, _ = process(redis_url, channel, new_index)  # starts after every record was made
+        await new.start()
+        try:
+            await until(lambda: old_catch_up.sent == 1, what="the old process answering the newcomer")
+            await until(lambda: all(new_index.match(k, NAMES) == old_index.match(k, NAMES) for k in convs))
+            assert new_index.match(convs[4], NAMES)[NAMES[4 % 3]] == len(convs[4])  # its whole conversation
+        finally:
+            await new.stop()
+    finally:
+        await old.stop()
