@@ -69,48 +69,46 @@ _MESSAGE_MARK = b"\xff\xfe"
 def chain_text_keys(
     messages: Iterable[Sequence[str]],
     parent: int,
-    chunk_chars: int,
-    skip_chars: int = 0,
+    chunk_bytes: int,
+    skip_bytes: int = 0,
 ) -> tuple[list[int], list[int]]:
-    """Continue a key chain over text, message by message, in chunks of ``chunk_chars``.
+    """Continue a key chain over text, message by message, in chunks of ``chunk_bytes``.
 
     Token blocks stop at the window (tokenizing is what costs); past it, prompts still differ
     and must get different keys.  Each message (a sequence of text pieces: its role, its
-    content, its tool calls) is cut into chunks of at most ``chunk_chars`` characters; a
-    message's last chunk ends at its own end.  So appending a message never changes the keys
-    of the content before it, and a conversation's next turn contains every key of the last.
-    Each key hashes its chunk with the previous key as seed (``parent`` first: the last token
-    block's key), so key *j* names everything up to its end, like a token block's key.
+    content, its tool calls) is UTF-8 encoded once and cut into chunks of at most
+    ``chunk_bytes`` bytes; a message's last chunk ends at its own end.  So appending a
+    message never changes the keys of the content before it, and a conversation's next turn
+    contains every key of the last.  Each key hashes its chunk with the previous key as seed
+    (``parent`` first: the last token block's key), so key *j* names everything up to its
+    end, like a token block's key.
 
-    The chain runs over the whole text (no gap, whatever the characters per token), but keys
-    whose chunk ends within the first ``skip_chars`` characters are not returned: that text
-    lies inside the token window, which already tells prompts apart there.
+    The chain runs over the whole text (no gap, whatever the bytes per token), but keys whose
+    chunk ends within the first ``skip_bytes`` bytes are not returned: that text lies inside
+    the token window, which already tells prompts apart there.
 
-    Returns the keys and, for each, the characters of text up to its end (for a token
-    estimate).  Never recurses, never raises on odd text (lone surrogates are hashed as is).
+    Returns the keys and, for each, the bytes of text up to its end (for a token estimate).
+    Never recurses, never raises on odd text (lone surrogates are hashed as is).  Cost: one
+    encode per message and one xxh3 call per chunk over a memoryview (no copies).
     """
-    if chunk_chars <= 0:
-        raise ValueError("chunk_chars must be positive")
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
     hasher = xxhash.xxh3_64_intdigest
     keys: list[int] = []
     ends: list[int] = []
     offset = 0
     for pieces in messages:
-        text = "\x1f".join(pieces)
-        n = len(text)
+        data = memoryview(_MESSAGE_MARK + "\x1f".join(pieces).encode("utf-8", "surrogatepass"))
+        n = len(data)
         start = 0
-        first = True
-        while first or start < n:
-            piece = text[start : start + chunk_chars].encode("utf-8", "surrogatepass")
-            if first:
-                piece = _MESSAGE_MARK + piece
-                first = False
-            parent = hasher(piece, seed=parent)
-            start += chunk_chars
-            end = offset + min(start, n)
-            if end > skip_chars:
+        while start < n:
+            stop = start + chunk_bytes
+            parent = hasher(data[start:stop], seed=parent)
+            end = offset + min(stop, n)
+            if end > skip_bytes:
                 keys.append(parent)
                 ends.append(end)
+            start = stop
         offset += n
     return keys, ends
 

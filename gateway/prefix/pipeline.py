@@ -68,12 +68,19 @@ class PrefixPipeline:
 
     def prepare(self, endpoint: str, body: dict[str, Any]) -> PreparedPrompt:
         """``endpoint`` is "chat" or "completions"; other endpoints get no keys."""
+        return self.key(endpoint, self.normalize(endpoint, body))
+
+    def normalize(self, endpoint: str, body: dict[str, Any]) -> NormalizeResult:
+        """The first stage (timed on its own by ``benchmarks/bench_prefix_path.py``)."""
         try:
-            result = self.normalizer.apply(endpoint, body)
+            return self.normalizer.apply(endpoint, body)
         except (RecursionError, ValueError, TypeError, AttributeError):
             # Normalization is an optimization: a body it cannot walk (e.g. tools nested
             # thousands deep) is forwarded and keyed as the client sent it.
-            result = NormalizeResult(body)
+            return NormalizeResult(body)
+
+    def key(self, endpoint: str, result: NormalizeResult) -> PreparedPrompt:
+        """Tokenize the window, hash it, and continue the chain over the rest of the text."""
         body = result.body
         try:
             tokens = self._window(endpoint, body)
@@ -121,9 +128,9 @@ class PrefixPipeline:
         Text is read without the chat template (the template decides token boundaries, not
         where two prompts differ): per message its role, name, text content, non-text parts'
         URLs and tool calls, each message its own run of chunks.  Chunks ending within the
-        first ``window`` characters are not keyed (at least one character per token: the
-        window's ``window`` tokens cover them).  A chunk's token estimate is its end at ~4
-        characters per token, never less than the window, never more than the prompt's estimate.
+        first ``window`` bytes are not keyed (at least one byte per token: the window's
+        ``window`` tokens cover them).  A chunk's token estimate is its end at ~4 bytes per
+        token, never less than the window, never more than the prompt's estimate.
         """
         if endpoint == "completions":
             prompt = body.get("prompt")
@@ -136,7 +143,7 @@ class PrefixPipeline:
             messages: list[Sequence[str]] = [(prompt,)] if isinstance(prompt, str) else []
         else:
             messages = _message_texts(body.get("messages"), body.get("tools"))
-        keys, ends = chain_text_keys(messages, parent, self.settings.chunk_chars, skip_chars=window)
+        keys, ends = chain_text_keys(messages, parent, self.settings.chunk_bytes, skip_bytes=window)
         if ends and not estimate:  # the window could not be rendered: estimate from what was read
             estimate = ends[-1] // _CHARS_PER_TOKEN
         floor = min(window, estimate)  # keys past the window cover at least the window

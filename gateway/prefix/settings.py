@@ -132,11 +132,11 @@ class PrefixSettings(BaseModel):
     base_model: str | None = Field(
         None, description="with lora_from_model: the base model name for the seed (default: the request's model)"
     )
-    chunk_chars: int = Field(
+    chunk_bytes: int = Field(
         1024,
         ge=16,
-        description="past the token window the key chain continues over the prompt's text in chunks of this "
-        "many characters (each message ends its own chunk): prompts are told apart however deep they differ",
+        description="past the token window the key chain continues over the prompt's UTF-8 text in chunks of "
+        "this many bytes (each message ends its own chunk): prompts are told apart however deep they differ",
     )
     token_cache_tokens: int = Field(
         2_000_000,

@@ -147,14 +147,19 @@ class AffinityIndex:
                 holders.pop(key, None)
 
     # -- the hot path ------------------------------------------------------------------
-    def match(self, keys: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
-        """For each of ``replicas`` with a match: the number of leading blocks it holds (>= 1)."""
+    def match(self, keys: Sequence[int], replicas: Iterable[str] | None) -> dict[str, int]:
+        """For each of ``replicas`` (None: every tracked one) with a match: the number of
+        leading keys it holds (>= 1)."""
         want = 0
         slot_of = self._slot
-        for name in replicas:
-            slot = slot_of.get(name)
-            if slot is not None:
+        if replicas is None:
+            for slot in self._names:
                 want |= 1 << slot
+        else:
+            for name in replicas:
+                slot = slot_of.get(name)
+                if slot is not None:
+                    want |= 1 << slot
         depth: dict[str, int] = {}
         if not want or not keys:
             return depth

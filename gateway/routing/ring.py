@@ -103,5 +103,15 @@ def load_bounds(in_flight: Mapping[str, int], weights: Mapping[str, float], load
     if weight_sum <= 0:
         weights = dict.fromkeys(in_flight, 1.0)
         weight_sum = float(len(in_flight))
-    # round() first: float noise must not turn an exact 2.0 into a bound of 3
-    return {name: math.ceil(round(load_factor * total * weights[name] / weight_sum, 9)) for name in in_flight}
+    # round() first: float noise must not turn an exact 2.0 into a bound of 3.  One computation
+    # per distinct weight (usually one): this runs for every replica on every request.
+    per_weight: dict[float, int] = {}
+    out: dict[str, int] = {}
+    scale = load_factor * total / weight_sum
+    for name in in_flight:
+        w = weights[name]
+        bound = per_weight.get(w)
+        if bound is None:
+            bound = per_weight[w] = math.ceil(round(scale * w, 9))
+        out[name] = bound
+    return out

@@ -26,6 +26,41 @@ from gateway.routing.policies.least_loaded import least_loaded
 log = logging.getLogger("prefix_gateway.routing")
 
 
+class LiveReplicaView:
+    """A :class:`ReplicaView` that reads its replica's counters when asked (no copy per request).
+
+    Same attributes and meaning as ``Replica.view()``: in-flight and queued prefill include
+    the peers' shares; engine stats come from the last scrape.
+    """
+
+    __slots__ = ("name", "replica", "weight")
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.name = replica.name
+        self.weight = replica.weight
+
+    @property
+    def in_flight(self) -> int:
+        r = self.replica
+        return r.in_flight + r.peer_in_flight
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        r = self.replica
+        return r.pending_prefill_tokens + r.peer_pending_prefill_tokens
+
+    @property
+    def kv_cache_usage(self) -> float | None:
+        engine = self.replica.engine
+        return None if engine is None else engine.kv_cache_usage
+
+    @property
+    def num_waiting(self) -> float | None:
+        engine = self.replica.engine
+        return None if engine is None else engine.waiting
+
+
 class PolicyRunner:
     """One route's policy bound to its pool of replicas."""
 
@@ -38,6 +73,30 @@ class PolicyRunner:
         self._turn = 0
         self._warned_invalid = False
         self.panic_decisions = 0  # decisions made over all replicas (healthy share below the panic threshold)
+        self._views: dict[str, LiveReplicaView] = {}
+        self._all_views: tuple[LiveReplicaView, ...] | None = None
+
+    def _live_views(self, eligible: list[Replica]) -> Sequence[ReplicaView]:
+        """Views that read each replica's counters when the policy reads them.
+
+        Building a frozen ``ReplicaView`` per replica per request costs ~1 µs each (0.27 ms at
+        256 replicas, most of the route stage).  The policy runs synchronously on the event
+        loop, so counters cannot change while it decides: a live view reads the same numbers
+        a snapshot would, and is built once per replica.
+        """
+        if len(eligible) == len(self.replicas) and self._all_views is not None:
+            return self._all_views  # every replica eligible (the common case): one list, reused
+        cache = self._views
+        out = []
+        for r in eligible:
+            view = cache.get(r.name)
+            if view is None or view.replica is not r:
+                view = cache[r.name] = LiveReplicaView(r)
+            out.append(view)
+        views = tuple(out)  # immutable: the cached one is shared by every request
+        if len(eligible) == len(self.replicas):
+            self._all_views = views
+        return views  # type: ignore[return-value]  # the same attributes as ReplicaView
 
     def set_replicas(self, replicas: Sequence[Replica]) -> None:
         """The pool's membership changed (reload, discovery): tell the policy too.
@@ -47,6 +106,7 @@ class PolicyRunner:
         """
         self.replicas = list(replicas)
         self._by_name = {r.name: r for r in self.replicas}
+        self._all_views = None
         self.policy.set_members(self.members())
 
     def members(self) -> list[ReplicaView]:
@@ -83,7 +143,7 @@ class PolicyRunner:
             error = NoHealthyReplica(msg)
             error.route = self.route
             raise error
-        views = [r.view() for r in eligible]
+        views = self._live_views(eligible)
         decision = (self.policy.peek if dry_run else self.policy.choose)(request, views)
         replica = self._by_name.get(decision.replica)
         if replica is None or replica not in eligible:

@@ -160,3 +160,35 @@ def test_pipeline_estimates_the_whole_prompt() -> None:
     assert p.prepare("chat", chat).prompt_tokens_estimate == 5000
     odd = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": text}, {"text": 123}]}]}
     assert p.prepare("chat", odd).prompt_tokens_estimate == 2500  # a malformed part is not counted, not an error
+
+
+def test_the_runners_views_read_live_counters_including_peers() -> None:
+    """The runner hands the policy live views (built once per replica): they read the counters at
+    decision time, peers' shares included, exactly as a fresh ``Replica.view()`` would."""
+    from gateway.config import HealthSettings, ReplicaConfig
+    from gateway.replicas.pool import Replica
+    from gateway.routing.runner import PolicyRunner
+
+    pool = [Replica(ReplicaConfig(name=n, url=f"http://127.0.0.1:{9000 + i}"), None, HealthSettings())  # type: ignore[arg-type]
+            for i, n in enumerate(NAMES)]  # fmt: skip
+    runner = PolicyRunner("r", "prefix", policy(), pool)
+    for i, r in enumerate(pool):
+        r.in_flight, r.peer_in_flight = i, 10 - i
+        r.pending_prefill_tokens, r.peer_pending_prefill_tokens = 100 * i, 7
+    views = runner._live_views(pool)
+    assert views is runner._live_views(pool)  # every replica eligible: built once, reused
+    for view, r in zip(views, pool, strict=True):
+        snapshot = r.view()
+        assert (view.name, view.weight, view.in_flight, view.pending_prefill_tokens) == (
+            snapshot.name, snapshot.weight, snapshot.in_flight, snapshot.pending_prefill_tokens)  # fmt: skip
+        assert (view.kv_cache_usage, view.num_waiting) == (snapshot.kv_cache_usage, snapshot.num_waiting)
+    pool[2].peer_in_flight = 50  # a peer report arrives: the same view sees it
+    assert views[2].in_flight == 52
+    # only some eligible: views for those, in order
+    assert [v.name for v in runner._live_views(pool[1:3])] == ["r1", "r2"]
+    # every replica busy but r3: the policy sees the live numbers
+    for r in pool:
+        r.in_flight, r.peer_in_flight, r.pending_prefill_tokens, r.peer_pending_prefill_tokens = 5, 0, 0, 0
+    pool[3].in_flight = 0
+    decision, replica = runner.decide(req(chain(20, 99)))
+    assert replica is pool[3] and decision.replica == "r3"

@@ -61,6 +61,7 @@ shows.  No HTTP, metrics or logging here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -151,10 +152,19 @@ class PrefixPolicySettings(PolicySettings):
         0.0,
         ge=0.0,
         description="a request that matches only a prefix shared inside other prompts (not where an earlier "
-        "prompt ended: a new conversation behind a tenant's system prompt) stays on the best-matching replica "
-        "while its load (in-flight + queued prefill, in requests) is at most the least loaded's + this; else "
-        "the least loaded replica takes it and caches the prefix too (replicate, don't hot-spot). "
+        "prompt ended: a new conversation behind a tenant's system prompt) goes where its estimated time to "
+        "first token is least (queued prefill + its own uncached prompt + load_cost_tokens per request in "
+        "flight): a busy holder's queue makes another replica compute the head too (replicate, don't "
+        "hot-spot). The best holder keeps it within this many requests (x load_cost_tokens) of the cheapest. "
         "null: such requests are scored like any other",
+    )
+    shared_recompute_weight: float = Field(
+        0.0,
+        ge=0.0,
+        description="placing a request that shares only a prefix: its uncached prompt tokens on a replica count "
+        "this much against queued prefill and in-flight requests (0: the least busy replica, by in-flight "
+        "and queued prefill; 1: this request's time to first token alone, so a holder keeps new conversations "
+        "until its queue outweighs computing the head elsewhere)",
     )
     use_session_key: bool = Field(True, description="use the route's session header value as the ring key if present")
 
@@ -226,26 +236,49 @@ class PrefixPolicy:
             return Decision(pick.name, "fallback", {"predicted_cached_tokens": 0, "key_source": "none"})
         self._sync_capacity(block_size)
 
-        in_flight = {r.name: r.in_flight for r in replicas}
-        weights = {r.name: float(r.weight) for r in replicas}
-        bounds = load_bounds(in_flight, weights, settings.load_factor)
-        depth = self.index.match(keys, in_flight) if keys else {}
+        # One pass over the replicas (this runs for every replica on every request).
+        in_flight: dict[str, int] = {}
+        weights: dict[str, float] = {}
+        pending: dict[str, int] = {}  # only replicas with queued prefill
+        total = 0
+        for r in replicas:
+            name = r.name
+            f = in_flight[name] = r.in_flight
+            total += f
+            weights[name] = float(r.weight)
+            p = r.pending_prefill_tokens
+            if p:
+                pending[name] = p
+        first_weight = weights[replicas[0].name]
+        uniform = first_weight > 0 and all(w == first_weight for w in weights.values())
+        if uniform:  # equal weights (the usual case): one bound for all, ceil(c x (total + 1) / n)
+            bound = math.ceil(round(settings.load_factor * (total + 1) / len(in_flight), 9))
+            bounds = dict.fromkeys(in_flight, bound)
+        else:
+            bounds = load_bounds(in_flight, weights, settings.load_factor)
+        # every member eligible (the usual case): the index matches against all of them
+        everyone = len(in_flight) == len(self._weights)
+        depth = self.index.match(keys, None if everyone else in_flight) if keys else {}
         best_any = max(depth.values(), default=0)
         matched = self._matched_tokens(request, depth)
         if settings.bound_extra:
             # Extra room only where a long enough prefix is cached: a conversation keeps its
             # replica at low load, a short popular prefix cannot pile up beyond the bound.
             deep = max(1, settings.bound_extra_min_tokens)
-            bounds = {
-                name: b + settings.bound_extra if matched.get(name, 0) >= deep else b for name, b in bounds.items()
-            }
+            for name, tokens in matched.items():
+                if tokens >= deep and name in bounds:
+                    bounds[name] += settings.bound_extra
         mean_weight = sum(weights.values()) / len(weights) or 1.0
         # In-flight per unit of weight; a weight-0 replica looks very busy (finite, so scores stay numbers).
-        load = {
-            name: in_flight[name] * mean_weight / weights[name] if weights[name] > 0 else 1e9 + in_flight[name]
-            for name in in_flight
-        }
-        under = [r.name for r in replicas if in_flight[r.name] < bounds[r.name]]
+        load: dict[str, float] = (
+            in_flight  # type: ignore[assignment]  # read-only here: in-flight per unit of weight
+            if uniform
+            else {
+                name: f * mean_weight / w if w > 0 else 1e9 + f
+                for (name, f), w in zip(in_flight.items(), weights.values(), strict=True)
+            }
+        )
+        under = [name for name, f in in_flight.items() if f < bounds[name]]
         if not under:  # impossible with load_factor >= 1; stay total anyway
             under = [r.name for r in replicas]
         # Ties break on this request's own identity — its session, or its deepest key (which
@@ -262,12 +295,11 @@ class PrefixPolicy:
         cached_under = [matched.get(name, 0) for name in under]
         if queue_weight and max(cached_under) - min(cached_under) >= block_size:
             queue_weight = 0.0
-        queued = {
-            r.name: queue_weight * r.pending_prefill_tokens * mean_weight / weights[r.name]
-            if weights[r.name] > 0
-            else 0.0
-            for r in replicas
-        }
+        queued = dict.fromkeys(in_flight, 0.0)
+        if queue_weight:
+            for name, p in pending.items():
+                w = weights[name]
+                queued[name] = queue_weight * p * mean_weight / w if w > 0 else 0.0
         scores: dict[str, float] = {}
         shared_slack = settings.shared_prefix_slack
         has_match = any(depth.get(name, 0) for name in under)
@@ -280,7 +312,9 @@ class PrefixPolicy:
             reason = "affinity" if matched.get(pick, 0) == max(matched.values()) else "spill"
         elif has_match and shared_slack is not None and self._shared_only(keys, depth):
             branch = "shared"
-            pick = self._place_shared(request, replicas, under, load, matched, tie_key, shared_slack, mean_weight)
+            pick = self._place_shared(
+                request, weights, pending, under, load, matched, tie_key, shared_slack, mean_weight
+            )
             reason = "affinity" if matched.get(pick, 0) == max(matched.values()) else "spill"
         elif has_match:
             branch = "score"
@@ -391,7 +425,8 @@ class PrefixPolicy:
     def _place_shared(
         self,
         request: RequestView,
-        replicas: Sequence[ReplicaView],
+        weights: dict[str, float],
+        pending: dict[str, int],
         under: list[str],
         load: dict[str, float],
         matched: dict[str, int],
@@ -401,28 +436,36 @@ class PrefixPolicy:
     ) -> str:
         """Where a request that shares only a prefix goes: replicate a busy prefix, don't pile on it.
 
-        Cost = in-flight requests plus queued prefill in requests (``load_cost_tokens`` per
-        request), per unit of weight.  The best-matching replica keeps the request while its
-        cost is at most the least busy replica's + ``slack``; otherwise the least busy replica
-        takes it (the one holding most of the prompt among equals) and computes the prefix,
-        so a hot prefix ends up cached on as many replicas as its traffic needs.  Ties break
-        on the request's own key: a tenant's conversations spread.
+        Each under-bound replica's cost estimates this request's time to first token in
+        tokens of prefill: the prefill queued there, plus this request's own uncached prompt
+        there (the whole prompt less what it holds; x ``shared_recompute_weight``: a new
+        conversation's later turns reuse the head, so computing it is paid once for several
+        turns), plus ``load_cost_tokens`` per request in flight (per unit of weight).  A
+        replica without the shared head pays for computing it, so the holder keeps new
+        requests until its queue costs more than that — then the
+        cheapest replica takes the request and computes the head, which it holds from then on:
+        a hot prefix ends up on as many replicas as its traffic needs, a quiet one on one.
+        The best holder also keeps the request while within ``slack`` requests' worth
+        (x ``load_cost_tokens``) of the cheapest.  Ties break on the request's own key (most
+        of the prompt held first): a tenant's new conversations spread.
         """
-        per_request = max(self.settings.load_cost_tokens, 1.0)
-        queue_weight = self.settings.prefill_queue_weight
+        settings = self.settings
+        per_request = settings.load_cost_tokens
+        queue_weight = settings.prefill_queue_weight
+        block = request.block_size or 1
+        total = request.prompt_tokens_estimate or request.prompt_tokens or 0
+        recompute = settings.shared_recompute_weight
         cost: dict[str, float] = {}
-        weight_of = {r.name: float(r.weight) for r in replicas}
-        pending = {r.name: r.pending_prefill_tokens for r in replicas}
         for name in under:
-            w = weight_of[name]
-            queued = queue_weight * pending[name] * mean_weight / w if w > 0 else 0.0
-            cost[name] = load[name] + queued / per_request
+            p = pending.get(name, 0)
+            w = weights[name]
+            queued = queue_weight * p * mean_weight / w if p and w > 0 else 0.0
+            cost[name] = per_request * load[name] + queued + recompute * max(0, total - matched.get(name, 0))
         least = min(cost.values())
         best = max(matched.get(name, 0) for name in under)
-        block = request.block_size or 1
         holders = [name for name in under if matched.get(name, 0) > best - block]
         holder_cost = min(cost[name] for name in holders)
-        if holder_cost <= least + slack:
+        if holder_cost <= least + slack * max(per_request, 1.0):
             pool = [name for name in holders if cost[name] == holder_cost]
         else:
             pool = [name for name in under if cost[name] == least]
