@@ -11,24 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_helpers import SIM_OPTIONS
 
 from gateway.sim.launcher import ReplicaGroup
 
 # Reuse the gateway tests' echo upstream (a real server that answers with what it received).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
-
-SIM_OPTIONS = {
-    # The replicas use the ChatML-like layout over cl100k_base, which is also what the gateway
-    # uses for an unknown model name (demo-model): these tests assert exact predictions.
-    # test_e2e_alignment.py runs the misaligned and model-aligned cases.
-    "tokenizer": "cl100k_base",
-    "time_scale": 0,
-    "enable_admin": True,
-    "num_gpu_blocks": 4096,
-    "max_output_tokens": 8,
-    "disable_uvicorn_access_log": True,
-    "disable_log_stats": True,
-}
 
 
 @pytest.fixture

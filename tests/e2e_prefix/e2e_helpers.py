@@ -23,6 +23,20 @@ BLOCK = 16
 ADMIN_KEY = "e2e-admin-key"
 T = TypeVar("T")
 
+# The simulated fleet of these tests (conftest.py's ``fleet``).
+SIM_OPTIONS = {
+    # The replicas use the ChatML-like layout over cl100k_base, which is also what the gateway
+    # uses for an unknown model name (demo-model): these tests assert exact predictions.
+    # test_e2e_alignment.py runs the misaligned and model-aligned cases.
+    "tokenizer": "cl100k_base",
+    "time_scale": 0,
+    "enable_admin": True,
+    "num_gpu_blocks": 4096,
+    "max_output_tokens": 8,
+    "disable_uvicorn_access_log": True,
+    "disable_log_stats": True,
+}
+
 
 def prefix_route(name: str = "main", mode: str = "relocate", **extra: Any) -> dict[str, Any]:
     return {"name": name, "match": {"models": [MODEL]}, "policy": "prefix", "normalize": {"mode": mode}, **extra}

@@ -15,21 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_helpers import ADMIN_KEY, admin, client, gateway
+from e2e_helpers import ADMIN_KEY, SIM_OPTIONS, admin, client, gateway
 
 from gateway.sim.launcher import ReplicaGroup
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
-SIMS = {
-    "time_scale": 0,
-    "enable_admin": True,
-    "num_gpu_blocks": 4096,
-    "max_output_tokens": 8,
-    "disable_uvicorn_access_log": True,
-    "disable_log_stats": True,
-    "tokenizer": "llama3",
-    "model": LLAMA,
-}
+SIMS = {**SIM_OPTIONS, "tokenizer": "llama3", "model": LLAMA}  # the replicas' own tokenizer and template
 TOPICS = ["astronomy", "baking", "chess", "diving", "etching", "falconry", "gardening", "hiking"]
 QUESTIONS = ["Where do I start?", "What tools do I need?", "How do I practise?", "What comes next?", "Any tips?"]
 
@@ -51,7 +42,9 @@ def run(tmp_path: Path, tokenizer: str) -> tuple[dict[str, list[str]], int, int,
     group = ReplicaGroup(4, log_dir=tmp_path / f"sims-{tokenizer}", **SIMS)
     replicas: dict[str, list[str]] = {t: [] for t in TOPICS}
     prompt = cached = 0
-    with group.start(), gateway(group.urls, routes=[route]) as gw:
+    # a lenient health check: on a busy machine a slow probe must not eject a replica mid-run
+    health = {"timeout_s": 5.0, "unhealthy_threshold": 3}
+    with group.start(), gateway(group.urls, routes=[route], health=health) as gw:
         sdk = client(gw)
         histories = {
             t: [{"role": "system", "content": system(t)}, {"role": "user", "content": f"I want to learn {t}."}]
