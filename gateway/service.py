@@ -117,7 +117,7 @@ class Gateway:
             self.metrics.declare_route(route.name, route.policy, [r.name for r in route.runner.replicas])
         self.stats = StatsBook()
         #: recent request shapes for /admin/samples and `prefix-gateway doctor` (None: off, the default)
-        self.samples = SampleBuffer(config.samples, self.routes.routes) if config.samples.enabled else None
+        self.samples = SampleBuffer(config.samples, lambda: self.routes.routes) if config.samples.enabled else None
         self.summary = SummaryReporter(
             self.stats,
             lambda: [(r.name, r.runner.replicas) for r in self.routes.routes],

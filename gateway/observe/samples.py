@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -111,15 +111,18 @@ def unsalted_keys(pipeline: PrefixPipeline, endpoint: str, body: Mapping[str, An
 class SampleBuffer:
     """Recent request shapes, bounded by count and bytes.  Lives on the event loop: no locks."""
 
-    def __init__(self, settings: SampleSettings, routes: Sequence[Route], secret: int | None = None) -> None:
+    def __init__(
+        self, settings: SampleSettings, routes: Callable[[], Sequence[Route]], secret: int | None = None
+    ) -> None:
         self.settings = settings
         self.fp = Fingerprinter(secret)
         self._samples: deque[tuple[int, dict[str, Any]]] = deque()
         self.bytes = 0
         self.dropped = 0
         self.recorded = 0
-        self._routes = {route.name: route for route in routes}
-        self._shadows: dict[str, PrefixPipeline | None] = {}
+        self._routes = routes  # read on each snapshot: a config reload swaps routes
+        # route name -> (the normalize/prefix settings it was built from, the shadow pipeline)
+        self._shadows: dict[str, tuple[object, PrefixPipeline | None]] = {}
 
     # -- recording --------------------------------------------------------------------
     def record(self, plan: Plan, body: Mapping[str, Any], outcome: Outcome) -> None:
@@ -186,25 +189,30 @@ class SampleBuffer:
         return sample
 
     def _shadow(self, route: Route) -> PrefixPipeline | None:
-        """The route's pipeline in ``relocate`` mode (None when the route already relocates)."""
-        if route.name not in self._shadows:
-            normalize = route.config.normalize
-            shadow = None
-            if normalize.mode != "relocate":
-                prefix = route.config.prefix.model_copy(
-                    update={"token_cache_tokens": min(route.config.prefix.token_cache_tokens, _SHADOW_TOKEN_CACHE)}
-                )
-                shadow = PrefixPipeline(normalize.model_copy(update={"mode": "relocate"}), prefix)
-            self._shadows[route.name] = shadow
-        return self._shadows[route.name]
+        """The route's pipeline in ``relocate`` mode (None when the route already relocates).
+
+        Rebuilt when a reload gave the route other normalize or prefix settings.
+        """
+        built = (route.config.normalize, route.config.prefix)
+        cached = self._shadows.get(route.name)
+        if cached is not None and cached[0] == built:
+            return cached[1]
+        normalize, prefix = built
+        shadow = None
+        if normalize.mode != "relocate":
+            cache = min(prefix.token_cache_tokens, _SHADOW_TOKEN_CACHE)
+            prefix = prefix.model_copy(update={"token_cache_tokens": cache})
+            shadow = PrefixPipeline(normalize.model_copy(update={"mode": "relocate"}), prefix)
+        self._shadows[route.name] = (built, shadow)
+        return shadow
 
     # -- reading ----------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """``GET /admin/samples``: the settings, each route's keying, and the samples (oldest first)."""
         routes = {}
-        for name, route in self._routes.items():
+        for route in self._routes():
             config = route.config
-            routes[name] = {
+            routes[route.name] = {
                 "policy": route.policy,
                 "normalize": config.normalize.mode,
                 "block_size": config.prefix.block_size,

@@ -75,17 +75,38 @@ def _sample(i: int, size: int) -> dict[str, object]:
 
 
 def test_buffer_is_bounded_by_count_and_bytes() -> None:
-    by_count = SampleBuffer(SampleSettings(enabled=True, max_count=5), [])
+    by_count = SampleBuffer(SampleSettings(enabled=True, max_count=5), list)
     for i in range(12):
         by_count.add(_sample(i, 10))
     snap = by_count.snapshot()
     assert [s["i"] for s in snap["samples"]] == [7, 8, 9, 10, 11]  # the newest five, oldest first
     assert snap["recorded"] == 12 and snap["dropped"] == 7
 
-    by_bytes = SampleBuffer(SampleSettings(enabled=True, max_count=1000, max_bytes=4096), [])
+    by_bytes = SampleBuffer(SampleSettings(enabled=True, max_count=1000, max_bytes=4096), list)
     for i in range(40):
         by_bytes.add(_sample(i, 1000))
     snap = by_bytes.snapshot()
     size = sum(len(json.dumps(s, separators=(",", ":")).encode()) for s in snap["samples"])
     assert size == snap["bytes"] <= 4096
     assert snap["count"] == 4 and snap["samples"][-1]["i"] == 39
+
+
+async def test_the_buffer_follows_a_config_reload() -> None:
+    """A reload swaps routes: the snapshot and the shadow pipeline follow the new settings."""
+    from gateway.observe.outcome import Outcome
+    from gateway.reload import apply_config
+    from gateway.service import Gateway
+    from tests.configs import gateway_config
+
+    urls = ["http://127.0.0.1:9"]
+    gw = Gateway(gateway_config(urls, routes=[route("report")], samples={"enabled": True}))
+    body = planted_traffic(1)[0]
+    outcome = Outcome(route="main", endpoint="chat", status=200, prompt_tokens=900)
+    assert gw.samples is not None
+    gw.samples.record(gw.plan("chat", body, {}), body, outcome)
+    await apply_config(gw, gateway_config(urls, routes=[route("relocate")], samples={"enabled": True}))
+    gw.samples.record(gw.plan("chat", body, {}), body, outcome)
+    snap = gw.samples.snapshot()
+    assert snap["routes"]["main"]["normalize"] == "relocate"
+    before, after = snap["samples"]
+    assert before["keys_relocated"] and after["keys_relocated"] is None  # the route relocates itself now
