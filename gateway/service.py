@@ -101,7 +101,9 @@ class Gateway:
         self.config = config
         self.replicas: dict[str, Replica] = {}
         # ejection cap and slow-replica comparison over whatever the membership is now
-        self.fleet = Fleet(lambda: self.replicas.values(), config.health)
+        self.fleet = Fleet(
+            lambda: self.replicas.values(), config.health, lambda: [r.runner.replicas for r in self.routes.routes]
+        )
         for rc in config.replicas:
             client = client_factory(rc, config.upstream)
             self.replicas[rc.name] = Replica(rc, client, config.health, rc.resolved_api_key(env), fleet=self.fleet)

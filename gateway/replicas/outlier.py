@@ -74,8 +74,16 @@ class FailureWindow:
 class Fleet:
     """Rules that compare a replica with the others (see the module docstring)."""
 
-    def __init__(self, members: Callable[[], Iterable[Replica]], health: HealthSettings) -> None:
+    def __init__(
+        self,
+        members: Callable[[], Iterable[Replica]],
+        health: HealthSettings,
+        pools: Callable[[], Iterable[Sequence[Replica]]] | None = None,
+    ) -> None:
         self._members = members
+        # the routes' pools: a replica is compared with the replicas it shares traffic with
+        # (a big model's pool is not "slow" next to a small model's); default: one pool of all
+        self._pools = pools
         self.health = health
         self._slow_checked = 0.0
 
@@ -98,21 +106,34 @@ class Fleet:
         """A replica has a new latency sample: recompute the slow flags (rate-limited)."""
         if now - self._slow_checked >= SLOW_REFRESH_S:
             self._slow_checked = now
-            refresh_slow(list(self._members()), self.health)
+            members = list(self._members())
+            pools = [list(p) for p in self._pools()] if self._pools is not None else [members]
+            refresh_slow(members, pools, self.health)
 
 
-def refresh_slow(replicas: Sequence[Replica], health: HealthSettings) -> None:
-    """Flag replicas whose smoothed time to first byte is far above the others' median."""
+def refresh_slow(replicas: Sequence[Replica], pools: Sequence[Sequence[Replica]], health: HealthSettings) -> None:
+    """Flag replicas whose smoothed time to first byte is far above the others' median.
+
+    Judged in every pool the replica is in (against that pool's other measured replicas): slow
+    only where every pool with a reference says so.
+    """
     factor = health.slow_ttft_factor
-    measured = [r for r in replicas if r.ttfb_samples >= TTFB_MIN_SAMPLES and r.ttfb_ewma is not None]
+
+    def measured(r: Replica) -> bool:
+        return r.ttfb_samples >= TTFB_MIN_SAMPLES and r.ttfb_ewma is not None
+
     for replica in replicas:
-        slow = False
-        if factor > 0 and replica in measured:
-            others = [r.ttfb_ewma for r in measured if r is not replica and r.ttfb_ewma is not None]
-            if others:
-                median = statistics.median(others)
-                own = replica.ttfb_ewma or 0.0
-                slow = own > factor * median and own - median >= health.slow_min_extra_s
+        verdicts = []
+        if factor > 0 and measured(replica):
+            own = replica.ttfb_ewma or 0.0
+            for pool in pools:
+                if replica not in pool:
+                    continue
+                others = [r.ttfb_ewma or 0.0 for r in pool if r is not replica and measured(r)]
+                if others:
+                    median = statistics.median(others)
+                    verdicts.append(own > factor * median and own - median >= health.slow_min_extra_s)
+        slow = bool(verdicts) and all(verdicts)
         if slow != replica.slow:
             replica.set_slow(slow)
 

@@ -19,10 +19,11 @@ class NullClient:
     base_url = "http://unused"
 
 
-def fleet(n: int, **health: Any) -> list[Replica]:
+def fleet(n: int, pools: list[list[int]] | None = None, **health: Any) -> list[Replica]:
     settings = HealthSettings(**health)
     members: list[Replica] = []
-    group = Fleet(lambda: members, settings)
+    by_pool = None if pools is None else (lambda: [[members[i] for i in p] for p in pools])
+    group = Fleet(lambda: members, settings, by_pool)
     members.extend(
         Replica(ReplicaConfig(name=f"r{i}", url=f"http://h:{i + 1}"), NullClient(), settings, fleet=group)  # type: ignore[arg-type]
         for i in range(n)
@@ -200,3 +201,16 @@ def test_down_listeners_hear_of_the_transition_once() -> None:
     r.record_probe(True, now=3.0)
     r.record_probe(False, "x", now=4.0)
     assert heard == [1]
+
+
+def test_slow_is_judged_within_the_pools_a_replica_serves() -> None:
+    """Two routes: a big model's pool (r0, r1) is slower than a small model's (r2, r3) by
+    nature; neither is slow — but a replica far behind its own pool is."""
+    pool = fleet(4, pools=[[0, 1], [2, 3]], slow_ttft_factor=3.0, slow_min_extra_s=0.5)
+    for i in range(10):
+        for r, ttfb in zip(pool, (3.0, 3.2, 0.1, 0.1), strict=True):
+            r.record_ttfb(ttfb, now=i)
+    assert [r.slow for r in pool] == [False, False, False, False]
+    for i in range(20):
+        pool[1].record_ttfb(12.0, now=20 + i)
+    assert [r.slow for r in pool] == [False, True, False, False]
