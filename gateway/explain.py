@@ -330,7 +330,8 @@ def render_text(report: Mapping[str, Any]) -> str:
     if prefix is not None:
         lines.append(
             f"tokens: {prefix['window_tokens']} in the window (limit {prefix['window_limit']}, "
-            f"{prefix['tokenizer']}) -> {prefix['blocks']} blocks of {prefix['block_size']}"
+            f"{prefix['tokenizer']}: {prefix.get('units') or 'no tokens'}) -> "
+            f"{prefix['blocks']} blocks of {prefix['block_size']}"
             + ("  [window full: the prompt is longer]" if prefix["window_full"] else "")
         )
     key = report.get("key")
