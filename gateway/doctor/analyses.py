@@ -531,6 +531,8 @@ def volatile_from_stats(info: RouteInfo, live: dict[str, Any]) -> list[Finding]:
 
 def warmup_misses(info: RouteInfo, live: dict[str, Any]) -> list[Finding]:
     """Requests that kept a value in place while the gateway was still learning that it varies."""
+    if info.normalize != "relocate":
+        return []  # nothing is moved in report or off mode: every volatile value costs, not only the first
     misses = _normalization(live).get("warmup_misses")
     requests = live.get("requests") or 0
     if not isinstance(misses, int) or misses <= 0 or not requests or misses / requests < 0.02:

@@ -235,6 +235,9 @@ def test_stats_alone_name_unrelocated_spans_and_warmup_misses() -> None:
     warmup = _causes(Corpus("test", stats=stats, routes={"main": RouteInfo("main", "relocate")}))["warmup_miss"]
     assert warmup["data"] == {"warmup_misses": 10, "share": 0.1}
     assert warmup["fix"]["patch"] == {"route": "main", "normalize": {"always": ["iso_datetime"]}}
+    # in report mode nothing moves: the volatile-span finding covers it, not a warm-up
+    stats = _stats(normalize="report", requests=100, normalization={**relocating, "mode": "report"})
+    assert "warmup_miss" not in _causes(Corpus("test", stats=stats, routes={"main": RouteInfo("main", "report")}))
 
 
 def test_user_input_before_shared_instructions_in_a_file(tmp_path: Path) -> None:
