@@ -20,6 +20,7 @@ DetectorName = Literal[
     "date",
     "time",
     "hex_id",
+    "prefixed_id",
     "base64_id",
 ]
 #: Built-in detectors, in priority order (an earlier one wins when two match at the same place).

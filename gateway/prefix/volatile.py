@@ -24,7 +24,8 @@ appends are never reported as spans, which is what makes relocation idempotent.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.prefix.settings import DETECTORS, RegexRule
@@ -51,51 +52,90 @@ class Span:
 
 
 # --- built-in detectors ---------------------------------------------------------------
+# Lookarounds use ASCII classes, not ``\w``: ``\w`` also matches CJK characters, which would
+# hide ``现在时间17:30`` (a time right after Chinese text) from every detector.
+_W = r"A-Za-z0-9_"
 _MONTH = (
     r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?"
     r"|Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)"
+)
+# Month names of the other common European languages (de, fr, es, it, pt, nl), any case.
+_EU_MONTH = (
+    r"(?i:januar|jänner|februar|märz|maerz|april|mai|juni|juli|august|september|oktober|november|dezember"
+    r"|janvier|février|fevrier|mars|avril|juin|juillet|août|aout|septembre|octobre|novembre|décembre|decembre"
+    r"|enero|febrero|marzo|abril|mayo|junio|julio|agosto|se?tiembre|octubre|noviembre|diciembre"
+    r"|gennaio|febbraio|aprile|maggio|giugno|luglio|settembre|ottobre|dicembre"
+    r"|janeiro|fevereiro|março|marco|maio|junho|julho|outubro|novembro|dezembro"
+    r"|januari|februari|maart|mei|augustus)"
 )
 _WDAY = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)"
 _WEEKDAY = r"(?:(?:Mon|Tues|Wednes|Thurs|Fri|Satur|Sun)day|Mon|Tue|Tues|Wed|Thu|Thur|Thurs|Fri|Sat|Sun)\.?"
 _TZ = r"(?:[+-]\d{4}|UT|UTC|GMT|Z|[ECMP][SD]T)"
 _HMS = r"(?:[01]?\d|2[0-3]):[0-5]\d(?::[0-5]\d)?"
+_ORD = r"(?:st|nd|rd|th)"
+# CJK/Korean dates: 2025年3月4日, 2025年3月4日17:30:00, 2025年3月4日 17时30分, 2025년 3월 4일
+_CJK_TIME = (
+    r"(?:\s*(?:[01]?\d|2[0-3])(?::[0-5]\d(?::[0-5]\d)?"
+    r"|[时時点點시]\s*(?:[0-5]?\d[分분](?:\s*[0-5]?\d[秒초])?)?))?"
+)
+_CJK_DATE = (
+    rf"(?:19|20)\d{{2}}年\s*(?:0?[1-9]|1[0-2])月\s*(?:0?[1-9]|[12]\d|3[01])[日号]{_CJK_TIME}"
+    rf"|(?:19|20)\d{{2}}년\s*(?:0?[1-9]|1[0-2])월\s*(?:0?[1-9]|[12]\d|3[01])일{_CJK_TIME}"
+)
 
 _PATTERNS: dict[str, str] = {
     # "Tue, 04 Mar 2025 05:06:07 +0000", "4 Mar 2025 05:06 GMT", and ctime/`date` style
     # "Tue Mar  4 05:06:07 UTC 2025" / "Tue Mar  4 05:06:07 2025".
     "rfc2822_datetime": (
-        rf"(?<![\w])(?:(?:{_WDAY},?\s+)?\d{{1,2}}\s+{_MONTH}\s+\d{{4}}\s+{_HMS}(?:\s*{_TZ})?"
-        rf"|{_WDAY}\s+{_MONTH}\s+\d{{1,2}}\s+{_HMS}(?:\s+[A-Z]{{2,5}})?\s+\d{{4}})(?!\w)"
+        rf"(?<![{_W}])(?:(?:{_WDAY},?\s+)?\d{{1,2}}\s+{_MONTH}\s+\d{{4}}\s+{_HMS}(?:\s*{_TZ})?"
+        rf"|{_WDAY}\s+{_MONTH}\s+\d{{1,2}}\s+{_HMS}(?:\s+[A-Z]{{2,5}})?\s+\d{{4}})(?![{_W}])"
     ),
     # "2025-03-04T05:06:07Z", "2025-03-04 05:06:07.123+01:00", "2025-03-04T05:06"
     "iso_datetime": (
-        r"(?<![\w.])\d{4}-[01]\d-[0-3]\d[T ][0-2]\d:[0-5]\d(?::[0-5]\d(?:[.,]\d{1,9})?)?"
-        r"(?:\s?(?:Z|UTC|[+-][0-2]\d(?::?[0-5]\d)?))?(?![\w])"
+        rf"(?<![{_W}.-])\d{{4}}-[01]\d-[0-3]\d[T ][0-2]\d:[0-5]\d(?::[0-5]\d(?:[.,]\d{{1,9}})?)?"
+        rf"(?:\s?(?:Z|UTC|[+-][0-2]\d(?::?[0-5]\d)?))?(?![{_W}])"
     ),
     "uuid": (
         r"(?<![0-9A-Za-z-])[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}(?![0-9A-Za-z-])"
     ),
-    # seconds (10 digits) or milliseconds (13) since the epoch, 2001-09-09 .. 2096
-    "unix_timestamp": r"(?<![\w.])[1-3]\d{9}(?:\d{3}|\.\d{1,6})?(?!\w|\.\d)",
+    # Seconds (10 digits) or milliseconds (13) since the epoch.  Any 10-digit number would
+    # match syntactically (phone 2125551234, "Account 1000000001"), so only values within a
+    # few years of now count (see _plausible_epoch) and round numbers (2000000000) never do.
+    "unix_timestamp": rf"(?<![{_W}.])[1-3]\d{{9}}(?:\d{{3}}|\.\d{{1,6}})?(?![{_W}]|\.\d)",
     # "2025-03-04", "2025/03/04", "04/03/2025", "4.3.2025", "March 4, 2025", "4 March 2025",
-    # "Tuesday, March 4th, 2025"
+    # "Tuesday, March 4th, 2025", "March 4th", "the 4th of March", "4. März 2025",
+    # "4 de marzo de 2025", "1er mars 2025", "2025年3月4日17:30:00".  Not inside a dated name
+    # such as "gpt-4o-2024-08-06" (no "-" or "." before).
     "date": (
-        r"(?<![\w.])(?:(?:19|20)\d{2}(?P<_ds1>[-/.])(?:0?[1-9]|1[0-2])(?P=_ds1)(?:0?[1-9]|[12]\d|3[01])"
+        rf"(?<![{_W}.-])(?:(?:19|20)\d{{2}}(?P<_ds1>[-/.])(?:0?[1-9]|1[0-2])(?P=_ds1)(?:0?[1-9]|[12]\d|3[01])"
         r"|(?:[0-3]?\d)(?P<_ds2>[/-])(?:[0-3]?\d)(?P=_ds2)(?:\d{4}|\d{2})"
         r"|[0-3]?\d\.[01]?\d\.(?:19|20)\d{2}"
-        rf"|(?:{_WEEKDAY},?\s+)?{_MONTH}\.?\s+[0-3]?\d(?:st|nd|rd|th)?,?\s+(?:19|20)\d{{2}}"
-        rf"|(?:{_WEEKDAY},?\s+)?[0-3]?\d(?:st|nd|rd|th)?\s+(?:of\s+)?{_MONTH}\.?,?\s+(?:19|20)\d{{2}})(?![\w])"
+        rf"|(?:{_WEEKDAY},?\s+)?{_MONTH}\.?\s+[0-3]?\d{_ORD}?,?\s+(?:19|20)\d{{2}}"
+        rf"|(?:{_WEEKDAY},?\s+)?[0-3]?\d{_ORD}?\s+(?:of\s+)?{_MONTH}\.?,?\s+(?:19|20)\d{{2}}"
+        rf"|(?:{_WEEKDAY},?\s+)?{_MONTH}\.?\s+[0-3]?\d{_ORD}"
+        rf"|[0-3]?\d{_ORD}\s+of\s+{_MONTH}"
+        rf"|[0-3]?\d(?:\.|er|º|°|o)?\s+(?:(?i:de)\s+)?{_EU_MONTH}\.?,?\s+(?:(?i:de|del)\s+)?(?:19|20)\d{{2}}"
+        rf"|{_CJK_DATE})(?![{_W}])"
     ),
-    # "05:06", "05:06:07.123", "5:06 PM", "17:30 UTC"
+    # "05:06", "05:06:07.123", "5:06 PM", "17:30 UTC".  Not a range ("9:00-17:00": office
+    # hours) and not a bare one-digit "H:MM" ("John 3:16"): those need seconds or a suffix.
     "time": (
-        rf"(?<![\w:.]){_HMS}(?:[.,]\d{{1,6}})?(?:\s?[AaPp]\.?[Mm]\.?)?(?:\s?(?:UTC|GMT|Z|[+-][0-2]\d:?[0-5]\d))?"
-        r"(?![\w:]|\.\d)"
+        rf"(?<![{_W}:.])(?<![-\u2013])(?<![-\u2013] )"
+        r"(?:(?:[01]\d|2[0-3]):[0-5]\d(?::[0-5]\d)?|\d:[0-5]\d:[0-5]\d"
+        r"|\d:[0-5]\d(?=[.,]\d|\s?[AaPp]\.?[Mm]|\s?(?:UTC|GMT|Z)))"
+        rf"(?:[.,]\d{{1,6}})?(?:\s?[AaPp]\.?[Mm]\.?)?(?:\s?(?:UTC|GMT|Z))?"
+        rf"(?![{_W}:]|\.\d|\s?[-\u2013]\s?\d)"
     ),
-    # 16..128 hex digits (sha1/sha256, trace ids, long decimal ids); at least one digit
+    # 16..128 hex digits (sha1/sha256, trace ids, long decimal ids); at least one digit.
+    # A 16-digit decimal that passes the Luhn check is a card number, not an id (_not_card).
     "hex_id": r"(?<![0-9A-Za-z_])(?=[0-9a-fA-F]*[0-9])[0-9a-fA-F]{16,128}(?![0-9A-Za-z_])",
+    # "req_8f3k2l9x0a", "cus_N3kd92LxQe": a short lower-case prefix, "_", then a random-looking
+    # tail of 8..64 letters and digits (see _looks_random: "get_user2profile" is not random).
+    "prefixed_id": r"(?<![0-9A-Za-z_])[a-z]{2,12}_(?=[A-Za-z0-9]*\d)[A-Za-z0-9]{8,64}(?![0-9A-Za-z_-])",
     # 20..200 chars of base64/base64url/ULID-ish text with a digit and a letter; see _looks_random
+    # ("nonce=Zx81..." counts: "=" may precede it, it only ever ends one).
     "base64_id": (
-        r"(?<![A-Za-z0-9+/_=-])(?=[A-Za-z0-9+/_-]*[0-9])(?=[A-Za-z0-9+/_-]*[A-Za-z])"
+        r"(?<![A-Za-z0-9+/_-])(?=[A-Za-z0-9+/_-]*[0-9])(?=[A-Za-z0-9+/_-]*[A-Za-z])"
         r"[A-Za-z0-9+/_-]{20,200}={0,2}(?![A-Za-z0-9+/_=-])"
     ),
 }
@@ -115,6 +155,62 @@ _LEFT = 40
 _RIGHT = 64
 _ID_REACH = 512  # how far an id-like run is followed past the context window
 _SPILL = 256  # a span may start before the scan limit and end after it
+
+
+_EPOCH_YEARS = 5  # a Unix timestamp in a prompt is "now-ish": within this many years of now
+_YEAR_S = 365 * 86400
+
+
+def _plausible_epoch(value: str, now: float | None = None) -> bool:
+    """A 10/13-digit number is read as a Unix timestamp only near now and when not round.
+
+    Syntax alone cannot tell ``2125551234`` (a phone number) or ``1000000001`` (an account)
+    from a timestamp; a prompt's "current time" is within a few years of the gateway's clock,
+    and round numbers (``2000000000``) are limits and ids, not clocks.
+    """
+    digits = value.partition(".")[0]
+    seconds = int(digits[:10])
+    if digits.endswith("000000") and "." not in value:
+        return False
+    current = time.time() if now is None else now
+    return abs(seconds - current) <= _EPOCH_YEARS * _YEAR_S
+
+
+def _not_card(value: str) -> bool:
+    """False for a 16-digit decimal that passes the Luhn check (a payment card number)."""
+    if len(value) != 16 or not value.isdigit():
+        return True
+    total = 0
+    for i, ch in enumerate(reversed(value)):
+        d = ord(ch) - 48
+        if i % 2:
+            d = d * 2 - 9 if d > 4 else d * 2
+        total += d
+    return total % 10 != 0
+
+
+def _random_tail(value: str) -> bool:
+    """``req_8f3k2l9x0a``: the part after the prefix must look random."""
+    return _looks_random(value.partition("_")[2])
+
+
+#: Post-checks of a detector's match (a regex alone cannot express them).
+CHECKS: dict[str, Callable[[str], bool]] = {
+    "unix_timestamp": _plausible_epoch,
+    "hex_id": _not_card,
+    "prefixed_id": _random_tail,
+}
+
+
+def accept_match(rule: str, value: str) -> bool:
+    """Whether a built-in detector's regex match ``value`` is kept (see :data:`CHECKS`)."""
+    check = CHECKS.get(rule)
+    if check is None:
+        return rule != "base64_id" or _looks_random(value)
+    return check(value)
+
+
+_CHECKED = frozenset(CHECKS) | {"base64_id"}
 
 
 def _looks_random(value: str) -> bool:
@@ -231,7 +327,7 @@ class VolatileScanner:
                     break
                 name = m.lastgroup
                 assert name is not None
-                if name == "base64_id" and not _looks_random(m.group()):
+                if name in _CHECKED and not accept_match(name, m.group()):
                     continue
                 found.append((start, start - m.end(), priority[name], name))
         # Regions are disjoint only before widening; duplicates are removed by the caller's sweep.

@@ -285,7 +285,7 @@ VALUES = {
         st.integers(0, 59),
     ),
     "uuid": st.uuids().map(str),
-    "unix_timestamp": st.integers(1_000_000_000, 3_999_999_999).map(str),
+    "unix_timestamp": st.integers(1_700_000_001, 1_799_999_999).map(str).filter(lambda v: not v.endswith("000")),
     "hex_id": st.binary(min_size=16, max_size=32).map(lambda b: b.hex()).filter(lambda h: any(c.isdigit() for c in h)),
 }
 TEMPLATES = [
