@@ -197,6 +197,9 @@ def _normalize_section(plan: Plan) -> dict[str, Any] | None:
         "changes": [
             {"where": c.where, "rule": c.rule, "placeholder": c.placeholder, "value": c.value} for c in prepared.changes
         ],
+        # detected but left in place: "static" (not seen changing at its place yet) or
+        # "protected" (inside code or an embedded JSON document)
+        "kept": [{"where": k.where, "rule": k.rule, "status": k.status, "value": k.value} for k in prepared.kept],
     }
 
 
@@ -323,6 +326,12 @@ def render_text(report: Mapping[str, Any]) -> str:
             lines += _table(
                 ["where", "rule", "value", "placeholder"],
                 [[c["where"], c["rule"], _short(c["value"], 40), c["placeholder"]] for c in norm["changes"]],
+            )
+        if norm.get("kept"):
+            lines.append("  kept in place (static: not seen changing; protected: inside code/JSON):")
+            lines += _table(
+                ["where", "rule", "status", "value"],
+                [[k["where"], k["rule"], k["status"], _short(k["value"], 40)] for k in norm["kept"]],
             )
         if norm.get("canonicalized_tools"):
             lines.append("  tool schemas re-ordered (canonicalize_tools)")

@@ -34,7 +34,7 @@ from gateway.observe.metrics import (
 )
 from gateway.observe.outcome import Outcome
 from gateway.observe.samples import SampleBuffer
-from gateway.observe.stats import StatsBook
+from gateway.observe.stats import StatsBook, normalization_section
 from gateway.observe.summary import SummaryReporter
 from gateway.prefix.pipeline import PreparedPrompt
 from gateway.reload import Reloader, prefix_indexes
@@ -259,7 +259,11 @@ class Gateway:
         """
         model = body["model"]
         route = self.route_for(endpoint, model, headers)
-        prepared = route.pipeline.prepare(endpoint, body) if route.needs_keys(endpoint) else None  # type: ignore[union-attr]
+        prepared = (
+            route.pipeline.prepare(endpoint, body, learn=not dry_run)  # type: ignore[union-attr]
+            if route.needs_keys(endpoint)
+            else None
+        )
         request = RequestView(
             request_id,
             route.name,
@@ -343,6 +347,9 @@ class Gateway:
                 "engine_hit_rate": round(hits / queries, 4) if queries else None,
                 "reasons": dict(self.stats.reasons.get(route.name, {})),
                 "policy_state": _policy_state(route),
+                "normalization": normalization_section(
+                    route.normalize_mode, route.pipeline.normalizer if route.pipeline else None
+                ),
             }
         return {
             "uptime_s": round(time.time() - self.started_at, 3),

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 from collections import Counter as _Counter
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from gateway.observe.outcome import Outcome
+from gateway.prefix.learn import suggest_pattern
+from gateway.prefix.normalize import Normalizer
 
 TTFT_SAMPLES = 4096  # per route and window: enough for p90 without unbounded memory
 
@@ -150,3 +153,57 @@ def percentile(values: list[float], q: float) -> float | None:
     ordered = sorted(values)
     rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
     return ordered[rank]
+
+
+# -- normalization (the `normalization` section of each route in /admin/stats) ---------------
+STATS_PLACES = 20  # learned and static places listed per route (the most seen first)
+
+
+def normalization_section(mode: str, normalizer: Normalizer | None) -> dict[str, Any]:
+    """What normalization found, moved and kept on a route, and what it learned.
+
+    ``rules``: per rule, spans found / moved / static (kept: never seen changing) / protected
+    (kept: inside code or JSON).  ``learned``: places whose value was seen to change (moved),
+    each with where it sits (field + digest of the surrounding text), an example *shape*
+    (raw text only with ``normalize.learn.examples: raw``) and a regex rule that would pin it.
+    ``static``: places that never changed.  ``warmup_misses``: requests that kept a value in
+    place before its place was known to vary.  No prompt text by default.
+    """
+    section: dict[str, Any] = {
+        "mode": mode,
+        "active": normalizer is not None and mode != "off",
+        "rules": {},
+        "learned": [],
+        "static": [],
+        "warmup_misses": 0,
+    }
+    if normalizer is None:
+        return section
+    section["rules"] = {
+        rule: {"found": row[0], "moved": row[1], "static": row[2], "protected": row[3]}
+        for rule, row in sorted(normalizer.tally.items())
+    }
+    places = sorted(normalizer.learner.places(), key=lambda p: -p.seen)
+    learned = [p for p in places if p.varies][:STATS_PLACES]
+    static = [p for p in places if not p.varies and p.seen > 1][:STATS_PLACES]
+    section["learned"] = [
+        {
+            "rule": p.rule,
+            "where": f"{p.where} ctx={p.context}",
+            "example": p.example,
+            "suggested_rule": {"name": _rule_name(p.rule, p.context), "pattern": suggest_pattern(p.example)},
+            "seen": p.seen,
+            "changes": p.changes,
+        }
+        for p in learned
+    ]
+    section["static"] = [
+        {"rule": p.rule, "where": f"{p.where} ctx={p.context}", "example": p.example, "seen": p.seen} for p in static
+    ]
+    section["warmup_misses"] = normalizer.learner.warmup_misses
+    return section
+
+
+def _rule_name(rule: str, context: str) -> str:
+    """A config rule name for a learned place: unique per place, never a detector's name."""
+    return f"pin_{rule[:18]}_{context[:6]}"

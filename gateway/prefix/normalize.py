@@ -4,25 +4,33 @@ Modes (per route, :class:`~gateway.prefix.settings.NormalizeSettings`):
 
 - ``off``: nothing is scanned or changed.
 - ``report``: volatile spans in scope are counted per rule; the body is untouched.
-- ``relocate``: each span in scope is replaced *in place* by a stable placeholder
+- ``relocate``: each span in scope *that varies* is replaced in place by a stable placeholder
   ``{{volatile:<rule>:<n>}}`` (n counts per rule, in template order), and the original values
-  are appended, labelled, after the stable part::
+  are appended, labelled, at the end of the prompt::
 
-      <volatile_values>
+      <volatile_values check="1a2b3c4d">
       Current values of the {{volatile:...}} placeholders above:
       {{volatile:iso_datetime:1}} = 2025-03-04T05:06:07Z
       </volatile_values>
 
-  Chat: appended to the last user message's content (a string gets ``"\\n\\n" + block``; a
-  list of parts gets one more text part), or — per route — as a system message inserted
-  before the last user message or after the last message.  Completions (string prompts): the
-  block is inserted after the line that holds the last moved span, or at the very end.
+What moves: a span of a route's own rule (``always``, the default for rules) or of a detector
+listed in ``always``; any other detected span only once its value has been seen to change at
+the same place (:mod:`gateway.prefix.learn`) — a value that never changes stays byte for byte
+("static").  Detected spans inside code (fenced or inline) or an embedded JSON document are
+never moved by a built-in detector ("protected", :mod:`gateway.prefix.structure`).
 
-Guarantees: every value is kept (it moves into the block); assistant and tool messages are
-never read or written; a body with nothing to move is returned as the *same object*; the
-input body is never mutated (changed containers are copied, the rest is shared);
-relocation is deterministic and idempotent (placeholders and values blocks are never
-spans, and scan budgets are measured in the rewritten text, so a second pass finds nothing).
+Placement (chat, ``placement: end``, the default): appended to the last message when it is a
+user, tool, system or developer message (a string gets ``"\\n\\n" + block``, a list of parts one
+more text part), else a trailing system message.  At the end, step k+1 of an agent loop and
+turn k+1 of a conversation share everything of step k but the block (docs/prefix-routing.md
+has the measured alternatives).  Completions: at the very end by default.
+
+Guarantees: every moved value is kept (it is in the block); assistant messages are never
+read or written, tool messages only get the block appended; a body with nothing to move is
+returned as the *same object*; the input body is never mutated (changed containers are
+copied, the rest is shared); relocation is deterministic given the learner's state and
+idempotent (placeholders and our checksummed block are never spans, and scan budgets are
+measured in the rewritten text, so a second pass finds nothing to move).
 
 Scope: chat messages whose role is in ``roles`` (default system and developer), the
 ``description`` strings of ``tools`` (function names and parameter names are never touched:
@@ -32,18 +40,20 @@ order; completions: the leading ``completion_prefix_chars`` of each string promp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.prefix.settings import NormalizeSettings
+from gateway.prefix.learn import VarianceLearner, context_key
+from gateway.prefix.settings import DETECTORS, NormalizeSettings
+from gateway.prefix.structure import covered, structured_ranges
 from gateway.prefix.volatile import (
-    BLOCK_CLOSE,
-    BLOCK_OPEN,
     Span,
     VolatileScanner,
     existing_placeholder_max,
     placeholder,
+    values_block,
 )
 
 
@@ -58,6 +68,16 @@ class Relocation:
 
 
 @dataclass(frozen=True, slots=True)
+class Kept:
+    """A detected span left in place, and why: ``static`` (not seen changing) or ``protected`` (code/JSON)."""
+
+    where: str
+    rule: str
+    status: str
+    value: str  # for /admin/explain only (prompt text: never log it)
+
+
+@dataclass(frozen=True, slots=True)
 class NormalizeResult:
     """What normalization did to one body."""
 
@@ -66,35 +86,58 @@ class NormalizeResult:
     relocated: bool = False  # spans were moved
     canonicalized: bool = False  # tool schemas were re-ordered
     changes: tuple[Relocation, ...] = ()  # for /admin/explain only (holds prompt text: never log it)
+    kept: tuple[Kept, ...] = ()  # detected but left in place (static or protected), for explain
 
     @property
     def rewritten(self) -> bool:
         return self.relocated or self.canonicalized
 
 
-# A text in scope: its location (for explain), the text, and how to build the new container.
-_Setter = Callable[[str], None]
+MOVE, STATIC, PROTECTED = "moved", "static", "protected"
+# Roles whose message may carry the values block at the end of the prompt ("end" placement).
+_CARRIERS = frozenset({"user", "tool", "system", "developer"})
+
+
+@dataclass(slots=True)
+class _TextPlan:
+    """What happens to one in-scope text."""
+
+    where: str
+    text: str
+    moved: list[Span]
+    kept: list[tuple[Span, str]]
+    new_len: int
 
 
 class Normalizer:
-    """One route's normalization, with everything compiled once."""
+    """One route's normalization, with everything compiled once and a learner of what varies."""
 
     def __init__(self, settings: NormalizeSettings) -> None:
         self.settings = settings
         self.scanner = VolatileScanner(settings.detectors, settings.rules)
         self._roles = frozenset(settings.roles)
         self._active = settings.mode != "off" and not self.scanner.empty
+        self._user_always = frozenset(r.name for r in settings.rules if r.always)
+        self._user_rules = frozenset(r.name for r in settings.rules)
+        self._always = frozenset(DETECTORS if "*" in settings.always else settings.always)
+        learn = settings.learn
+        self.learner = VarianceLearner(learn.max_places, learn.expire_s, learn.examples == "raw")
+        self.tally: dict[str, list[int]] = {}  # rule -> [found, moved, static, protected], real requests only
+        self._tally_lock = threading.Lock()
 
-    def apply(self, endpoint: str, body: dict[str, Any]) -> NormalizeResult:
-        """Normalize ``body`` of ``endpoint`` ("chat" or "completions"; others pass through)."""
+    def apply(self, endpoint: str, body: dict[str, Any], *, learn: bool = True) -> NormalizeResult:
+        """Normalize ``body`` of ``endpoint`` ("chat" or "completions"; others pass through).
+
+        ``learn=False`` (``/admin/explain``'s dry run): decide with what is known, record nothing.
+        """
         if endpoint == "chat":
-            return self._chat(body)
+            return self._chat(body, learn)
         if endpoint == "completions" and self._active:
-            return self._completions(body)
+            return self._completions(body, learn)
         return NormalizeResult(body)
 
     # -- chat --------------------------------------------------------------------------
-    def _chat(self, body: dict[str, Any]) -> NormalizeResult:
+    def _chat(self, body: dict[str, Any], learn: bool) -> NormalizeResult:
         settings = self.settings
         tools = body.get("tools")
         canonicalized = False
@@ -109,50 +152,58 @@ class Normalizer:
         relocate = settings.mode == "relocate"
         budget = settings.max_scan_chars
         counts: dict[str, int] = {}
-        plan: list[tuple[str, str, list[Span]]] = []  # (where, text, spans) of texts with spans
-        texts: list[tuple[str, str]] = []
+        plans: list[_TextPlan] = []
+        texts: list[str] = []
         for where, text in self._chat_texts(tools if settings.tools else None, messages):
             if budget <= 0:
                 break
-            texts.append((where, text))
-            spans = self._accept(text, budget)
-            new_len = len(text) + sum(len_delta(s) for s in spans) if relocate else len(text)
-            budget -= new_len
-            if spans:
-                plan.append((where, text, spans))
-                for s in spans:
+            texts.append(text)
+            plan = self._plan(where, text, budget, learn)
+            budget -= plan.new_len
+            if plan.moved or plan.kept:
+                plans.append(plan)
+                for s in plan.moved:
                     counts[s.rule] = counts.get(s.rule, 0) + 1
-        if not plan or not relocate:
-            return self._result(body, tools, canonicalized, counts)
+                if not relocate:
+                    for s, _status in plan.kept:
+                        counts[s.rule] = counts.get(s.rule, 0) + 1
+        kept = tuple(Kept(p.where, s.rule, status, p.text[s.start : s.end]) for p in plans for s, status in p.kept)
+        moving = [p for p in plans if p.moved]
+        if not moving:
+            return self._result(body, tools, canonicalized, counts, kept)
 
         # Number placeholders after any already present in scope, so they never collide.
         start_at: dict[str, int] = {}
-        for _where, text in texts:
+        for text in texts:
             for rule, top in existing_placeholder_max(text).items():
                 start_at[rule] = max(start_at.get(rule, 0), top)
         numbering = _Numbering(start_at)
         replacements: dict[str, str] = {}
         changes: list[Relocation] = []
-        for where, text, spans in plan:
-            replacements[where] = _rewrite(text, spans, where, numbering, changes)
+        for plan in moving:
+            replacements[plan.where] = _rewrite(plan.text, plan.moved, plan.where, numbering, changes)
 
         new_tools = _replace_tool_texts(tools, replacements) if tools is not None else None
         new_messages = _replace_message_texts(messages, replacements)
-        block = self._block(changes)
-        new_messages = self._place(new_messages, block)
+        new_messages = self._place(new_messages, self._block(changes))
         new_body = dict(body)
         new_body["messages"] = new_messages
         if new_tools is not None:
             new_body["tools"] = new_tools
-        return NormalizeResult(new_body, counts, True, canonicalized, tuple(changes))
+        return NormalizeResult(new_body, counts, True, canonicalized, tuple(changes), kept)
 
     def _result(
-        self, body: dict[str, Any], tools: Any, canonicalized: bool, counts: dict[str, int] | None = None
+        self,
+        body: dict[str, Any],
+        tools: Any,
+        canonicalized: bool,
+        counts: dict[str, int] | None = None,
+        kept: tuple[Kept, ...] = (),
     ) -> NormalizeResult:
         if canonicalized:
             body = dict(body)
             body["tools"] = tools
-        return NormalizeResult(body, counts or {}, False, canonicalized)
+        return NormalizeResult(body, counts or {}, False, canonicalized, (), kept)
 
     def _chat_texts(self, tools: Any, messages: list[Any]) -> Iterator[tuple[str, str]]:
         """In-scope texts in template order (tools first, then messages)."""
@@ -174,41 +225,101 @@ class Normalizer:
                         if type(text) is str:
                             yield f"messages[{i}].content[{j}].text", text
 
-    def _accept(self, text: str, limit: int) -> list[Span]:
-        """Spans that start before ``limit`` *in the rewritten text* (this keeps relocation idempotent)."""
-        if self.settings.mode != "relocate":
-            return self.scanner.scan(text, limit)
+    # -- deciding what moves -----------------------------------------------------------
+    def _plan(self, where: str, text: str, limit: int, learn: bool) -> _TextPlan:
+        """Spans that start before ``limit`` *in the rewritten text*, split into moved and kept.
+
+        Budgets count the rewritten text, so a second pass over the output accepts exactly
+        the same region (idempotency).  Decisions are made without recording first (the
+        margin loop may rescan); what was accepted is recorded once at the end.
+        """
+        relocate = self.settings.mode == "relocate"
         margin = 1024
         while True:
             spans = self.scanner.scan(text, limit + margin)
-            accepted: list[Span] = []
+            decided = self._decide(where, text, spans)
+            moved: list[Span] = []
+            kept: list[tuple[Span, str]] = []
+            accepted: list[tuple[Span, str, str | None]] = []
             shift = 0
-            for s in spans:
+            for s, status, context in decided:
                 if s.start + shift >= limit:
                     break
-                accepted.append(s)
-                shift += len_delta(s)
+                accepted.append((s, status, context))
+                if status == MOVE and relocate:
+                    moved.append(s)
+                    shift += len_delta(s)
+                else:
+                    kept.append((s, status))
             if -shift <= margin or limit + margin >= len(text):
-                return accepted
+                break
             margin = -shift + 1024
+        if learn and accepted:
+            self._record(where, text, accepted, relocate)
+        return _TextPlan(where, text, moved, kept, len(text) + shift)
+
+    def _decide(self, where: str, text: str, spans: list[Span]) -> list[tuple[Span, str, str | None]]:
+        """(span, moved/static/protected, learner context or None) for each span; records nothing."""
+        if not spans:
+            return []
+        out: list[tuple[Span, str, str | None]] = []
+        structure: list[tuple[int, int]] | None = None
+        learner = self.learner
+        n = len(spans)
+        for i, s in enumerate(spans):
+            rule = s.rule
+            if rule in self._user_always:
+                out.append((s, MOVE, None))
+                continue
+            if rule not in self._user_rules:
+                if structure is None:
+                    structure = structured_ranges(text)
+                if structure and covered(structure, s.start, s.end):
+                    out.append((s, PROTECTED, None))
+                    continue
+            if rule in self._always:
+                out.append((s, MOVE, None))
+                continue
+            lo = spans[i - 1].end if i else 0
+            hi = spans[i + 1].start if i + 1 < n else len(text)
+            context = context_key(text, s.start, s.end, lo, hi)
+            varies = learner.varies(rule, where, context, text[s.start : s.end])
+            out.append((s, MOVE if varies else STATIC, context))
+        return out
+
+    def _record(self, where: str, text: str, accepted: list[tuple[Span, str, str | None]], relocate: bool) -> None:
+        learner = self.learner
+        with self._tally_lock:
+            tally = self.tally
+            for s, status, context in accepted:
+                if context is not None:
+                    # The pure decision and the recorded one agree (see VarianceLearner.varies).
+                    learner.record(s.rule, where, context, text[s.start : s.end])
+                row = tally.get(s.rule)
+                if row is None:
+                    row = tally[s.rule] = [0, 0, 0, 0]
+                row[0] += 1
+                if status == MOVE:
+                    row[1 if relocate else 2] += 1  # report mode moves nothing: a varying span stays too
+                elif status == STATIC:
+                    row[2] += 1
+                else:
+                    row[3] += 1
 
     def _block(self, changes: list[Relocation]) -> str:
-        lines = [BLOCK_OPEN]
-        if self.settings.values_note:
-            lines.append(self.settings.values_note)
+        lines = [self.settings.values_note] if self.settings.values_note else []
         lines.extend(f"{c.placeholder} = {c.value}" for c in changes)
-        lines.append(BLOCK_CLOSE)
-        return "\n".join(lines)
+        return values_block(lines)
 
     def _place(self, messages: list[Any], block: str) -> list[Any]:
         placement = self.settings.placement
-        last_user = next(
-            (i for i in range(len(messages) - 1, -1, -1) if _role(messages[i]) == "user"),
-            None,
-        )
         out = list(messages)
-        if placement == "last_user" and last_user is not None:
-            message = dict(out[last_user])
+        if placement == "end":
+            target = len(out) - 1 if out and _role(out[-1]) in _CARRIERS else None
+        else:
+            target = next((i for i in range(len(out) - 1, -1, -1) if _role(out[i]) == "user"), None)
+        if placement in ("end", "last_user") and target is not None:
+            message = dict(out[target])
             content = message.get("content")
             if isinstance(content, list):
                 message["content"] = [*content, {"type": "text", "text": block}]
@@ -216,40 +327,56 @@ class Normalizer:
                 message["content"] = f"{content}\n\n{block}"
             else:
                 message["content"] = block
-            out[last_user] = message
-        elif placement == "system_before_last_user" and last_user is not None:
-            out.insert(last_user, {"role": "system", "content": block})
-        else:  # trailing_system, or no user message to attach to
+            out[target] = message
+        elif placement == "system_before_last_user" and target is not None:
+            out.insert(target, {"role": "system", "content": block})
+        else:  # trailing_system, or nothing to attach to
             out.append({"role": "system", "content": block})
         return out
 
     # -- completions -------------------------------------------------------------------
-    def _completions(self, body: dict[str, Any]) -> NormalizeResult:
+    def _completions(self, body: dict[str, Any], learn: bool) -> NormalizeResult:
         prompt = body.get("prompt")
         relocate = self.settings.mode == "relocate"
         counts: dict[str, int] = {}
         changes: list[Relocation] = []
+        kept: list[Kept] = []
         if isinstance(prompt, str):
-            new_prompt = self._completion_prompt(prompt, "prompt", counts, changes)
+            new_prompt = self._completion_prompt(prompt, "prompt", counts, changes, kept, learn)
             if new_prompt is prompt or not relocate:
-                return NormalizeResult(body, counts)
+                return NormalizeResult(body, counts, kept=tuple(kept))
             new_body = dict(body)
             new_body["prompt"] = new_prompt
-            return NormalizeResult(new_body, counts, True, False, tuple(changes))
+            return NormalizeResult(new_body, counts, True, False, tuple(changes), tuple(kept))
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            new_list = [self._completion_prompt(p, f"prompt[{i}]", counts, changes) for i, p in enumerate(prompt)]
+            new_list = [
+                self._completion_prompt(p, f"prompt[{i}]", counts, changes, kept, learn) for i, p in enumerate(prompt)
+            ]
             if not relocate or all(a is b for a, b in zip(new_list, prompt, strict=True)):
-                return NormalizeResult(body, counts)
+                return NormalizeResult(body, counts, kept=tuple(kept))
             new_body = dict(body)
             new_body["prompt"] = new_list
-            return NormalizeResult(new_body, counts, True, False, tuple(changes))
+            return NormalizeResult(new_body, counts, True, False, tuple(changes), tuple(kept))
         return NormalizeResult(body)
 
-    def _completion_prompt(self, prompt: str, where: str, counts: dict[str, int], changes: list[Relocation]) -> str:
-        spans = self._accept(prompt, self.settings.completion_prefix_chars)
-        for s in spans:
+    def _completion_prompt(
+        self,
+        prompt: str,
+        where: str,
+        counts: dict[str, int],
+        changes: list[Relocation],
+        kept: list[Kept],
+        learn: bool,
+    ) -> str:
+        plan = self._plan(where, prompt, self.settings.completion_prefix_chars, learn)
+        for s in plan.moved:
             counts[s.rule] = counts.get(s.rule, 0) + 1
-        if not spans or self.settings.mode != "relocate":
+        for s, status in plan.kept:
+            kept.append(Kept(where, s.rule, status, prompt[s.start : s.end]))
+            if self.settings.mode != "relocate":
+                counts[s.rule] = counts.get(s.rule, 0) + 1
+        spans = plan.moved
+        if not spans:
             return prompt
         mine: list[Relocation] = []
         numbering = _Numbering(existing_placeholder_max(prompt))

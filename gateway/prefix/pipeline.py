@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.prefix.blocks import chain_block_keys, chain_id_keys, chain_text_keys, first_block_seed
-from gateway.prefix.normalize import Normalizer, NormalizeResult, Relocation
+from gateway.prefix.normalize import Kept, Normalizer, NormalizeResult, Relocation
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 from gateway.prefix.tokenize import ModelWindows
 
@@ -43,6 +43,7 @@ class PreparedPrompt:
     spans_moved: int = 0  # volatile spans moved out of the stable prefix (0 in report mode)
     canonicalized: bool = False  # tool schemas were re-ordered
     changes: tuple[Relocation, ...] = ()  # the normalization diff, for /admin/explain only (holds prompt text)
+    kept: tuple[Kept, ...] = ()  # detected spans left in place (static/protected), for /admin/explain only
     lora: str | None = None  # the LoRA adapter that went into the seed, if any
     # The chain continued past the window (text chunks, or token-id chunks) and, per key, the
     # prompt tokens up to its end (estimated from characters for text).
@@ -66,14 +67,17 @@ class PrefixPipeline:
         # the tokenizer + chat template per request model (tokenizer: auto | NAME | hf:DIR)
         self.tokens = ModelWindows(prefix.tokenizer, prefix.window_tokens, prefix.token_cache_tokens)
 
-    def prepare(self, endpoint: str, body: dict[str, Any]) -> PreparedPrompt:
-        """``endpoint`` is "chat" or "completions"; other endpoints get no keys."""
-        return self.key(endpoint, self.normalize(endpoint, body))
+    def prepare(self, endpoint: str, body: dict[str, Any], *, learn: bool = True) -> PreparedPrompt:
+        """``endpoint`` is "chat" or "completions"; other endpoints get no keys.
 
-    def normalize(self, endpoint: str, body: dict[str, Any]) -> NormalizeResult:
+        ``learn=False`` for dry runs (explain): normalization decides but records nothing.
+        """
+        return self.key(endpoint, self.normalize(endpoint, body, learn=learn))
+
+    def normalize(self, endpoint: str, body: dict[str, Any], *, learn: bool = True) -> NormalizeResult:
         """The first stage (timed on its own by ``benchmarks/bench_prefix_path.py``)."""
         try:
-            return self.normalizer.apply(endpoint, body)
+            return self.normalizer.apply(endpoint, body, learn=learn)
         except (RecursionError, ValueError, TypeError, AttributeError):
             # Normalization is an optimization: a body it cannot walk (e.g. tools nested
             # thousands deep) is forwarded and keyed as the client sent it.
@@ -114,6 +118,7 @@ class PrefixPipeline:
             spans_moved=len(result.changes),
             canonicalized=result.canonicalized,
             changes=result.changes,
+            kept=result.kept,
             lora=lora,
             text_keys=tuple(text_keys),
             text_key_tokens=tuple(text_tokens),

@@ -37,6 +37,11 @@ class RegexRule(BaseModel):
     name: str = Field(description="metric label and placeholder name: [a-z][a-z0-9_]{0,31}")
     pattern: str = Field(description="Python regular expression; each match (group 0) is one volatile span")
     ignore_case: bool = Field(False, description="compile with re.IGNORECASE")
+    always: bool = Field(
+        True,
+        description="move every match from the first request on (false: only once its value was seen to change, "
+        "like the built-in detectors); a route's own rule also moves matches inside code and JSON",
+    )
 
     @field_validator("name")
     @classmethod
@@ -57,6 +62,25 @@ class RegexRule(BaseModel):
         if compiled.match(""):
             raise ValueError("pattern must not match the empty string")
         return value
+
+
+class LearnSettings(BaseModel):
+    """Bounds of the per-route learner of which spans vary (memory and expiry) and what it shows."""
+
+    model_config = {"extra": "forbid"}
+
+    max_places: int = Field(4096, ge=1, description="places (route field + surrounding text) remembered per route")
+    expire_s: float = Field(3600.0, gt=0, description="forget a place not seen for this long")
+    discover: bool = Field(
+        True,
+        description="learn volatile spans no rule knows by comparing successive requests (moved in relocate mode)",
+    )
+    max_discovered: int = Field(32, ge=0, description="discovered spans kept per route")
+    examples: Literal["shape", "raw"] = Field(
+        "shape",
+        description="how /admin/stats and explain show example values: their shape (9999-99-99) or, for "
+        "debugging only, the raw text (prompt text in the admin API)",
+    )
 
 
 class NormalizeSettings(BaseModel):
@@ -82,15 +106,25 @@ class NormalizeSettings(BaseModel):
     completion_prefix_chars: int = Field(
         2048, ge=0, description="/v1/completions: scan only this many leading characters of a string prompt"
     )
-    placement: Literal["last_user", "system_before_last_user", "trailing_system"] = Field(
-        "last_user",
-        description="chat: where the relocated values go: appended to the last user message's content, "
-        "a system message inserted right before the last user message, or a system message after the last message",
+    placement: Literal["end", "last_user", "system_before_last_user", "trailing_system"] = Field(
+        "end",
+        description="chat: where the relocated values go: end (default: appended to the last message when it is "
+        "a user, tool, system or developer message, else a trailing system message: keeps multi-turn and agent "
+        "loops cached), appended to the last user message, a system message right before the last user message, "
+        "or a system message after the last message",
     )
     completion_placement: Literal["after_span_line", "end"] = Field(
-        "after_span_line",
-        description="completions: insert the values block after the line holding the last moved span, "
-        "or at the very end of the prompt",
+        "end",
+        description="completions: append the values block at the very end of the prompt (default), "
+        "or insert it after the line holding the last moved span",
+    )
+    always: list[str] = Field(
+        default_factory=list,
+        description="built-in detectors (or '*': all) whose spans are moved from the first request on; "
+        "the others are moved only once their value was seen to change at the same place",
+    )
+    learn: LearnSettings = Field(
+        default_factory=lambda: LearnSettings(), description="online learning of what varies (bounded, expiring)"
     )
     values_note: str = Field(
         "Current values of the {{volatile:...}} placeholders above:",
@@ -104,6 +138,14 @@ class NormalizeSettings(BaseModel):
     @classmethod
     def _unique_detectors(cls, value: list[str]) -> list[str]:
         return list(dict.fromkeys(value))
+
+    @field_validator("always")
+    @classmethod
+    def _known_detectors(cls, value: list[str]) -> list[str]:
+        unknown = [v for v in value if v != "*" and v not in DETECTORS]
+        if unknown:
+            raise ValueError(f"unknown detector(s) {unknown}: use '*' or one of {list(DETECTORS)}")
+        return value
 
     @model_validator(mode="after")
     def _unique_rules(self) -> NormalizeSettings:

@@ -18,13 +18,15 @@ Text without a strong digit run costs a few microseconds per 10 KB.  User regex 
 over the whole scanned text (their cost is theirs).
 
 Placeholders written by relocation (``{{volatile:rule:n}}``) and the values block it
-appends are never reported as spans, which is what makes relocation idempotent.
+appends (recognized by its checksum, see :func:`values_block`) are never reported as spans,
+which is what makes relocation idempotent.
 """
 
 from __future__ import annotations
 
 import re
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,13 +35,46 @@ from gateway.prefix.settings import DETECTORS, RegexRule
 # --- placeholders and the values block (their syntax lives here so the scanner can skip them)
 PLACEHOLDER_PREFIX = "{{volatile:"
 PLACEHOLDER_RE = re.compile(r"\{\{volatile:([a-z][a-z0-9_]{0,31}):(\d{1,6})\}\}")
-BLOCK_OPEN = "<volatile_values>"
+BLOCK_OPEN = "<volatile_values"  # our block opens with '<volatile_values check="<crc32 hex>">'
 BLOCK_CLOSE = "</volatile_values>"
+_BLOCK_TAG = re.compile(r'<volatile_values check="([0-9a-f]{8})">\n')
 
 
 def placeholder(rule: str, index: int) -> str:
     """The stable text that replaces the ``index``-th (1-based) span of ``rule``."""
     return f"{{{{volatile:{rule}:{index}}}}}"
+
+
+def values_block(lines: Sequence[str]) -> str:
+    """Our values block: its tag carries a checksum of its lines.
+
+    The checksum is what makes the block *ours*: a literal ``<volatile_values>`` that a user
+    pasted into a prompt has none (or a wrong one), so it is plain text — its values can be
+    relocated like any other — while our own block is recognized on a second pass and never
+    rescanned (idempotency).
+    """
+    body = "\n".join(lines)
+    check = zlib.crc32(body.encode("utf-8", "surrogatepass"))
+    return f'<volatile_values check="{check:08x}">\n{body}\n{BLOCK_CLOSE}'
+
+
+def our_blocks(text: str, end: int | None = None) -> list[tuple[int, int]]:
+    """``(start, end)`` of each of *our* values blocks in ``text`` (checksum verified) starting before ``end``."""
+    out: list[tuple[int, int]] = []
+    stop = len(text) if end is None else end
+    start = text.find(BLOCK_OPEN, 0, stop)
+    while start != -1:
+        m = _BLOCK_TAG.match(text, start)
+        close = text.find("\n" + BLOCK_CLOSE, m.end() - 1) if m is not None else -1
+        if m is not None and close != -1:
+            body = text[m.end() : close]
+            if f"{zlib.crc32(body.encode('utf-8', 'surrogatepass')):08x}" == m.group(1):
+                block_end = close + 1 + len(BLOCK_CLOSE)
+                out.append((start, block_end))
+                start = text.find(BLOCK_OPEN, block_end, stop)
+                continue
+        start = text.find(BLOCK_OPEN, start + 1, stop)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,16 +369,12 @@ class VolatileScanner:
 
 
 def _protected_ranges(text: str, end: int) -> list[tuple[int, int]]:
-    """Placeholders and values blocks already in ``text``: never spans themselves."""
+    """Placeholders and our own values block already in ``text``: never spans themselves."""
     ranges: list[tuple[int, int]] = []
     if PLACEHOLDER_PREFIX in text:
         ranges.extend(m.span() for m in PLACEHOLDER_RE.finditer(text, 0, end))
-    start = text.find(BLOCK_OPEN)
-    while start != -1 and start < end:
-        close = text.find(BLOCK_CLOSE, start)
-        stop = len(text) if close == -1 else close + len(BLOCK_CLOSE)
-        ranges.append((start, stop))
-        start = text.find(BLOCK_OPEN, stop)
+    if BLOCK_OPEN in text:
+        ranges.extend(our_blocks(text, end))
     ranges.sort()
     return ranges
 

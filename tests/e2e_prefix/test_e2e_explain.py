@@ -48,6 +48,10 @@ REPLICA_FIELDS = {
 }
 
 
+# Move detected values on first sight (explain of a learned route is in test_e2e_normalize_learn.py).
+ALWAYS = prefix_route(normalize={"mode": "relocate", "always": ["*"]})
+
+
 def engine_queries(urls: list[str]) -> float:
     return sum(metric_sum(httpx.get(f"{url}/metrics").text, "vllm:prefix_cache_queries_total") for url in urls)
 
@@ -57,7 +61,7 @@ def test_explain_shows_the_plan_and_the_handler_follows_it(
 ) -> None:
     monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
     conv = Conversation("trains", messages=[STAMPED])
-    with gateway(fleet.urls) as gw, admin(gw) as api:
+    with gateway(fleet.urls, routes=[ALWAYS]) as gw, admin(gw) as api:
         ask_first = [*conv.messages, {"role": "user", "content": "Hi? (about trains)"}]  # what conv.turn sends
         first = api.post("/admin/explain", json={"model": MODEL, "messages": ask_first})
         assert first.status_code == 200, first.text
@@ -210,13 +214,13 @@ def test_cli_explain_against_a_gateway_and_offline(
                 "replicas": [
                     {"name": f"r{i}", "url": f"http://127.0.0.1:{9 + i}"} for i in range(4)
                 ],  # nothing listens
-                "routes": [prefix_route()],
+                "routes": [ALWAYS],
             }
         )
     )
 
     monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
-    with gateway(fleet.urls) as gw:
+    with gateway(fleet.urls, routes=[ALWAYS]) as gw:
         assert main(["explain", str(request), "--gateway", gw.url]) == 0
         text = capsys.readouterr().out
         assert main(["explain", str(request), "--gateway", gw.url + "/v1", "--json"]) == 0

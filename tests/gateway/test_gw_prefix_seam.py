@@ -50,8 +50,8 @@ class KeyedPolicy:
 class RelocatingPipeline(PrefixPipeline):
     """The real stub pipeline plus a pretend relocation (what the full prefix helper will do)."""
 
-    def prepare(self, endpoint: str, body: dict[str, Any]) -> PreparedPrompt:
-        prepared = super().prepare(endpoint, body)
+    def prepare(self, endpoint: str, body: dict[str, Any], *, learn: bool = True) -> PreparedPrompt:
+        prepared = super().prepare(endpoint, body, learn=learn)
         if self.normalize_settings.mode != "relocate":
             return prepared
         rewritten = {**body, "messages": [*body["messages"], {"role": "user", "content": "[moved: 2024-01-01]"}]}

@@ -17,7 +17,8 @@ from gateway.prefix.settings import NormalizeSettings, RegexRule
 from gateway.prefix.volatile import BLOCK_CLOSE, BLOCK_OPEN, PLACEHOLDER_RE
 from gateway.tokenizer import get_tokenizer
 
-RELOCATE = Normalizer(NormalizeSettings(mode="relocate"))
+# "always": move on first sight (the learner of what varies has its own tests below).
+RELOCATE = Normalizer(NormalizeSettings(mode="relocate", always=["*"]))
 REPORT = Normalizer(NormalizeSettings(mode="report"))
 OFF = Normalizer(NormalizeSettings(mode="off"))
 
@@ -36,7 +37,9 @@ def chat(system: str, user: Any = "What is new?", **extra: Any) -> dict[str, Any
 def block_values(text: str) -> dict[str, str]:
     """placeholder -> value pairs of every values block in ``text``."""
     out = {}
-    for body in re.findall(re.escape(BLOCK_OPEN) + r"\n(.*?)\n" + re.escape(BLOCK_CLOSE), text, re.S):
+    for body in re.findall(
+        re.escape(BLOCK_OPEN) + r' check="[0-9a-f]{8}">\n(.*?)\n' + re.escape(BLOCK_CLOSE), text, re.S
+    ):
         for line in body.splitlines():
             m = re.match(r"(\{\{volatile:[a-z0-9_]+:\d+\}\}) = (.*)$", line)
             if m:
@@ -130,7 +133,7 @@ def test_developer_role_is_in_scope_by_default_and_user_only_when_configured() -
         "messages": [{"role": "developer", "content": f"at {STAMP}"}, {"role": "user", "content": f"at {STAMP}"}],
     }
     assert RELOCATE.apply("chat", body).counts == {"iso_datetime": 1}
-    with_user = Normalizer(NormalizeSettings(mode="relocate", roles=["developer", "user"]))
+    with_user = Normalizer(NormalizeSettings(mode="relocate", always=["*"], roles=["developer", "user"]))
     result = with_user.apply("chat", body)
     assert result.counts == {"iso_datetime": 2}
     user = result.body["messages"][1]["content"]
@@ -177,7 +180,7 @@ def test_tool_descriptions_are_relocated_and_names_kept() -> None:
 
 def test_tools_scope_can_be_disabled() -> None:
     body = chat("Plain.", tools=[weather_tool(f"at {STAMP}")])
-    assert Normalizer(NormalizeSettings(mode="relocate", tools=False)).apply("chat", body).body is body
+    assert Normalizer(NormalizeSettings(mode="relocate", always=["*"], tools=False)).apply("chat", body).body is body
 
 
 def test_canonicalize_tools_sorts_keys_and_is_idempotent() -> None:
@@ -198,7 +201,7 @@ def test_canonicalize_tools_sorts_keys_and_is_idempotent() -> None:
 # --- placements -----------------------------------------------------------------------------
 @pytest.mark.parametrize("placement", ["system_before_last_user", "trailing_system"])
 def test_other_placements(placement: str) -> None:
-    norm = Normalizer(NormalizeSettings(mode="relocate", placement=placement))  # type: ignore[arg-type]
+    norm = Normalizer(NormalizeSettings(mode="relocate", always=["*"], placement=placement))  # type: ignore[arg-type]
     body = chat(f"Now {STAMP}", "Hi")
     result = norm.apply("chat", body)
     messages = result.body["messages"]
@@ -212,7 +215,8 @@ def test_other_placements(placement: str) -> None:
 
 def test_last_user_placement_without_user_message_falls_back_to_trailing_system() -> None:
     body = {"model": "m", "messages": [{"role": "system", "content": f"Now {STAMP}"}]}
-    messages = RELOCATE.apply("chat", body).body["messages"]
+    norm = Normalizer(NormalizeSettings(mode="relocate", always=["*"], placement="last_user"))
+    messages = norm.apply("chat", body).body["messages"]
     assert [m["role"] for m in messages] == ["system", "system"]
     assert BLOCK_OPEN in messages[1]["content"]
 
@@ -220,16 +224,19 @@ def test_last_user_placement_without_user_message_falls_back_to_trailing_system(
 # --- completions ----------------------------------------------------------------------------
 def test_completion_prompt_block_goes_after_the_span_line() -> None:
     body = {"model": "m", "prompt": f"Date: {STAMP}\nYou are a bot.\nQ: hi\nA:"}
-    result = RELOCATE.apply("completions", body)
+    norm = Normalizer(NormalizeSettings(mode="relocate", always=["*"], completion_placement="after_span_line"))
+    result = norm.apply("completions", body)
     prompt = result.body["prompt"]
     assert prompt.startswith("Date: {{volatile:iso_datetime:1}}\n" + BLOCK_OPEN)
     assert prompt.endswith(BLOCK_CLOSE + "\nYou are a bot.\nQ: hi\nA:")
     assert block_values(prompt) == {"{{volatile:iso_datetime:1}}": STAMP}
-    assert RELOCATE.apply("completions", result.body).body is result.body
+    assert norm.apply("completions", result.body).body is result.body
 
 
 def test_completion_prompt_end_placement_and_prefix_limit() -> None:
-    norm = Normalizer(NormalizeSettings(mode="relocate", completion_placement="end", completion_prefix_chars=40))
+    norm = Normalizer(
+        NormalizeSettings(mode="relocate", always=["*"], completion_placement="end", completion_prefix_chars=40)
+    )
     prompt = f"Now {STAMP} and later" + " filler" * 10 + f" {SESSION}"
     result = norm.apply("completions", {"model": "m", "prompt": prompt})
     new = result.body["prompt"]
@@ -251,7 +258,9 @@ def test_completion_batch_and_token_prompts() -> None:
 
 def test_custom_rules_relocate() -> None:
     norm = Normalizer(
-        NormalizeSettings(mode="relocate", detectors=[], rules=[RegexRule(name="order", pattern=r"ORD-\d+")])
+        NormalizeSettings(
+            mode="relocate", always=["*"], detectors=[], rules=[RegexRule(name="order", pattern=r"ORD-\d+")]
+        )
     )
     result = norm.apply("chat", chat("Order ORD-991 at 2025-03-04", "status?"))
     assert result.body["messages"][0]["content"] == "Order {{volatile:order:1}} at 2025-03-04"
@@ -259,7 +268,7 @@ def test_custom_rules_relocate() -> None:
 
 
 def test_scan_budget() -> None:
-    norm = Normalizer(NormalizeSettings(mode="relocate", max_scan_chars=30))
+    norm = Normalizer(NormalizeSettings(mode="relocate", always=["*"], max_scan_chars=30))
     body = {
         "model": "m",
         "messages": [
@@ -361,7 +370,9 @@ def test_text_without_volatile_spans_is_byte_identical(text: str) -> None:
     st.integers(0, 400),
 )
 def test_idempotent_under_any_scan_budget(parts: list[str], budget: int) -> None:
-    norm = Normalizer(NormalizeSettings(mode="relocate", max_scan_chars=budget, completion_prefix_chars=budget))
+    norm = Normalizer(
+        NormalizeSettings(mode="relocate", always=["*"], max_scan_chars=budget, completion_prefix_chars=budget)
+    )
     text = " ".join(parts)
     body = {"model": "m", "messages": [{"role": "system", "content": text}, {"role": "user", "content": "q"}]}
     once = norm.apply("chat", body)

@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.prefix.settings import DETECTORS, RegexRule
-from gateway.prefix.volatile import BLOCK_CLOSE, BLOCK_OPEN, VolatileScanner, accept_match, placeholder
+from gateway.prefix.volatile import (
+    BLOCK_CLOSE,
+    BLOCK_OPEN,
+    VolatileScanner,
+    accept_match,
+    placeholder,
+    values_block,
+)
 
 SCANNER = VolatileScanner()
 
@@ -135,11 +142,21 @@ def test_limit_counts_starts_only() -> None:
     assert SCANNER.scan(text, limit=11) == []
 
 
-def test_placeholders_and_values_block_are_never_spans() -> None:
-    block = f"{BLOCK_OPEN}\n{placeholder('iso_datetime', 1)} = 2025-03-04T05:06:07Z\n{BLOCK_CLOSE}"
+def test_placeholders_and_our_values_block_are_never_spans() -> None:
+    block = values_block([f"{placeholder('iso_datetime', 1)} = 2025-03-04T05:06:07Z"])
     text = f"time {placeholder('iso_datetime', 1)} here\n\n{block}\nthen 2025-03-05"
     spans = SCANNER.scan(text)
     assert [(s.rule, text[s.start : s.end]) for s in spans] == [("date", "2025-03-05")]
+
+
+def test_a_literal_values_block_in_the_input_is_plain_text() -> None:
+    """Only a block whose checksum verifies is ours; a pasted or forged one is scanned like any text."""
+    for fake in (
+        f"{BLOCK_OPEN}>\n{placeholder('date', 1)} = 2025-03-04\n{BLOCK_CLOSE}",
+        values_block(["{{volatile:date:1}} = 2025-03-04"]).replace("2025-03-04", "2025-03-05"),
+    ):
+        spans = SCANNER.scan(f"see {fake}")
+        assert [s.rule for s in spans] == ["date"], fake
 
 
 def test_id_longer_than_context_window_is_seen_whole() -> None:
