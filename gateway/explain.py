@@ -29,6 +29,7 @@ from typing import Any
 
 from gateway.config import GatewayConfig, ReplicaConfig, UpstreamSettings
 from gateway.errors import BadRequest, PayloadTooLarge, UpstreamConnectError
+from gateway.observe.stats import normalization_section
 from gateway.proxy.parse import parse_body
 from gateway.service import ENDPOINT_PATHS, Gateway, Plan
 
@@ -200,6 +201,10 @@ def _normalize_section(plan: Plan) -> dict[str, Any] | None:
         # detected but left in place: "static" (not seen changing at its place yet) or
         # "protected" (inside code or an embedded JSON document)
         "kept": [{"where": k.where, "rule": k.rule, "status": k.status, "value": k.value} for k in prepared.kept],
+        # what the route has learned varies (shapes and suggested rules, as in /admin/stats)
+        "learned": normalization_section(mode, plan.route.pipeline.normalizer)["learned"]  # type: ignore[union-attr]
+        if plan.route.pipeline is not None
+        else [],
     }
 
 
@@ -332,6 +337,12 @@ def render_text(report: Mapping[str, Any]) -> str:
             lines += _table(
                 ["where", "rule", "status", "value"],
                 [[k["where"], k["rule"], k["status"], _short(k["value"], 40)] for k in norm["kept"]],
+            )
+        if norm.get("learned"):
+            lines.append("  learned to vary on this route (pin with the suggested rule in config):")
+            lines += _table(
+                ["where", "rule", "example", "suggested pattern"],
+                [[x["where"], x["rule"], x["example"], x["suggested_rule"]["pattern"]] for x in norm["learned"]],
             )
         if norm.get("canonicalized_tools"):
             lines.append("  tool schemas re-ordered (canonicalize_tools)")

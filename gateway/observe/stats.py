@@ -166,7 +166,8 @@ def normalization_section(mode: str, normalizer: Normalizer | None) -> dict[str,
     (kept: inside code or JSON).  ``learned``: places whose value was seen to change (moved),
     each with where it sits (field + digest of the surrounding text), an example *shape*
     (raw text only with ``normalize.learn.examples: raw``) and a regex rule that would pin it.
-    ``static``: places that never changed.  ``warmup_misses``: requests that kept a value in
+    Spans discovered by comparing successive requests (no detector knows them) are listed
+    with rule ``learned``.  ``static``: places that never changed.  ``warmup_misses``: requests that kept a value in
     place before its place was known to vary.  No prompt text by default.
     """
     section: dict[str, Any] = {
@@ -186,21 +187,37 @@ def normalization_section(mode: str, normalizer: Normalizer | None) -> dict[str,
     places = sorted(normalizer.learner.places(), key=lambda p: -p.seen)
     learned = [p for p in places if p.varies][:STATS_PLACES]
     static = [p for p in places if not p.varies and p.seen > 1][:STATS_PLACES]
-    section["learned"] = [
-        {
-            "rule": p.rule,
-            "where": f"{p.where} ctx={p.context}",
-            "example": p.example,
-            "suggested_rule": {"name": _rule_name(p.rule, p.context), "pattern": suggest_pattern(p.example)},
-            "seen": p.seen,
-            "changes": p.changes,
-        }
-        for p in learned
-    ]
+    discovered = normalizer.discoverer.rules() if normalizer.discoverer is not None else []
+    section["learned"] = (
+        [
+            {
+                "rule": "learned",  # discovered by comparing successive requests: no detector knows it
+                "where": f"{d.where} ctx={d.context}",
+                "example": d.example,
+                "suggested_rule": {"name": _rule_name("learned", d.context), "pattern": d.pattern},
+                "seen": d.seen,
+                "changes": d.changes,
+            }
+            for d in sorted(discovered, key=lambda d: -d.seen)[:STATS_PLACES]
+        ]
+        + [
+            {
+                "rule": p.rule,
+                "where": f"{p.where} ctx={p.context}",
+                "example": p.example,
+                "suggested_rule": {"name": _rule_name(p.rule, p.context), "pattern": suggest_pattern(p.example)},
+                "seen": p.seen,
+                "changes": p.changes,
+            }
+            for p in learned
+        ]
+    )
     section["static"] = [
         {"rule": p.rule, "where": f"{p.where} ctx={p.context}", "example": p.example, "seen": p.seen} for p in static
     ]
-    section["warmup_misses"] = normalizer.learner.warmup_misses
+    section["warmup_misses"] = normalizer.learner.warmup_misses + (
+        normalizer.discoverer.warmup_misses if normalizer.discoverer is not None else 0
+    )
     return section
 
 

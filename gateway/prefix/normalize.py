@@ -45,6 +45,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.prefix.discover import LEARNED, MASK, SpanDiscoverer
 from gateway.prefix.learn import VarianceLearner, context_key
 from gateway.prefix.settings import DETECTORS, NormalizeSettings
 from gateway.prefix.structure import covered, structured_ranges
@@ -52,6 +53,7 @@ from gateway.prefix.volatile import (
     Span,
     VolatileScanner,
     existing_placeholder_max,
+    mask_placeholders,
     placeholder,
     values_block,
 )
@@ -116,12 +118,15 @@ class Normalizer:
         self.settings = settings
         self.scanner = VolatileScanner(settings.detectors, settings.rules)
         self._roles = frozenset(settings.roles)
-        self._active = settings.mode != "off" and not self.scanner.empty
+        self._active = settings.mode != "off" and (not self.scanner.empty or settings.learn.discover)
         self._user_always = frozenset(r.name for r in settings.rules if r.always)
         self._user_rules = frozenset(r.name for r in settings.rules)
         self._always = frozenset(DETECTORS if "*" in settings.always else settings.always)
         learn = settings.learn
         self.learner = VarianceLearner(learn.max_places, learn.expire_s, learn.examples == "raw")
+        self.discoverer: SpanDiscoverer | None = None
+        if learn.discover and learn.max_discovered and settings.mode != "off":
+            self.discoverer = SpanDiscoverer(learn.max_discovered, learn.expire_s, learn.examples == "raw")
         self.tally: dict[str, list[int]] = {}  # rule -> [found, moved, static, protected], real requests only
         self._tally_lock = threading.Lock()
 
@@ -229,14 +234,33 @@ class Normalizer:
     def _plan(self, where: str, text: str, limit: int, learn: bool) -> _TextPlan:
         """Spans that start before ``limit`` *in the rewritten text*, split into moved and kept.
 
-        Budgets count the rewritten text, so a second pass over the output accepts exactly
-        the same region (idempotency).  Decisions are made without recording first (the
-        margin loop may rescan); what was accepted is recorded once at the end.
+        Decisions are made without recording; then (real requests only) the text, with what
+        is known to vary masked, is compared with the previous one at this field to discover
+        spans no rule knows (a new discovery is applied to this very request), and what was
+        accepted is recorded once.
+        """
+        plan, accepted = self._plan_once(where, text, limit)
+        if not learn:
+            return plan
+        discoverer = self.discoverer
+        if discoverer is not None and discoverer.observe(where, _stable_text(text, accepted, limit)):
+            plan, accepted = self._plan_once(where, text, limit)
+        if accepted:
+            self._record(where, text, accepted, self.settings.mode == "relocate")
+        return plan
+
+    def _plan_once(self, where: str, text: str, limit: int) -> tuple[_TextPlan, list[tuple[Span, str, str | None]]]:
+        """Budgets count the rewritten text, so a second pass over the output accepts exactly
+        the same region (idempotency); the margin loop rescans when moves shrink the text a lot.
         """
         relocate = self.settings.mode == "relocate"
         margin = 1024
         while True:
             spans = self.scanner.scan(text, limit + margin)
+            if self.discoverer is not None:
+                found = self.discoverer.spans(where, mask_placeholders(text), limit + margin)
+                if found:
+                    spans = _merge(spans, found)
             decided = self._decide(where, text, spans)
             moved: list[Span] = []
             kept: list[tuple[Span, str]] = []
@@ -254,9 +278,7 @@ class Normalizer:
             if -shift <= margin or limit + margin >= len(text):
                 break
             margin = -shift + 1024
-        if learn and accepted:
-            self._record(where, text, accepted, relocate)
-        return _TextPlan(where, text, moved, kept, len(text) + shift)
+        return _TextPlan(where, text, moved, kept, len(text) + shift), accepted
 
     def _decide(self, where: str, text: str, spans: list[Span]) -> list[tuple[Span, str, str | None]]:
         """(span, moved/static/protected, learner context or None) for each span; records nothing."""
@@ -270,6 +292,11 @@ class Normalizer:
             rule = s.rule
             if rule in self._user_always:
                 out.append((s, MOVE, None))
+                continue
+            if rule == LEARNED:  # discovered: it was seen changing (protected inside code/JSON)
+                if structure is None:
+                    structure = structured_ranges(text)
+                out.append((s, PROTECTED if structure and covered(structure, s.start, s.end) else MOVE, None))
                 continue
             if rule not in self._user_rules:
                 if structure is None:
@@ -295,6 +322,8 @@ class Normalizer:
                 if context is not None:
                     # The pure decision and the recorded one agree (see VarianceLearner.varies).
                     learner.record(s.rule, where, context, text[s.start : s.end])
+                elif s.rule == LEARNED and self.discoverer is not None:
+                    self.discoverer.record_match(where, text, s)
                 row = tally.get(s.rule)
                 if row is None:
                     row = tally[s.rule] = [0, 0, 0, 0]
@@ -394,6 +423,32 @@ class Normalizer:
 
 
 # --- helpers --------------------------------------------------------------------------
+def _merge(spans: list[Span], more: list[Span]) -> list[Span]:
+    """Both span lists in order, dropping any span that overlaps an earlier one."""
+    out: list[Span] = []
+    cursor = 0
+    for s in sorted([*spans, *more], key=lambda s: (s.start, s.start - s.end)):
+        if s.start >= cursor:
+            out.append(s)
+            cursor = s.end
+    return out
+
+
+def _stable_text(text: str, accepted: list[tuple[Span, str, str | None]], limit: int) -> str:
+    """``text`` (its scanned part) with every span known to vary masked: what should repeat."""
+    pieces: list[str] = []
+    cursor = 0
+    for s, status, _context in accepted:
+        if status == MOVE or s.rule == LEARNED:
+            pieces.append(text[cursor : s.start])
+            pieces.append(MASK)
+            cursor = s.end
+    if not pieces:
+        return text[: limit + 256]
+    pieces.append(text[cursor:])
+    return "".join(pieces)[: limit + 256]
+
+
 class _Numbering:
     """Per-rule placeholder counters (1-based), continuing after existing placeholders."""
 

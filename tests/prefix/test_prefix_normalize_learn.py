@@ -99,3 +99,38 @@ def test_shapes_and_suggested_patterns_hold_no_text() -> None:
     assert shape("Café 12") == "Aaaa 99"
     assert suggest_pattern(shape("req_8f3k2l9x0a")) == "[a-z]{3}_[a-z0-9]{10}"
     assert suggest_pattern("2025年3月4日17:30:00") == r"\d{4}年\d{1,2}月\d{1,2}日\d{1,2}:\d{1,2}:\d{1,2}"
+
+
+# --- discovery: what no rule knows ---------------------------------------------------------
+def unknown(i: int) -> str:
+    """A value no detector matches (detectors off): a CJK timestamp, then a request id."""
+    return f"现在是2025年3月{i % 28 + 1}日，请求 REQ-{i * 7919 % 100000:05d}-K。\n" + "Be brief. " * 50  # noqa: RUF001
+
+
+def test_a_span_no_rule_knows_is_learned_by_diffing_successive_requests() -> None:
+    norm = Normalizer(NormalizeSettings(mode="relocate", detectors=[]))
+    results = [norm.apply("chat", chat(unknown(i))) for i in range(8)]
+    assert not results[0].relocated and not results[1].relocated
+    assert results[2].counts == {"learned": 2}  # both learned on the 3rd request and applied to it
+    assert all(r.counts == {"learned": 2} for r in results[2:])
+    assert len({r.body["messages"][0]["content"] for r in results[2:]}) == 1
+    rules = norm.discoverer.rules()  # type: ignore[union-attr]
+    assert sorted(r.pattern for r in rules) == sorted([r"\d{4}年\d{1,2}月\d{1,2}日", r"[A-Z]{3}\-\d{5}\-[A-Z]{1}"])
+    assert all("请求" not in r.example and "REQ" not in r.example for r in rules)  # shapes only
+
+
+def test_discovery_ignores_words_and_bounds_itself() -> None:
+    norm = Normalizer(NormalizeSettings(mode="relocate", detectors=[], learn=LearnSettings(max_discovered=1)))
+    for name in ["Alice", "Bob", "Carol", "Dave"]:  # different tenants' names are not values
+        norm.apply("chat", chat(f"You help {name} today. " + "Be brief. " * 50))
+    assert norm.discoverer.rules() == []  # type: ignore[union-attr]
+    for i in range(12):
+        norm.apply("chat", chat(unknown(i)))
+    assert len(norm.discoverer.rules()) == 1  # type: ignore[union-attr]
+
+
+def test_discovered_spans_are_not_moved_inside_json() -> None:
+    norm = Normalizer(NormalizeSettings(mode="relocate", detectors=[]))
+    results = [norm.apply("chat", chat('cfg {"build": "B' + f"{i:04d}x" + '", "a": 1} ' + "x " * 60)) for i in range(5)]
+    assert not any(r.relocated for r in results)
+    assert results[-1].kept and results[-1].kept[0].status == "protected"
