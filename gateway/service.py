@@ -28,6 +28,7 @@ from gateway.observe.logs import AccessLog
 from gateway.observe.metrics import (
     GatewayMetrics,
     MembershipCollector,
+    NormalizationCollector,
     ReplicaCollector,
     RouteCollector,
     SyncCollector,
@@ -115,6 +116,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.metrics.registry.register(ReplicaCollector(lambda: list(self.replicas.values())))
         self.metrics.registry.register(RouteCollector(lambda: [(r.name, r.runner) for r in self.routes.routes]))
+        self.metrics.registry.register(NormalizationCollector(self._normalizers))
         for route in self.routes.routes:
             self.metrics.declare_route(route.name, route.policy, [r.name for r in route.runner.replicas])
         self.stats = StatsBook()
@@ -363,6 +365,10 @@ class Gateway:
             "membership": self.membership.snapshot(),
             "reloads": dict(self.reloads),
         }
+
+    def _normalizers(self) -> list[tuple[str, Any]]:
+        """(route, normalizer) of the current routes (they are rebuilt on a config reload)."""
+        return [(r.name, r.pipeline.normalizer) for r in self.routes.routes if r.pipeline is not None]
 
     def _state_snapshot(self) -> dict[str, Any]:
         sync = self.state_sync

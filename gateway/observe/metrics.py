@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.observe.outcome import Outcome
+from gateway.prefix.normalize import Normalizer
 from gateway.replicas.pool import Replica
 from gateway.state.affinity_sync import SyncStats
 
@@ -365,3 +366,44 @@ class MembershipCollector(Collector):
         for outcome, count in sorted(self._reloads().items()):
             reloads.add_metric([outcome], count)
         yield from (replicas, up, updates, errors, changes, draining, drained, reloads)
+
+
+class NormalizationCollector(Collector):
+    """Per-route learning of normalization (issue 9), read at scrape time (no hot-path cost).
+
+    ``normalizers`` yields (route, normalizer) for routes that normalize.
+    """
+
+    def __init__(self, normalizers: Callable[[], Iterable[tuple[str, Normalizer]]]) -> None:
+        self._normalizers = normalizers
+
+    def collect(self) -> Iterable[Metric]:
+        p = "prefix_gateway_normalize_"
+        warmup = CounterMetricFamily(
+            p + "warmup_misses",
+            "Requests that kept a volatile value in place before it was known to vary (learned or discovered)",
+            labels=["route"],
+        )
+        learned = GaugeMetricFamily(
+            p + "learned_places",
+            "Places currently known to vary (detector places and discovered rules)",
+            labels=["route"],
+        )
+        static = CounterMetricFamily(
+            p + "static_spans",
+            "Detected spans left in place: never seen changing (static) or in code/JSON",
+            labels=["route", "reason"],
+        )
+        for route, normalizer in self._normalizers():
+            discoverer = normalizer.discoverer
+            warmup.add_metric(
+                [route], normalizer.learner.warmup_misses + (discoverer.warmup_misses if discoverer else 0)
+            )
+            varying = sum(1 for place in normalizer.learner.places() if place.varies)
+            learned.add_metric([route], varying + (len(discoverer.rules()) if discoverer else 0))
+            rows = list(normalizer.tally.values())
+            static.add_metric([route, "static"], sum(r[2] for r in rows))
+            static.add_metric([route, "protected"], sum(r[3] for r in rows))
+        yield warmup
+        yield learned
+        yield static

@@ -85,7 +85,8 @@ class DiscoveredRule:
     """A learned volatile spot: literal left context + value pattern, and what it has seen."""
 
     where: str
-    regex: re.Pattern[str]  # group 1 is the value; holds <= 16 characters of prompt text (memory only)
+    left: str  # <= 16 characters of prompt text before the value (memory only, never shown)
+    regex: re.Pattern[str]  # the left text literally, then group 1: the value
     pattern: str  # the suggested config pattern (shape-based, no prompt text)
     context: str  # digest of the left context (shown instead of the text)
     example: str
@@ -121,9 +122,11 @@ class SpanDiscoverer:
         self.warmup_misses = 0  # requests that kept a value in place before it was discovered
 
     # -- applying what was learned (every request) --------------------------------------
-    def spans(self, where: str, text: str, end: int) -> list[Span]:
-        """Spans of discovered rules for this field that start before ``end``."""
+    def spans(self, where: str, text: str, end: int, extra: list[DiscoveredRule] | None = None) -> list[Span]:
+        """Spans of discovered rules for this field (and ``extra`` ones) that start before ``end``."""
         rules = self._by_where.get(where)
+        if extra:
+            rules = [*(rules or ()), *extra]
         if not rules:
             return []
         out = []
@@ -152,44 +155,58 @@ class SpanDiscoverer:
                     return
 
     # -- learning (real requests only) ---------------------------------------------------
-    def observe(self, where: str, stable: str) -> bool:
+    def observe(self, where: str, stable: str, commit: bool = True) -> list[DiscoveredRule]:
         """Compare ``stable`` (the text with known-volatile spans masked) with the last one here.
 
-        Returns whether a new rule was discovered (the caller re-plans this request with it).
+        Returns the rules discovered now (the caller re-plans this request with them).
+        ``commit=False`` (explain's dry run): the same answer, nothing stored.
         """
         now = self.clock()
         text_hash = hash(stable)
         with self._lock:
             slot = self._slots.get(where)
             if slot is not None and slot.text_hash == text_hash and slot.length == len(stable):
-                slot.last_seen = now
-                self._slots.move_to_end(where)
-                return False
-            chunks = [hash(stable[i : i + CHUNK]) for i in range(0, len(stable), CHUNK)]
+                if commit:
+                    slot.last_seen = now
+                    self._slots.move_to_end(where)
+                return []
             if slot is None or now - slot.last_seen > self.expire_s:
-                self._slots[where] = _Slot(len(stable), text_hash, chunks, last_seen=now)
-                self._trim(now)
-                return False
-            self._slots.move_to_end(where)
+                if commit:
+                    chunks = self._chunks(stable)
+                    self._slots[where] = _Slot(len(stable), text_hash, chunks, last_seen=now)
+                    self._trim(now)
+                return []
+            chunks = self._chunks(stable)
             first = next((i for i, (a, b) in enumerate(zip(chunks, slot.chunks, strict=False)) if a != b), None)
             if first is None:
                 first = min(len(chunks), len(slot.chunks))  # one text is a prefix of the other
             at = first * CHUNK
-            learned = False
+            found: list[DiscoveredRule] = []
             if slot.excerpt and slot.excerpt_at <= at < slot.excerpt_at + len(slot.excerpt):
-                learned = self._learn(where, stable, slot, now)
-            if learned:
+                found = self._learn(where, stable, slot, now)
+            if not commit:
+                return found
+            self._slots.move_to_end(where)
+            for rule in found:
+                self._rules[(rule.where, rule.left)] = rule
+                self._by_where.setdefault(where, []).append(rule)
+            if found:
                 self.warmup_misses += slot.kept
                 slot.kept = 0
+                self._trim(now)
             else:
                 slot.kept += 1
             lo = max(0, at - _MARGIN)
-            slot.excerpt = "" if learned else stable[lo : at + CHUNK + _MARGIN]
+            slot.excerpt = "" if found else stable[lo : at + CHUNK + _MARGIN]
             slot.excerpt_at = lo
             slot.length, slot.text_hash, slot.chunks, slot.last_seen = len(stable), text_hash, chunks, now
-            return learned
+            return found
 
-    def _learn(self, where: str, stable: str, slot: _Slot, now: float) -> bool:
+    @staticmethod
+    def _chunks(stable: str) -> list[int]:
+        return [hash(stable[i : i + CHUNK]) for i in range(0, len(stable), CHUNK)]
+
+    def _learn(self, where: str, stable: str, slot: _Slot, now: float) -> list[DiscoveredRule]:
         """Walk the excerpt and the current text together; each place they part is a value.
 
         After a value, both sides resume right after it (its length may differ), so several
@@ -198,7 +215,7 @@ class SpanDiscoverer:
         excerpt, lo = slot.excerpt, slot.excerpt_at
         ie, ic = 0, lo
         n = len(stable)
-        learned = False
+        found: list[DiscoveredRule] = []
         previous_end = 0
         for _ in range(_MAX_PER_EXCERPT):
             while ie < len(excerpt) and ic < n and excerpt[ie] == stable[ic]:
@@ -210,34 +227,32 @@ class SpanDiscoverer:
             _ex_start, ex_end = expand_value(excerpt, ie)
             if end <= start or (ex_end <= ie and end <= ic):
                 break
-            learned |= self._add(where, stable, start, end, previous_end, now)
+            rule = self._candidate(where, stable, start, end, previous_end, now)
+            if rule is not None and all(r.left != rule.left for r in found):
+                found.append(rule)
             previous_end = end
             ie, ic = max(ex_end, ie + 1), max(end, ic + 1)
-        if learned:
-            self._trim(now)
-        return learned
+        return found
 
-    def _add(self, where: str, stable: str, start: int, end: int, previous_end: int, now: float) -> bool:
+    def _candidate(
+        self, where: str, stable: str, start: int, end: int, previous_end: int, now: float
+    ) -> DiscoveredRule | None:
         value = stable[start:end]
         if end - start > _MAX_VALUE or MASK in value or not any(c.isdigit() for c in value):
-            return False
+            return None
         left = stable[max(previous_end, start - _CONTEXT) : start]
         left = left[left.rfind(MASK) + 1 :]
         at_start = len(left) == start  # the value sits near the start of the text: anchor there
         if len(left) < _MIN_CONTEXT and not at_start:
-            return False
+            return None
         pattern = suggest_pattern(value)
         regex = re.compile(("\\A" if at_start else "") + re.escape(left) + "(" + pattern + ")")
         m = regex.search(stable, max(0, start - len(left)))
-        if m is None or m.start(1) != start:
-            return False
-        key = (where, left)
-        if key in self._rules:
-            return False
-        rule = DiscoveredRule(where, regex, pattern, digest(left), self._example(value), hash(value), last_seen=now)
-        self._rules[key] = rule
-        self._by_where.setdefault(where, []).append(rule)
-        return True
+        if m is None or m.start(1) != start or (where, left) in self._rules:
+            return None
+        return DiscoveredRule(
+            where, left, regex, pattern, digest(left), self._example(value), hash(value), last_seen=now
+        )
 
     def _example(self, value: str) -> str:
         return value[:64] if self.raw_examples else shape(value)

@@ -45,7 +45,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.prefix.discover import LEARNED, MASK, SpanDiscoverer
+from gateway.prefix.discover import LEARNED, MASK, DiscoveredRule, SpanDiscoverer
 from gateway.prefix.learn import VarianceLearner, context_key
 from gateway.prefix.settings import DETECTORS, NormalizeSettings
 from gateway.prefix.structure import covered, structured_ranges
@@ -240,16 +240,20 @@ class Normalizer:
         accepted is recorded once.
         """
         plan, accepted = self._plan_once(where, text, limit)
-        if not learn:
-            return plan
         discoverer = self.discoverer
-        if discoverer is not None and discoverer.observe(where, _stable_text(text, accepted, limit)):
-            plan, accepted = self._plan_once(where, text, limit)
-        if accepted:
+        if discoverer is not None:
+            # explain (learn=False) asks the same question without storing the answer, so it
+            # predicts exactly what the real request will do
+            found = discoverer.observe(where, _stable_text(text, accepted, limit), commit=learn)
+            if found:
+                plan, accepted = self._plan_once(where, text, limit, found)
+        if learn and accepted:
             self._record(where, text, accepted, self.settings.mode == "relocate")
         return plan
 
-    def _plan_once(self, where: str, text: str, limit: int) -> tuple[_TextPlan, list[tuple[Span, str, str | None]]]:
+    def _plan_once(
+        self, where: str, text: str, limit: int, discovered: list[DiscoveredRule] | None = None
+    ) -> tuple[_TextPlan, list[tuple[Span, str, str | None]]]:
         """Budgets count the rewritten text, so a second pass over the output accepts exactly
         the same region (idempotency); the margin loop rescans when moves shrink the text a lot.
         """
@@ -258,7 +262,7 @@ class Normalizer:
         while True:
             spans = self.scanner.scan(text, limit + margin)
             if self.discoverer is not None:
-                found = self.discoverer.spans(where, mask_placeholders(text), limit + margin)
+                found = self.discoverer.spans(where, mask_placeholders(text), limit + margin, discovered)
                 if found:
                     spans = _merge(spans, found)
             decided = self._decide(where, text, spans)

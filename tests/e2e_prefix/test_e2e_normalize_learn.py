@@ -14,8 +14,9 @@ import json
 import random
 from typing import Any
 
+import httpx
 import pytest
-from e2e_helpers import ADMIN_KEY, MODEL, admin, ask, client, gateway, prefix_route
+from e2e_helpers import ADMIN_KEY, MODEL, admin, ask, client, gateway, metric_sum, prefix_route
 
 from gateway.sim.launcher import ReplicaGroup
 
@@ -54,6 +55,7 @@ def test_changing_cjk_timestamp_and_request_id_are_learned_and_hit(
         body = {"model": MODEL, "messages": [system(99, rng), question]}
         explained = api.post("/admin/explain", json={"endpoint": "chat", "body": body, "headers": {"x-route": route}})
         explained = explained.json()
+        scraped = httpx.get(f"{gw.url}/metrics").text
     later = replies[3:]
     hit = sum(r.cached_tokens or 0 for r in later) / sum(r.prompt_tokens for r in later)
     assert hit >= 0.90, [(r.cached_tokens, r.prompt_tokens) for r in replies]
@@ -69,6 +71,9 @@ def test_changing_cjk_timestamp_and_request_id_are_learned_and_hit(
         assert x["where"].startswith("messages[0].content ctx=") and x["changes"] >= 10
         assert x["suggested_rule"]["name"].startswith("pin_")
     assert stats["mode"] == "relocate" and stats["warmup_misses"] >= 1
+    misses = metric_sum(scraped, "prefix_gateway_normalize_warmup_misses_total", route=route)
+    assert misses == stats["warmup_misses"]
+    assert metric_sum(scraped, "prefix_gateway_normalize_learned_places", route=route) >= 2
     dumped = json.dumps(stats, ensure_ascii=False)
     assert "req_" not in dumped and "请求" not in dumped and "2025" not in dumped  # shapes, no prompt text
 

@@ -134,3 +134,14 @@ def test_discovered_spans_are_not_moved_inside_json() -> None:
     results = [norm.apply("chat", chat('cfg {"build": "B' + f"{i:04d}x" + '", "a": 1} ' + "x " * 60)) for i in range(5)]
     assert not any(r.relocated for r in results)
     assert results[-1].kept and results[-1].kept[0].status == "protected"
+
+
+def test_a_dry_run_predicts_a_discovery_without_storing_it() -> None:
+    """Explain's answer for the request that discovers a span equals what the request then gets."""
+    norm = Normalizer(NormalizeSettings(mode="relocate", detectors=[]))
+    for i in range(2):
+        norm.apply("chat", chat(unknown(i)))
+    dry = norm.apply("chat", chat(unknown(2)), learn=False)
+    assert dry.counts == {"learned": 2} and norm.discoverer.rules() == []  # type: ignore[union-attr]
+    real = norm.apply("chat", chat(unknown(2)))
+    assert real.body == dry.body and len(norm.discoverer.rules()) == 2  # type: ignore[union-attr]
