@@ -71,7 +71,8 @@ class Relocation:
 
 @dataclass(frozen=True, slots=True)
 class Kept:
-    """A detected span left in place, and why: ``static`` (not seen changing) or ``protected`` (code/JSON)."""
+    """A detected span left in place, and why: ``static`` (not seen changing), ``protected``
+    (inside code/JSON), or, in report mode, ``varies`` (relocate would move it)."""
 
     where: str
     rule: str
@@ -277,8 +278,8 @@ class Normalizer:
                 if status == MOVE and relocate:
                     moved.append(s)
                     shift += len_delta(s)
-                else:
-                    kept.append((s, status))
+                else:  # report mode: a varying span stays too ("varies": relocate would move it)
+                    kept.append((s, "varies" if status == MOVE else status))
             if -shift <= margin or limit + margin >= len(text):
                 break
             margin = -shift + 1024

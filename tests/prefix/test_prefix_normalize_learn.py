@@ -60,8 +60,10 @@ def test_report_mode_learns_but_moves_nothing() -> None:
     norm = Normalizer(NormalizeSettings(mode="report"))
     for i in range(3):
         body = chat(stamped(i))
-        assert norm.apply("chat", body).body is body
+        result = norm.apply("chat", body)
+        assert result.body is body
     assert norm.tally["iso_datetime"][:2] == [3, 0]
+    assert {(k.rule, k.status) for k in result.kept} >= {("iso_datetime", "varies"), ("date", "static")}
 
 
 def test_dry_run_records_nothing() -> None:
