@@ -27,10 +27,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 # Bytes one (key, replica) pair costs at most, with up to 30 replicas: the key's int (36),
-# its share of the holders dict (<= 110 just after a resize) and the replica's OrderedDict
-# entry and node (<= 190 just after a resize), plus an extent int on deepest keys.
-# tracemalloc measures ~320 on average (tests/prefix/test_prefix_affinity.py).
-ENTRY_BYTES = 400
+# its share of the holders dict (<= 110 just after a resize), the replica's OrderedDict
+# entry and node (<= 190 just after a resize), an extent int on deepest keys, and the key's
+# next-key record (dict entry and int, <= 150).  tracemalloc: see tests/prefix/test_prefix_affinity.py.
+ENTRY_BYTES = 560
 
 
 _MISSING = object()
@@ -57,6 +57,8 @@ class AffinityIndex:
         self.stride = stride
         self.replica_capacity = replica_capacity
         self._holders: dict[int, int] = {}
+        self._child: dict[int, int] = {}  # key -> the next stored key after it in the first prompt seen
+        self._forks: set[int] = set()  # keys seen followed by two different continuations
         # per replica: key -> prompt tokens of the request that last recorded it as its deepest
         # key (the prompt ran past the window), else None
         self._lru: dict[str, OrderedDict[int, int | None]] = {}
@@ -89,7 +91,13 @@ class AffinityIndex:
                 holders[key] = mask
             else:
                 holders.pop(key, None)
+                self._forget_key(key)
         del self._names[slot]
+
+    def _forget_key(self, key: int) -> None:
+        """No replica holds ``key`` any more: forget what followed it."""
+        self._child.pop(key, None)
+        self._forks.discard(key)
 
     def _ensure(self, name: str) -> int:
         slot = self._slot.get(name)
@@ -123,6 +131,8 @@ class AffinityIndex:
         size = sys.getsizeof
         total = size(self._holders)
         total += sum(size(key) + (size(mask) if mask > 256 else 0) for key, mask in self._holders.items())
+        total += size(self._child) + size(self._forks)
+        total += sum(size(k) + size(v) for k, v in self._child.items())
         for lru in self._lru.values():  # a key's int may be a second object here: count it again
             total += size(lru) + sum(size(k) + (size(v) if v is not None and v > 256 else 0) for k, v in lru.items())
         return total
@@ -145,6 +155,7 @@ class AffinityIndex:
                 holders[key] = mask
             else:
                 holders.pop(key, None)
+                self._forget_key(key)
 
     # -- the hot path ------------------------------------------------------------------
     def match(self, keys: Sequence[int], replicas: Iterable[str] | None) -> dict[str, int]:
@@ -217,8 +228,18 @@ class AffinityIndex:
         bit = 1 << self._ensure(name)
         lru = self._lru[name]
         holders = self._holders
+        child_of = self._child
         added: list[int] = []
         for i, key in enumerate(stored):
+            if i:
+                # What followed this key in this prompt: a key followed by two different
+                # continuations is a fork — a prefix several prompts share (a system prompt),
+                # not one conversation's history.
+                child = child_of.get(key)
+                if child is None:
+                    child_of[key] = stored[i - 1]
+                elif child != stored[i - 1]:
+                    self._forks.add(key)
             # The deepest key is marked as the end of a prompt (0 without an extent): a later
             # request matching exactly there continues that prompt (a conversation's next turn).
             extent = (prompt_tokens or 0) if i == 0 else None
@@ -254,6 +275,7 @@ class AffinityIndex:
                 holders[key] = mask
             else:
                 holders.pop(key, None)
+                self._forget_key(key)
 
     def knows(self, name: str) -> bool:
         """Whether ``name`` is a tracked replica (records for others are ignored by callers)."""
@@ -263,6 +285,17 @@ class AffinityIndex:
         """Prompt tokens of the last request ``name`` served whose keys ended at ``key`` (None: unknown)."""
         lru = self._lru.get(name)
         return (lru.get(key) or None) if lru is not None else None
+
+    def is_fork(self, key: int) -> bool:
+        """Whether recorded prompts went on differently after ``key`` (a shared prefix).
+
+        A conversation's history is followed by one continuation (its own next turns); a
+        tenant's system prompt by as many as there are conversations.  (Keys are stored every
+        ``stride`` blocks plus each prompt's deepest, so a conversation's older keys may fork
+        between a turn's deepest key and the next turn's stride key; its newest keys, where
+        the next turn matches, do not.)
+        """
+        return key in self._forks
 
     def ends_at(self, name: str, key: int) -> bool:
         """Whether some request ``name`` served ended (its deepest key) at ``key``.

@@ -45,6 +45,11 @@ class HashRing:
         self._index_of = {n: i for i, n in enumerate(names)}
         self._points = [p for p, _ in pairs]
         self._owners = [o for _, o in pairs]
+        # each member's own points, sorted: the first member of a small subset in ring order
+        # is found by one bisect per member instead of walking past everyone else's points
+        self._member_points: list[list[int]] = [[] for _ in names]
+        for p, o in pairs:
+            self._member_points[o].append(p)
 
     def __len__(self) -> int:
         return len(self._names)
@@ -84,6 +89,26 @@ class HashRing:
             remaining -= 1
             if remaining == 0:
                 return
+
+    def first(self, key: int, only: Iterable[str]) -> str | None:
+        """The first of ``only`` in ring order from ``key``: ``next(walk(key, only))``, in
+        O(len(only) x log(points per member)) instead of a walk past the other members' points
+        (tens of thousands of steps for two candidates on a 256-member ring)."""
+        index_of = self._index_of
+        member_points = self._member_points
+        k = key & 0xFFFFFFFFFFFFFFFF
+        best: tuple[int, int] | None = None
+        for name in only:
+            idx = index_of.get(name)
+            if idx is None:
+                continue
+            pts = member_points[idx]
+            i = bisect_left(pts, k)
+            # past the last point the walk wraps around to this member's first point
+            candidate = (pts[i] if i < len(pts) else pts[0] + (1 << 64), idx)
+            if best is None or candidate < best:
+                best = candidate
+        return None if best is None else self._names[best[1]]
 
     def owner(self, key: int) -> str | None:
         """The member that owns ``key`` (None on an empty ring)."""

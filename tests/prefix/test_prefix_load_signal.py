@@ -52,22 +52,38 @@ def test_queued_prefill_never_pulls_a_request_from_more_of_its_prompt() -> None:
 
 
 def test_a_busy_shared_prefix_is_replicated_not_piled_on() -> None:
-    """A prefix found only *inside* other prompts (a system prompt) goes where the wait is shortest."""
-    p = policy()
-    head = chain(600, 3)  # a 9,600-token system prompt, cached on r2 inside another conversation
-    p.index.record("r2", head + chain(4, 4))
+    """A prefix other prompts went on from differently (a system prompt) goes where the wait is shortest."""
+    head = chain(600, 3)  # a 9,600-token system prompt, cached on r2 inside two other conversations
+
+    def holder(**kw: object) -> PrefixPolicy:
+        p = policy(**kw)
+        p.index.record("r2", head + chain(4, 4))
+        p.index.record("r2", head + chain(4, 7))  # a second continuation: the head is a fork
+        return p
+
+    p = holder()
     idle = p.peek(req(head + chain(30, 5)), views())
     assert idle.replica == "r2" and idle.reason == "affinity"  # an idle holder keeps it
     busy = p.peek(req(head + chain(30, 5)), views({"r2": 12_000}, {"r2": 1}))
     assert busy.replica != "r2" and busy.reason == "spill"  # computes the head elsewhere
-    # a tolerance in requests of load keeps it on the holder
-    p2 = policy(shared_prefix_slack=200)
-    p2.index.record("r2", head + chain(4, 4))
-    assert p2.peek(req(head + chain(30, 5)), views({"r2": 12_000}, {"r2": 1})).replica == "r2"
+    # a tolerance (in requests x load_cost_tokens) keeps it on the holder
+    assert (
+        holder(shared_prefix_slack=200).peek(req(head + chain(30, 5)), views({"r2": 12_000}, {"r2": 1})).replica == "r2"
+    )
+    # the request's own time to first token: waiting 12,000 queued tokens beats computing 9,600 + 480
+    # elsewhere?  No: 12,064 > 10,080, so it moves; with 8,000 queued it stays
+    ttft = holder(shared_recompute_weight=1.0)
+    assert ttft.peek(req(head + chain(30, 5)), views({"r2": 12_000}, {"r2": 1})).replica != "r2"
+    assert ttft.peek(req(head + chain(30, 5)), views({"r2": 8_000}, {"r2": 1})).replica == "r2"
     # off (null): scored like any other request, the deep match wins
-    p3 = policy(shared_prefix_slack=None)
-    p3.index.record("r2", head + chain(4, 4))
-    assert p3.peek(req(head + chain(30, 5)), views({"r2": 12_000}, {"r2": 1})).replica == "r2"
+    assert (
+        holder(shared_prefix_slack=None).peek(req(head + chain(30, 5)), views({"r2": 12_000}, {"r2": 1})).replica
+        == "r2"
+    )
+    # only one continuation seen: that is one conversation's history, it stays home however busy
+    one = policy()
+    one.index.record("r2", head + chain(4, 4))
+    assert one.peek(req(head + chain(30, 5)), views({"r2": 12_000}, {"r2": 1})).replica == "r2"
 
 
 def test_a_long_cached_history_stays_home_despite_queued_prefill() -> None:

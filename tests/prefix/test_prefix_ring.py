@@ -97,3 +97,16 @@ def test_some_replica_is_always_under_its_bound(loads: list[tuple[int, float]], 
     weights = {f"r{i}": w for i, (_, w) in enumerate(loads)}
     bounds = load_bounds(in_flight, weights, c)
     assert any(in_flight[r] < bounds[r] for r in in_flight)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**64 - 1), st.integers(1, 40), st.data())
+def test_first_of_a_subset_is_the_walks_first(key: int, members: int, data: st.DataObject) -> None:
+    """``first`` (one bisect per candidate) agrees with walking the ring, for any subset."""
+    names = [f"m{i}" for i in range(members)]
+    weights = {n: data.draw(st.sampled_from([0.5, 1.0, 2.0])) for n in names}
+    ring = HashRing(weights, virtual_nodes=data.draw(st.integers(1, 40)))
+    subset = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=members, unique=True))
+    assert ring.first(key, subset) == next(ring.walk(key, subset))
+    assert ring.first(key, names) == ring.owner(key)
+    assert ring.first(key, ["not-a-member"]) is None

@@ -20,12 +20,12 @@ uncached tokens.  The decision, in order:
    :mod:`gateway.prefix.pipeline`), so a depth converts to cached tokens exactly for token
    blocks and by a character estimate past them.  If an under-bound replica has a match:
 
-   - **home**: the deepest match among under-bound replicas ends where an earlier prompt
-     ended (a conversation's previous turn) and no other under-bound replica holds as much:
+   - **home**: the deepest match among under-bound replicas is on one replica and no other
+     prompt went on differently after it (not a fork: this conversation's own history):
      stay (``sticky_homes``).  The bound guards hot spots; a score would move a conversation
      behind a long shared head for a few tokens of load difference.
-   - **shared**: no match ends where a prompt ended — the request shares only a prefix inside
-     other prompts (a new conversation behind a tenant's system prompt).  The best holder
+   - **shared**: the deepest match is a fork — a prefix other prompts went on from
+     differently (a new conversation behind a tenant's system prompt).  The best holder
      keeps it while it is the least busy (+ ``shared_prefix_slack`` requests; in-flight plus
      queued prefill); else the least busy replica takes it and caches the prefix too: a hot
      head is replicated instead of hot-spotted.
@@ -144,15 +144,15 @@ class PrefixPolicySettings(PolicySettings):
     )
     sticky_homes: bool = Field(
         True,
-        description="a request continuing an earlier prompt (its deepest match is where that prompt ended: a "
-        "conversation's next turn) stays on that replica while it is under its load bound; off: scored like "
-        "any other request (load_cost_tokens may move it to a replica holding less of it)",
+        description="a request whose deepest match is its own history (on one replica, and no other prompt went "
+        "on differently from there: a conversation's next turn) stays on that replica while it is under its load "
+        "bound; off: scored like any other request (load_cost_tokens may move it to a replica holding less of it)",
     )
     shared_prefix_slack: float | None = Field(
         0.0,
         ge=0.0,
-        description="a request that matches only a prefix shared inside other prompts (not where an earlier "
-        "prompt ended: a new conversation behind a tenant's system prompt) goes where its estimated time to "
+        description="a request whose deepest match is a prefix other prompts went on from differently (a new "
+        "conversation behind a tenant's system prompt) goes where its estimated time to "
         "first token is least (queued prefill + its own uncached prompt + load_cost_tokens per request in "
         "flight): a busy holder's queue makes another replica compute the head too (replicate, don't "
         "hot-spot). The best holder keeps it within this many requests (x load_cost_tokens) of the cheapest. "
@@ -308,7 +308,7 @@ class PrefixPolicy:
             # A conversation's next turn: its history ends on these replicas (under their
             # bound).  Stay: the bound, not a score, guards against hot spots.
             branch = "home"
-            pick = homes[0] if len(homes) == 1 else next(self.ring.walk(tie_key, homes))
+            pick = homes[0]
             reason = "affinity" if matched.get(pick, 0) == max(matched.values()) else "spill"
         elif has_match and shared_slack is not None and self._shared_only(keys, depth):
             branch = "shared"
@@ -322,18 +322,18 @@ class PrefixPolicy:
                 scores[name] = matched.get(name, 0) - settings.load_cost_tokens * load[name] - queued[name]
             top = max(scores.values())
             tied = [name for name in under if scores[name] == top]
-            pick = tied[0] if len(tied) == 1 else next(self.ring.walk(tie_key, tied))
+            pick = tied[0] if len(tied) == 1 else self._first(tie_key, tied)
             reason = "affinity" if matched.get(pick, 0) == max(matched.values()) else "spill"
         else:
             branch = "ring"
-            home = next(self.ring.walk(ring_key, in_flight))
+            home = self.ring.owner(ring_key) if everyone else self._first(ring_key, in_flight)
             slack = settings.ring_slack
             # in requests: queued tokens count load_cost_tokens per request (with load_cost_tokens
             # 0, any queued prefill outweighs request counts, which still break its ties)
             per_request = max(settings.load_cost_tokens, 1.0)
             cost = {name: load[name] + queued[name] / per_request for name in under}
             limit = float("inf") if slack is None else min(cost.values()) + slack
-            pick = next(name for name in self.ring.walk(ring_key, under) if cost[name] <= limit)
+            pick = self._first(ring_key, [name for name in under if cost[name] <= limit])
             reason = "ring" if pick == home and best_any == 0 else "spill"
 
         added: list[int] = []
@@ -397,30 +397,38 @@ class PrefixPolicy:
     def _homes(
         self, keys: Sequence[int], depth: dict[str, int], under: list[str], matched: dict[str, int]
     ) -> list[str]:
-        """Under-bound replicas with the deepest match among them, if that match ends where an
-        earlier prompt ended there (this request continues it) and no other under-bound
-        replica holds as much (then moving would cost nothing: queued work may decide)."""
+        """Under-bound replicas with the deepest match among them, if that match is this
+        request's own history (no other prompt went on differently after it: see
+        :meth:`AffinityIndex.is_fork`) and no other under-bound replica holds as much (then
+        moving would cost nothing: load may decide)."""
         best = max(matched.get(name, 0) for name in under)
-        ends_at = self.index.ends_at
+        is_fork = self.index.is_fork
         homes: list[str] = []
         for name in under:
             if matched.get(name, 0) != best:
                 continue
-            if not (depth.get(name, 0) and ends_at(name, keys[depth[name] - 1])):
+            d = depth.get(name, 0)
+            if not d or is_fork(keys[d - 1]):
                 return []
             homes.append(name)
-        return homes
+        return homes if len(homes) == 1 else []
+
+    def _first(self, key: int, names: Sequence[str] | dict[str, int]) -> str:
+        """The first of ``names`` (never empty, all on the ring) in ring order from ``key``."""
+        pick = self.ring.first(key, names)
+        assert pick is not None  # the runner's replicas are always admitted to the ring
+        return pick
 
     def _shared_only(self, keys: Sequence[int], depth: dict[str, int]) -> bool:
-        """True when no replica's match ends where an earlier prompt ended.
+        """True when the deepest match is a prefix other prompts went on from differently.
 
-        Then the request shares only a prefix *inside* other prompts (a tenant's system
-        prompt, a document many ask about): it continues none of them, so it may start on
-        any replica — unlike a conversation's next turn, whose history ends exactly where its
-        last turn ended, on one replica.
+        Then the request shares a prefix *inside* other prompts (a tenant's system prompt, a
+        document many ask about) and continues none of them, so it may start on any replica —
+        unlike a conversation's next turn, which continues its own history (on one replica;
+        a relocated values block or an edit at the end does not change that).
         """
-        ends_at = self.index.ends_at
-        return not any(ends_at(name, keys[d - 1]) for name, d in depth.items())
+        best = max(depth.values())
+        return self.index.is_fork(keys[best - 1])
 
     def _place_shared(
         self,
@@ -471,7 +479,7 @@ class PrefixPolicy:
             pool = [name for name in under if cost[name] == least]
             top = max(matched.get(name, 0) for name in pool)
             pool = [name for name in pool if matched.get(name, 0) == top]
-        return pool[0] if len(pool) == 1 else next(self.ring.walk(tie_key, pool))
+        return pool[0] if len(pool) == 1 else self._first(tie_key, pool)
 
     @staticmethod
     def _depth_tokens(request: RequestView, depth: int) -> int:
