@@ -226,7 +226,7 @@ class Gateway:
             return
         prepared = plan.prepared
         exact = None
-        if prepared is not None and plan.route.config.prefix.tokenizer.endswith(".json"):
+        if prepared is not None and (prepared.units or "").startswith("exact"):
             exact = prepared.window_tokens  # the model's own tokenizer: the window's count is a lower bound
         self.context.check(plan.endpoint, body, exact)
 

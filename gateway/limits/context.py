@@ -7,8 +7,9 @@ never refuse what the replica would have served.  So the prompt's length here is
 bound on its tokens in the model's own tokenizer:
 
 - token-id prompts (``/v1/completions``, ``/v1/embeddings``): their length, exactly;
-- the prefix pipeline's token count of the leading window, when the route's tokenizer is the
-  model's own (``prefix.tokenizer`` is a ``tokenizer.json``): the prompt has at least those;
+- the prefix pipeline's token count of the leading window, when the route tokenizes with the
+  model's own vocabulary (``prefix.tokenizer: auto`` for a known family, or ``hf:DIR``; the
+  pipeline then reports its units as ``exact (...)``): the prompt has at least those;
 - any text: its UTF-8 bytes divided by ``limits.context_bytes_per_token`` (no token of
   cl100k/o200k covers more than 128 bytes, so the quotient is a true lower bound for them).
 

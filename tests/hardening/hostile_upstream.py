@@ -29,7 +29,7 @@ from gateway.server import bind_socket
 MODEL = "demo-model"
 
 
-def make_app(api_key: str | None, max_model_len: int, seen: list[dict[str, Any]]) -> Any:
+def make_app(api_key: str | None, max_model_len: int, seen: list[dict[str, Any]], models: list[str]) -> Any:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
@@ -60,8 +60,8 @@ def make_app(api_key: str | None, max_model_len: int, seen: list[dict[str, Any]]
             if api_key is not None and headers.get("authorization") != f"Bearer {api_key}":
                 await answer(401, {"error": {"message": "bad key", "type": "invalid_request_error", "code": "401"}})
                 return
-            card = {"id": MODEL, "object": "model", "owned_by": "test", "max_model_len": max_model_len}
-            await answer(200, {"object": "list", "data": [card]})
+            cards = [{"id": m, "object": "model", "owned_by": "test", "max_model_len": max_model_len} for m in models]
+            await answer(200, {"object": "list", "data": cards})
             return
         body = json.loads(b"".join(chunks) or b"{}")
         model = body.get("model")
@@ -104,14 +104,17 @@ def make_app(api_key: str | None, max_model_len: int, seen: list[dict[str, Any]]
 
 
 @contextlib.contextmanager
-def run_upstream(api_key: str | None = None, max_model_len: int = 4096) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+def run_upstream(
+    api_key: str | None = None, max_model_len: int = 4096, models: tuple[str, ...] = (MODEL,)
+) -> Iterator[tuple[str, list[dict[str, Any]]]]:
     """Serve the scripted upstream; yields its base URL and the list of requests it saw."""
     seen: list[dict[str, Any]] = []
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     access = logging.getLogger("uvicorn.access")
     saved = (list(access.handlers), access.propagate)  # access_log=False would silence it process-wide
-    config = uvicorn.Config(make_app(api_key, max_model_len, seen), log_config=None, access_log=False, lifespan="off")
+    app = make_app(api_key, max_model_len, seen, list(models))
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
     server = uvicorn.Server(config)
     access.handlers[:], access.propagate = saved
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -133,3 +133,20 @@ def test_redis_down_falls_back_to_local_limits(upstream: tuple[str, list[dict[st
         fallbacks = gw.gateway.limiter.fallbacks
     assert (first.status_code, second.status_code) == (200, 429)
     assert fallbacks >= 2
+
+
+def test_the_models_own_tokenizer_counts_exactly() -> None:
+    """Llama 3.1 is a known family: its tokens are counted in its own vocabulary, so a prompt far
+    below the bytes bound but over max_model_len in real tokens is refused too."""
+    llama = "meta-llama/Llama-3.1-8B-Instruct"
+    text = " hello" * 3000  # ~3,000 Llama tokens, 18,000 bytes (only ~140 by the bytes bound)
+    routes = [{"name": "main", "policy": "prefix"}]
+    with (
+        run_upstream(max_model_len=2048, models=(llama, MODEL)) as (url, _seen),
+        serve_in_thread(gateway_config([url], routes=routes)) as gw,
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            _chat(_client(gw), text, model=llama)
+        unknown_family = _chat(_client(gw), text, model=MODEL)  # cl100k approximates: no certainty, forwarded
+    assert refused.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    assert unknown_family.choices[0].message.content == "echo"
