@@ -85,6 +85,11 @@ def gateway_process(config: dict[str, Any], log_path: Path) -> Iterator[tuple[st
                 match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log_path.read_text())
                 url = match.group(1) if match else None
                 time.sleep(0.05)
+            # the line comes when the socket is bound, before uvicorn listens on it: wait for an answer
+            while not _answers(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"gateway did not answer; see {log_path}")
+                time.sleep(0.05)
             yield url, proc
         finally:
             if proc.poll() is None:
@@ -93,6 +98,13 @@ def gateway_process(config: dict[str, Any], log_path: Path) -> Iterator[tuple[st
                     proc.wait(15)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def log_findings(text: str) -> dict[str, Any]:

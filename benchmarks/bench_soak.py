@@ -58,7 +58,11 @@ def affinity_keys(url: str) -> int | None:
         return None
 
 
-async def load(url: str, concurrency: int, stop_at: float, counts: dict[str, int]) -> None:
+async def load(url: str, concurrency: int, stop_at: float, counts: dict[str, Any]) -> None:
+    def note(what: str) -> None:
+        kinds = counts.setdefault("error_kinds", {})
+        kinds[what] = kinds.get(what, 0) + 1
+
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
 
         async def worker(w: int) -> None:
@@ -74,15 +78,20 @@ async def load(url: str, concurrency: int, stop_at: float, counts: dict[str, int
                 }
                 try:
                     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
-                        await response.read()
-                        counts["ok" if response.status == 200 else "errors"] += 1
-                except aiohttp.ClientError:
+                        data = await response.read()
+                        if response.status == 200:
+                            counts["ok"] += 1
+                        else:
+                            counts["errors"] += 1
+                            note(f"{response.status} {data[:160]!r}")
+                except aiohttp.ClientError as exc:
                     counts["errors"] += 1
+                    note(type(exc).__name__)
 
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
 
 
-def run(minutes: float, concurrency: int, sample_s: float) -> dict[str, Any]:
+def run(minutes: float, concurrency: int, sample_s: float, affinity_mb: float | None) -> dict[str, Any]:
     sim_options = {"time_scale": 0, "disable_uvicorn_access_log": True, "disable_log_stats": True}
     config = {
         "server": {"host": "127.0.0.1", "port": 0},
@@ -90,6 +99,8 @@ def run(minutes: float, concurrency: int, sample_s: float) -> dict[str, Any]:
         "replicas": [],
         "routes": [{"name": "soak", "policy": "prefix"}],
     }
+    if affinity_mb is not None:  # a smaller index fills sooner: a short run shows the flat part too
+        config["routes"][0]["policy_settings"] = {"affinity_max_bytes": int(affinity_mb * 1024 * 1024)}
     os.environ["PREFIX_GATEWAY_ADMIN_KEY"] = ADMIN_KEY  # the gateway child inherits it
     samples: list[dict[str, Any]] = []
     with (
@@ -98,7 +109,7 @@ def run(minutes: float, concurrency: int, sample_s: float) -> dict[str, Any]:
     ):
         config["replicas"] = [{"name": f"r{i}", "url": u} for i, u in enumerate(urls)]
         with gateway_process(config, Path(tmp) / "gateway.log") as (url, proc):
-            counts = {"ok": 0, "errors": 0}
+            counts: dict[str, Any] = {"ok": 0, "errors": 0}
             t0 = time.monotonic()
             stop_at = t0 + minutes * 60
 
@@ -129,11 +140,12 @@ def run(minutes: float, concurrency: int, sample_s: float) -> dict[str, Any]:
         "samples": samples,
         "requests": counts["ok"] + counts["errors"],
         "errors": counts["errors"],
+        "error_kinds": counts.get("error_kinds", {}),
         "rss_start_mb": samples[0]["rss_mb"] if samples else None,
         "rss_end_mb": samples[-1]["rss_mb"] if samples else None,
         "rss_last_half_growth_mb": round(half[-1] - half[0], 1) if half else None,
         "rss_last_half_max_minus_min_mb": round(max(half) - min(half), 1) if half else None,
-        "settings": {"minutes": minutes, "concurrency": concurrency, "sample_s": sample_s},
+        "settings": {"minutes": minutes, "concurrency": concurrency, "sample_s": sample_s, "affinity_mb": affinity_mb},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
     }
 
@@ -146,7 +158,7 @@ def table(result: dict[str, Any]) -> str:
     lines.append(
         f"RSS {result['rss_start_mb']} -> {result['rss_end_mb']} MB; last half: growth "
         f"{result['rss_last_half_growth_mb']} MB, spread {result['rss_last_half_max_minus_min_mb']} MB; "
-        f"{result['requests']} requests, {result['errors']} errors"
+        f"{result['requests']} requests, {result['errors']} errors {result['error_kinds'] or ''}"
     )
     return "\n".join(lines)
 
@@ -157,9 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--sample", type=float, default=10.0, help="seconds between samples")
     parser.add_argument("--flat-mb", type=float, default=10.0, help="allowed RSS growth over the last half")
+    parser.add_argument(
+        "--affinity-mb", type=float, default=None, help="affinity index bound (default: the policy's 64 MiB)"
+    )
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
-    result = run(args.minutes, args.concurrency, args.sample)
+    result = run(args.minutes, args.concurrency, args.sample, args.affinity_mb)
     print(table(result))
     if not args.no_save:
         RESULTS.write_text(json.dumps(result, indent=2) + "\n")

@@ -78,6 +78,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = None
         if self.transport.is_closing() or not self._in_head:
             return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # a pipelined head waits (reading is paused) while the previous answer streams:
+            # writing a 408 now would land inside that answer
+            self._arm(self.limits.header_timeout_s, self._head_timed_out)
+            return
         if self._head_bytes == 0:
             self.transport.close()  # idle: nothing to answer
             return
