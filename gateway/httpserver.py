@@ -102,20 +102,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._write_error(408, "request body not received in time", "request_timeout")
         self.transport.close()
 
-    def eof_received(self) -> bool | None:
-        """The client half-closed (sent its request, then shut down its write side).
-
-        uvicorn returns None here, which closes the connection at once: a request still being
-        answered (a replica round trip) was dropped without a byte.  Keep the write side open
-        while a complete request is being answered, and close after the answer.
-        """
-        cycle = self.cycle
-        answering = cycle is not None and not cycle.response_complete and not cycle.more_body
-        if answering and not self.pipeline and self._head_bytes == 0:
-            cycle.keep_alive = False  # type: ignore[union-attr]
-            return True
-        return None
-
     # -- parsing -----------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
