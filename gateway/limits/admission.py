@@ -92,6 +92,10 @@ class KeyLimiter:
             self.shared = None
 
     def _redis_failed(self, exc: BaseException) -> None:
+        if type(exc).__name__ == "ResponseError" and "unknown command" in str(exc).lower():
+            # a server without scripting (the --workers local broker): per-process limits for good
+            log.info("limits: the state server cannot run the limit scripts; limits are per process")
+            self.shared = None
         self.fallbacks += 1
         now = time.monotonic()
         if now - self._warned_at > 30.0:

@@ -150,3 +150,36 @@ def test_the_models_own_tokenizer_counts_exactly() -> None:
         unknown_family = _chat(_client(gw), text, model=MODEL)  # cl100k approximates: no certainty, forwarded
     assert refused.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
     assert unknown_family.choices[0].message.content == "echo"
+
+
+def test_a_state_server_without_scripting_means_local_limits(upstream: tuple[str, list[dict[str, Any]]]) -> None:
+    """``serve --workers`` shares state through a small broker that has no EVAL: the limits then
+    stay in each process instead of trying (and failing) a round trip per request."""
+    import asyncio
+    import tempfile
+
+    from gateway.limits.admission import KeyLimiter
+    from gateway.state.local_broker import LocalBroker
+
+    async def scenario() -> tuple[list[float], bool]:
+        with tempfile.TemporaryDirectory() as tmp:
+            broker = LocalBroker(f"{tmp}/broker.sock")
+            await broker.start()
+            limiter = KeyLimiter(0, 0.01, 1, redis_url=f"unix://{tmp}/broker.sock")
+            await limiter.start()
+            try:
+                outcomes = []
+                for _ in range(3):
+                    try:
+                        await limiter.admit("k")
+                        outcomes.append(0.0)
+                    except Exception as exc:  # RateLimited
+                        outcomes.append(exc.retry_after_s)  # type: ignore[attr-defined]
+                return outcomes, limiter.shared is None
+            finally:
+                await limiter.stop()
+                await broker.stop()
+
+    outcomes, gave_up_shared = asyncio.run(scenario())
+    assert outcomes[0] == 0.0 and outcomes[1] > 0 and outcomes[2] > 0
+    assert gave_up_shared
