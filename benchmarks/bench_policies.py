@@ -700,6 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "host": platform.node(),
             "cpus": os.cpu_count(),
+            "loadavg_start": [round(x, 1) for x in os.getloadavg()],  # the neighbours on a shared machine
             "python": platform.python_version(),
             "git": _git_rev(),
             "mode": mode,
@@ -747,6 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _save(results, args.out)  # keep partial results if a later workload fails
 
     results["meta"]["elapsed_s"] = round(time.monotonic() - t_start, 1)
+    results["meta"]["loadavg_end"] = [round(x, 1) for x in os.getloadavg()]
     _save(results, args.out)
     text = report.render_text(results)
     print("\n" + text)

@@ -361,6 +361,11 @@ def render_text(results: Mapping[str, Any]) -> str:
         parts.append(
             f"Run {meta['date']} on {meta.get('cpus', '?')} CPUs, git {meta.get('git')}, "
             f"{meta.get('elapsed_s', '?')} s: `{meta.get('command', '')}`"
+            + (
+                f" (load average {meta['loadavg_start'][0]} at the start, {meta['loadavg_end'][0]} at the end)"
+                if meta.get("loadavg_start") and meta.get("loadavg_end")
+                else ""
+            )
         )
     sim = meta.get("sim", {})
     if sim:
