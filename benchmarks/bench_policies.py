@@ -37,8 +37,6 @@ import json
 import os
 import platform
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +55,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` and `gatew
 import yaml  # noqa: E402
 
 from benchmarks import peer_sglang, report  # noqa: E402
+from benchmarks.processes import ManagedProcess, free_port  # noqa: E402
 from benchmarks.procstat import cpu_seconds  # noqa: E402
 from benchmarks.replay import id_prefix, median_of_runs, prepare, replay, summarize  # noqa: E402
 from benchmarks.workloads import WORKLOAD_NAMES, Workload, build  # noqa: E402
@@ -135,12 +134,6 @@ DEADLINE_SLACK_S = 4.0
 # -- processes --------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def http_json(url: str, data: bytes | None = None, timeout: float = 5.0) -> Any:
     req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
     if data is not None:
@@ -179,23 +172,8 @@ def registered_policies() -> list[str]:
     return list(registry.POLICIES)
 
 
-@dataclass
-class GatewayProcess:
+class GatewayProcess(ManagedProcess):
     """One ``prefix-gateway serve --config FILE`` process with a generated config."""
-
-    name: str
-    url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
 
 
 def gateway_config(replicas: Sequence[tuple[str, str]], variant: Variant, port: int) -> dict[str, Any]:

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.processes import ManagedProcess, free_port
 
 ROW = "sglang"  # the table row's name
 POLICY = "cache_aware"
@@ -38,12 +37,6 @@ def unavailable_reason() -> str | None:
     except (ImportError, ValueError):
         found = False
     return None if found else "sglang-router is not installed (pip install sglang-router)"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def command(worker_urls: Sequence[str], port: int, prometheus_port: int) -> list[str]:
@@ -69,28 +62,13 @@ def command(worker_urls: Sequence[str], port: int, prometheus_port: int) -> list
     ]
 
 
-@dataclass
-class SGLangRouter:
+class SGLangRouter(ManagedProcess):
     """One running router process; ``url`` takes the same OpenAI requests as our gateway."""
-
-    name: str
-    url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
 
 
 def start(worker_urls: Sequence[str], workdir: Path, name: str = ROW) -> SGLangRouter:
     """Start the router in front of ``worker_urls`` (returns at once; see :func:`wait_ready`)."""
-    port, prometheus_port = _free_port(), _free_port()
+    port, prometheus_port = free_port(), free_port()
     log_path = workdir / f"router-{name}.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
