@@ -31,23 +31,19 @@ import json
 import os
 import platform
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.fuzz_cases import Tally, run_bodies, run_hostile, run_raw, run_slow  # noqa: E402
+from benchmarks.processes import serve_gateway  # noqa: E402
 from gateway.sim.launcher import run_replicas  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_fuzz.json"
@@ -64,49 +60,6 @@ def fuzz_config(replica_urls: list[str]) -> dict[str, Any]:
     }
 
 
-@contextmanager
-def gateway_process(config: dict[str, Any], log_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    config_path = log_path.with_suffix(".yaml")
-    config_path.write_text(yaml.safe_dump(config))
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--config", str(config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            cwd=ROOT,
-        )
-        try:
-            deadline = time.monotonic() + 30
-            url = None
-            while url is None:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"gateway did not start; see {log_path}")
-                match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log_path.read_text())
-                url = match.group(1) if match else None
-                time.sleep(0.05)
-            # the line comes when the socket is bound, before uvicorn listens on it: wait for an answer
-            while not _answers(url):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"gateway did not answer; see {log_path}")
-                time.sleep(0.05)
-            yield url, proc
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def log_findings(text: str) -> dict[str, Any]:
     tracebacks = text.count("Traceback (most recent call last)")
     errors = [line for line in text.splitlines() if re.search(r"\b(ERROR|CRITICAL)\b", line)]
@@ -120,7 +73,7 @@ def run(requests: int, slow: int, seed: int) -> dict[str, Any]:
         run_replicas(2, log_dir=Path(tmp), **sim_options) as urls,
     ):
         log_path = Path(tmp) / "gateway.log"
-        with gateway_process(fuzz_config(urls), log_path) as (url, proc):
+        with serve_gateway(fuzz_config(urls), log_path) as (url, proc):
             host, port = url.removeprefix("http://").rsplit(":", 1)
             tallies = {name: Tally() for name in ("bodies", "hostile", "raw")}
             t0 = time.monotonic()

@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,11 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.processes import serve_gateway  # noqa: E402
 from benchmarks.procstat import cpu_seconds  # noqa: E402
 from gateway.sim import DEFAULT_MODEL  # noqa: E402
 from gateway.sim.launcher import run_replicas  # noqa: E402
@@ -71,34 +70,8 @@ def gateway_process(replica_url: str, log_path: Path) -> Iterator[tuple[str, int
         "replicas": [{"name": "r0", "url": replica_url}],
         "routes": [{"name": "bench", "match": {"models": [DEFAULT_MODEL]}, "policy": "least_loaded"}],
     }
-    config_path = log_path.with_suffix(".yaml")
-    config_path.write_text(yaml.safe_dump(config))
-    log = log_path.open("w")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--config", str(config_path)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=ROOT,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        url = None
-        while url is None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gateway did not start; see {log_path}")
-            match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log_path.read_text())
-            url = match.group(1) if match else None
-            time.sleep(0.05)
+    with serve_gateway(config, log_path) as (url, proc):
         yield url, proc.pid
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 # -- load --------------------------------------------------------------------------------------

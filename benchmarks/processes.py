@@ -6,11 +6,23 @@ the benchmark and its peers' launchers do not each carry a copy.
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import socket
 import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -38,3 +50,51 @@ class ManagedProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+@contextmanager
+def serve_gateway(config: dict[str, Any], log_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``prefix-gateway serve`` with ``config`` (port 0); yields (base URL, process) once it answers.
+
+    The "listening on" line comes when the socket is bound, before uvicorn serves on it, so the
+    URL is read from the log and then ``/health`` is polled (deadline 30 s).
+    """
+    config_path = log_path.with_suffix(".yaml")
+    config_path.write_text(yaml.safe_dump(config))
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            url = None
+            while url is None:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"gateway did not start; see {log_path}")
+                match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log_path.read_text())
+                url = match.group(1) if match else None
+                time.sleep(0.05)
+            while not _answers(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"gateway did not answer; see {log_path}")
+                time.sleep(0.05)
+            yield url, proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
