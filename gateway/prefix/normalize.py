@@ -9,7 +9,6 @@ Modes (per route, :class:`~gateway.prefix.settings.NormalizeSettings`):
   are appended, labelled, at the end of the prompt::
 
       <volatile_values check="1a2b3c4d">
-      Current values of the {{volatile:...}} placeholders above:
       {{volatile:iso_datetime:1}} = 2025-03-04T05:06:07Z
       </volatile_values>
 

@@ -127,8 +127,11 @@ class NormalizeSettings(BaseModel):
         default_factory=lambda: LearnSettings(), description="online learning of what varies (bounded, expiring)"
     )
     values_note: str = Field(
-        "Current values of the {{volatile:...}} placeholders above:",
-        description="first line inside the appended values block (may be empty)",
+        "",
+        description="an optional first line inside the appended values block (e.g. 'Current values of the "
+        "{{volatile:...}} placeholders above:'); every request pays its tokens after the cached prefix "
+        "(that example: 12 Llama 3 tokens), so none by default: the tag and the placeholder = value lines "
+        "say what the block is",
     )
     canonicalize_tools: bool = Field(
         False, description="rewrite tool JSON schemas with sorted keys so key order never splits the cache"
