@@ -45,7 +45,8 @@ class Fleet:
         self.live = [(end, name) for end, name in self.live if end > self.t]
         loads = Counter(name for _, name in self.live)
         d = self.p.choose(req(keys), views(dict(loads)))
-        bounds = load_bounds(dict(loads) | {n: loads.get(n, 0) for n in NAMES}, dict.fromkeys(NAMES, 1.0), 1.25)
+        factor = self.p.settings.load_factor
+        bounds = load_bounds(dict(loads) | {n: loads.get(n, 0) for n in NAMES}, dict.fromkeys(NAMES, 1.0), factor)
         assert loads.get(d.replica, 0) < bounds[d.replica]
         self.live.append((self.t + self.hold, d.replica))
         return d.replica, d.reason
@@ -147,7 +148,7 @@ def test_growing_conversation_stays_where_its_history_is() -> None:
     # At low load the textbook bound (ceil(1.25 x mean)) is tight and pushes turns away from a
     # replica busy with one or two other requests; the extra room for long cached histories
     # (the default) keeps them home.
-    textbook = _conversation_stickiness(policy(bound_extra=0), hold=6)
+    textbook = _conversation_stickiness(policy(bound_extra=0, load_factor=1.25), hold=6)
     assert _conversation_stickiness(policy(), hold=6) > max(0.85, textbook + 0.2)
 
 
@@ -165,7 +166,7 @@ def test_popular_shared_prefix_is_spread_over_replicas() -> None:
 
 
 def test_busy_affinity_replica_spills() -> None:
-    p = policy()
+    p = policy(load_factor=1.25)
     keys = chain(64, 7)
     p.choose(req(keys), views())
     home = p.index.holders(keys[-1])[0]
@@ -196,13 +197,13 @@ def test_without_affinity_the_choice_is_least_loaded(loads: list[int], seed: int
 
 
 def test_pure_chwbl_follows_the_ring_home_under_the_bound() -> None:
-    p = policy(ring_slack=None)
+    p = policy(ring_slack=None, load_factor=1.25)
     keys = chain(20, 3)
     home = p.ring.owner(keys[256 // 16 - 1])
     loads = dict.fromkeys(NAMES, 1) | {home: 2}  # bound = ceil(1.25 * 6 / 4) = 2 -> home is full
     d = p.choose(req(keys), views(loads))
     assert d.replica != home and d.reason == "spill"
-    p2 = policy(ring_slack=None)
+    p2 = policy(ring_slack=None, load_factor=1.25)
     loads = dict.fromkeys(NAMES, 2) | {home: 1}
     assert p2.choose(req(keys), views(loads)).replica == home
 

@@ -24,11 +24,16 @@ uncached tokens.  The decision, in order:
      prompt went on differently after it (not a fork: this conversation's own history):
      stay (``sticky_homes``).  The bound guards hot spots; a score would move a conversation
      behind a long shared head for a few tokens of load difference.
-   - **shared**: the deepest match is a fork — a prefix other prompts went on from
-     differently (a new conversation behind a tenant's system prompt).  The best holder
-     keeps it while it is the least busy (+ ``shared_prefix_slack`` requests; in-flight plus
-     queued prefill); else the least busy replica takes it and caches the prefix too: a hot
-     head is replicated instead of hot-spotted.
+   - **start**: the deepest match is a fork — a prefix other prompts went on from
+     differently (a new conversation behind a tenant's system prompt).  The conversation
+     will stay where it starts; the head gets as many holders as its share of recent starts
+     needs (``head_load_factor``, :mod:`gateway.routing.starts`).  While it has fewer and
+     every holder is busy, the request starts on another replica (the ring branch: least
+     busy), which computes the head; else the score below (the head's holders win).
+   - **shared** (opt-in, ``shared_prefix_slack``): such a request's best holder keeps it
+     while it is the least busy (+ ``shared_prefix_slack`` requests; in-flight plus queued
+     prefill); else the least busy replica takes it and caches the prefix too: a hot head is
+     replicated at every busy moment (costs hit rate; off by default).
    - **score** otherwise: the under-bound replica with the best ``cached_tokens -
      load_cost_tokens x load - prefill_queue_weight x queued_prefill`` (both per unit of
      weight).  The queued-prefill term only counts while every under-bound replica holds the
@@ -72,6 +77,7 @@ from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import Decision, PolicySettings, ReplicaView, RequestView
 from gateway.routing.policies.least_loaded import least_loaded
 from gateway.routing.ring import HashRing, load_bounds
+from gateway.routing.starts import HeadDemand
 
 REASONS = ("affinity", "ring", "spill", "fallback")
 
@@ -80,7 +86,7 @@ class PrefixPolicySettings(PolicySettings):
     """Settings of the ``prefix`` policy (all optional)."""
 
     load_factor: float = Field(
-        1.25, ge=1.0, le=100.0, description="CHWBL bound c: in-flight must stay below ceil(c x mean load)"
+        2.0, ge=1.0, le=100.0, description="CHWBL bound c: in-flight must stay below ceil(c x mean load)"
     )
     key_depth_tokens: int = Field(
         256, ge=1, description="ring key = chain key of the block at this depth (or the deepest full block)"
@@ -149,7 +155,7 @@ class PrefixPolicySettings(PolicySettings):
         "bound; off: scored like any other request (load_cost_tokens may move it to a replica holding less of it)",
     )
     shared_prefix_slack: float | None = Field(
-        0.0,
+        None,
         ge=0.0,
         description="a request whose deepest match is a prefix other prompts went on from differently (a new "
         "conversation behind a tenant's system prompt) goes where its estimated time to "
@@ -165,6 +171,25 @@ class PrefixPolicySettings(PolicySettings):
         "this much against queued prefill and in-flight requests (0: the least busy replica, by in-flight "
         "and queued prefill; 1: this request's time to first token alone, so a holder keeps new conversations "
         "until its queue outweighs computing the head elsewhere)",
+    )
+    head_load_factor: float | None = Field(
+        1.25,
+        ge=1.0,
+        le=100.0,
+        description="a shared head (a prefix other prompts went on from differently: a tenant's system prompt) gets "
+        "as many holders as its share of recent conversation starts needs at this factor x one replica's fair "
+        "share, ceil(share x replicas / factor); while it has fewer and every holder is busy, a new conversation "
+        "behind it starts on another replica, which computes the head. null: new conversations always prefer "
+        "the head's holders (up to the load bound)",
+    )
+    head_window_starts: int = Field(
+        256, ge=1, description="recent starts: a start weighs 1/e after this many more in the pool"
+    )
+    head_min_starts: int | None = Field(
+        None,
+        ge=1,
+        description="a head's share is taken over at least this many recent starts (default: 2 x replicas), so a "
+        "fresh pool does not copy heads on its first few requests",
     )
     use_session_key: bool = Field(True, description="use the route's session header value as the ring key if present")
 
@@ -186,6 +211,7 @@ class PrefixPolicy:
             max_bytes=settings.affinity_max_bytes,
         )
         self._capacity_block_size = 0
+        self.demand = HeadDemand(settings.head_window_starts)
         self._turn = 0
         self.set_members(members)
 
@@ -281,6 +307,24 @@ class PrefixPolicy:
         under = [name for name, f in in_flight.items() if f < bounds[name]]
         if not under:  # impossible with load_factor >= 1; stay total anyway
             under = [r.name for r in replicas]
+        has_match = any(depth.get(name, 0) for name in under)
+        homes = self._homes(keys, depth, under, matched) if has_match and settings.sticky_homes else []
+        # A new conversation behind a shared head (its deepest match is a fork) stays where it
+        # starts: the head gets as many holders as its share of recent starts needs (see
+        # gateway.routing.starts); while it has fewer and every holder is busy, start elsewhere.
+        factor = settings.head_load_factor
+        start: int | None = None  # the shared head behind a new conversation
+        if factor is not None and not homes and best_any and self.index.is_fork(keys[best_any - 1]):
+            start = keys[best_any - 1]
+            holders = {name for name, d in depth.items() if d >= best_any}
+            prior = settings.head_min_starts or 2 * len(in_flight)
+            if len(holders) < self.demand.holders_needed(start, len(in_flight), factor, prior) and all(
+                in_flight[name] for name in under if name in holders
+            ):
+                others = [name for name in under if name not in holders]
+                if others:
+                    under = others
+                    has_match = any(depth.get(name, 0) for name in under)
         # Ties break on this request's own identity — its session, or its deepest key (which
         # covers the whole prompt) — never on a shared head's key: conversations behind one
         # long system prompt spread instead of following that prompt's key to one replica.
@@ -302,8 +346,6 @@ class PrefixPolicy:
                 queued[name] = queue_weight * p * mean_weight / w if w > 0 else 0.0
         scores: dict[str, float] = {}
         shared_slack = settings.shared_prefix_slack
-        has_match = any(depth.get(name, 0) for name in under)
-        homes = self._homes(keys, depth, under, matched) if has_match and settings.sticky_homes else []
         if homes:
             # A conversation's next turn: its history ends on these replicas (under their
             # bound).  Stay: the bound, not a score, guards against hot spots.
@@ -336,14 +378,17 @@ class PrefixPolicy:
             pick = self._first(ring_key, [name for name in under if cost[name] <= limit])
             reason = "ring" if pick == home and best_any == 0 else "spill"
 
-        added: list[int] = []
-        if commit:
-            added = self.index.record(pick, keys, self._beyond_window(request))
         predicted = matched.get(pick, 0)
         prompt_tokens = request.prompt_tokens_estimate or request.prompt_tokens
         if prompt_tokens:
             # vLLM always recomputes a prompt's last token, so a full hit stops one block short.
             predicted = min(predicted, (prompt_tokens - 1) // block_size * block_size)
+        added: list[int] = []
+        started: tuple[int, float, int] | None = None
+        if commit:
+            added = self.index.record(pick, keys, self._beyond_window(request))
+            if start is not None:
+                started = self.demand.record(start)
         detail: dict[str, Any] = {
             "predicted_cached_tokens": max(0, predicted),
             "matched_blocks": depth.get(pick, 0),
@@ -359,6 +404,8 @@ class PrefixPolicy:
             }
         if added:
             detail["recorded_keys"] = added  # taken back by forget_attempt if the attempt fails
+        if started is not None:
+            detail["started"] = started  # likewise
         if not commit:
             detail["branch"] = branch  # home | shared | score | ring
             # The explain-only part (hex key, per-candidate table) costs a ring walk and string
@@ -380,6 +427,9 @@ class PrefixPolicy:
         keys = decision.detail.get("recorded_keys")
         if keys:
             self.index.unrecord(decision.replica, keys)
+        started = decision.detail.get("started")
+        if started is not None:
+            self.demand.undo(started)
 
     def snapshot(self) -> dict[str, Any]:
         """State for ``/admin/stats``: ring membership and affinity-index occupancy."""
@@ -391,6 +441,7 @@ class PrefixPolicy:
                 "capacity_per_replica": self.index.capacity(),
                 "per_replica": {name: self.index.entries(name) for name in self._weights},
             },
+            "starts": self.demand.snapshot(),
         }
 
     # -- helpers -----------------------------------------------------------------------

@@ -1,0 +1,100 @@
+"""How many replicas a shared head needs: its share of new conversations.
+
+A conversation stays on the replica that holds its history for every later turn, so where
+new conversations *start* commits the fleet's load for minutes.  Behind a long shared head
+(an agent tenant's system prompt and tool schemas) every replica holding the head is the
+cheapest place to start: the head is cached there.  If one tenant's head draws most new
+conversations, its first holder takes them all until the in-flight bound pushes *turns*
+off their history; if it draws a fair share, it should stay on one replica (copying a
+6-12k-token head to every replica costs prefill and KV space that histories need: measured,
+2-5 points of hit rate).
+
+So each shared head (a fork key: a prefix other prompts went on from differently) is an item
+with a load — its share of the pool's recent conversation starts — and gets as many holders
+as that load needs at ``factor`` x one replica's fair share: ``ceil(share x n / factor)``,
+the consistent-hashing-with-bounded-loads idea applied to heads.  While it has fewer and every
+holder is busy, a new conversation starts on another replica, which computes the head and
+holds it from then on.  A tenant among several keeps one holder; a single tenant's burst
+spreads over the fleet; an idle holder keeps one-at-a-time traffic (nothing to gain).
+
+Starts decay geometrically (``window`` recent starts weigh ~1/e), lazily: each start adds a
+growing increment instead of multiplying every count, so recording and reading are O(1).
+Heads are kept in an LRU of bounded size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+_RESCALE_AT = 1e100  # the growing increment is renormalised long before floats overflow
+
+
+class HeadDemand:
+    """Recent new conversations behind shared heads, in total and per head (decayed).
+
+    Only requests starting behind a shared head count: a request sharing nothing has no head
+    to copy (it goes to the least busy replica), and counting it would make every head look
+    rarer than it is among the conversations that could pile up.
+    """
+
+    __slots__ = ("_epoch", "_growth", "_heads", "_increment", "_max_heads", "_total")
+
+    def __init__(self, window: int, max_heads: int = 8192) -> None:
+        self._growth = math.exp(1.0 / max(1, window))
+        self._heads: OrderedDict[int, float] = OrderedDict()
+        self._max_heads = max_heads
+        self._increment = 1.0
+        self._total = 0.0
+        self._epoch = 0  # bumps on renormalisation: an older undo token no longer applies
+
+    def recent_starts(self) -> float:
+        """Recent starts in the pool (decayed: the newest weighs 1)."""
+        return self._total / self._increment
+
+    def share(self, head: int, prior: float) -> float:
+        """``head``'s share of recent starts, counting the one being placed.
+
+        ``prior``: the share is taken over at least this many starts, so a fresh pool (two
+        of its first three starts behind one head) does not copy heads on noise.
+        """
+        unit = self._increment
+        return (self._heads.get(head, 0.0) / unit + 1.0) / max(self._total / unit + 1.0, prior)
+
+    def holders_needed(self, head: int, replicas: int, factor: float, prior: float) -> int:
+        """How many replicas ``head`` needs: ``ceil(share x replicas / factor)``, at least 1."""
+        return max(1, math.ceil(round(self.share(head, prior) * replicas / factor, 9)))
+
+    def record(self, head: int) -> tuple[int, float, int]:
+        """Count a start behind ``head``; returns the undo token."""
+        self._increment *= self._growth
+        if self._increment > _RESCALE_AT:
+            unit = self._increment
+            self._heads = OrderedDict((k, v / unit) for k, v in self._heads.items())
+            self._total /= unit
+            self._increment = 1.0
+            self._epoch += 1
+        inc = self._increment
+        self._total += inc
+        heads = self._heads
+        heads[head] = heads.pop(head, 0.0) + inc  # most recently started last
+        if len(heads) > self._max_heads:
+            heads.popitem(last=False)
+        return self._epoch, inc, head
+
+    def undo(self, token: tuple[int, float, int]) -> None:
+        """Take back a start whose attempt failed before the replica answered."""
+        epoch, inc, head = token
+        if epoch != self._epoch:
+            return
+        self._total = max(0.0, self._total - inc)
+        if head in self._heads:
+            self._heads[head] = max(0.0, self._heads[head] - inc)
+
+    def snapshot(self, top: int = 8) -> dict[str, object]:
+        """Recent starts and the busiest heads' shares (for ``/admin/stats``; keys in hex)."""
+        busiest = sorted(self._heads.items(), key=lambda kv: kv[1], reverse=True)[:top]
+        return {
+            "recent_starts": round(self.recent_starts(), 1),
+            "busiest_heads": {f"{k:016x}": round(v / self._total, 3) for k, v in busiest if self._total},
+        }

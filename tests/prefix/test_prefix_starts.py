@@ -1,0 +1,122 @@
+"""How many holders a shared head gets: its share of new conversations (``gateway.routing.starts``)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from gateway.routing.base import ReplicaView, RequestView
+from gateway.routing.starts import HeadDemand
+from tests.prefix.policy_helpers import NAMES, chain, policy
+
+
+def req(keys: tuple[int, ...]) -> RequestView:
+    return RequestView("x", "route", "m", "chat", None, keys, 16, len(keys) * 16 + 3)
+
+
+def busy(loads: dict[str, int]) -> list[ReplicaView]:
+    return [ReplicaView(n, in_flight=loads.get(n, 0)) for n in NAMES]
+
+
+def test_a_head_needs_holders_in_proportion_to_its_share_of_starts() -> None:
+    d = HeadDemand(window=10**9)  # no decay to speak of
+    for head in (1, 2, 3):
+        d.record(head)
+    d.record(7)
+    # head 7 with this start: 2 of 5 recent starts, over at least 8 (the prior) -> 2/8 = 0.25
+    assert math.isclose(d.share(7, prior=8), 0.25)
+    assert d.holders_needed(7, replicas=4, factor=1.25, prior=8) == 1  # 0.25 x 4 / 1.25 = 0.8
+    for _ in range(8):
+        d.record(7)
+    # 10 of 13 recent starts: 10/13 x 4 / 1.25 = 2.46 -> 3 holders
+    assert d.holders_needed(7, replicas=4, factor=1.25, prior=8) == 3
+    token = d.record(7)
+    d.undo(token)
+    assert math.isclose(d.recent_starts(), 12.0, rel_tol=1e-6)
+    assert d.snapshot()["busiest_heads"][f"{7:016x}"] == round(9 / 12, 3)
+
+
+def test_starts_decay_and_heads_are_bounded() -> None:
+    d = HeadDemand(window=10, max_heads=3)
+    for _ in range(100):
+        d.record(1)
+    for _ in range(100):
+        d.record(2)  # head 1's starts are ~10 windows old: negligible
+    # (a share counts the start being placed: +1 on both sides)
+    assert d.share(1, prior=1) < 0.1 < 0.99 < d.share(2, prior=1)
+    for head in (3, 4, 5):
+        d.record(head)
+    assert f"{1:016x}" not in d.snapshot(top=10)["busiest_heads"]  # evicted (LRU of 3 heads)
+    for _ in range(5000):  # renormalises many times without drifting
+        d.record(6)
+    assert math.isclose(d.recent_starts(), 1 / (1 - math.exp(-1 / 10)), rel_tol=1e-6)
+
+
+def test_new_conversations_behind_one_busy_head_spread_while_each_stays_home() -> None:
+    """16 conversations behind one 10k-token head, all in flight: the head draws every new
+    conversation, so it gets every replica (in-flight bounds at load_factor 2 alone would
+    pile 9 onto its first holder); every later turn stays where its first turn went."""
+    p = policy()
+    head = chain(640, 1)
+    loads: Counter[str] = Counter()
+    first: dict[int, str] = {}
+    for i in range(16):
+        d = p.choose(req(head + chain(8, 100 + i)), busy(loads))
+        first[i] = d.replica
+        loads[d.replica] += 1  # still in flight
+    spread = Counter(first.values())
+    assert set(spread) == set(NAMES) and max(spread.values()) <= 6, spread
+    for i in range(16):  # turn 2 of each: its own history, home
+        d = p.choose(req(head + chain(8, 100 + i) + chain(12, 200 + i)), busy(loads))
+        assert d.replica == first[i]
+
+
+def test_a_tenant_among_several_keeps_one_holder() -> None:
+    """Four tenants' heads, new conversations in turn: each head draws a fair share of
+    starts, so none is copied (the fleet's KV holds histories, not four copies of heads)."""
+    p = policy()
+    heads = [chain(400, 10 + t) for t in range(4)]
+    loads: Counter[str] = Counter()
+    placed: dict[int, set[str]] = {t: set() for t in range(4)}
+    for i in range(64):
+        t = i % 4
+        d = p.choose(req(heads[t] + chain(8, 1000 + i)), busy(loads))
+        placed[t].add(d.replica)
+        loads[d.replica] += 1
+        if i % 3 == 0:  # some finish
+            loads[max(loads, key=loads.__getitem__)] -= 1
+    # Two tenants' first conversations land on one replica here (r1 idle): one of those heads
+    # is copied to the idle replica once; no head is copied on its fair share.
+    assert sum(len(replicas) for replicas in placed.values()) <= 5, placed
+    assert set().union(*placed.values()) == set(NAMES), placed
+
+
+def test_an_idle_holder_keeps_one_at_a_time_requests() -> None:
+    """One request at a time behind a shared system prompt: nothing is gained by computing the
+    head elsewhere while its holder is idle."""
+    p = policy()
+    head = chain(40, 2)
+    picks = {p.choose(req(head + chain(4, 300 + i)), busy({})).replica for i in range(12)}
+    assert len(picks) == 1
+
+
+def test_off_the_holder_takes_them_until_its_load_bound() -> None:
+    p = policy(head_load_factor=None)
+    head = chain(640, 1)
+    loads: Counter[str] = Counter()
+    for i in range(16):
+        loads[p.choose(req(head + chain(8, 100 + i)), busy(loads)).replica] += 1
+    assert max(loads.values()) >= 8  # piled on the head's holder
+
+
+def test_a_failed_start_is_taken_back() -> None:
+    p = policy()
+    head = chain(30, 9)
+    p.index.record("r1", head + chain(4, 1))
+    p.index.record("r1", head + chain(4, 2))  # the head is a fork: a request behind it starts
+    request = req(head + chain(4, 3))
+    d = p.choose(request, busy({}))
+    assert d.detail["started"] and math.isclose(p.demand.recent_starts(), 1.0)
+    p.forget_attempt(request, d)
+    assert p.demand.recent_starts() == 0
+    assert p.snapshot()["starts"]["recent_starts"] == 0
