@@ -11,8 +11,8 @@ off their history; if it draws a fair share, it should stay on one replica (copy
 
 So each shared head (a fork key: a prefix other prompts went on from differently) is an item
 with a load — its share of the pool's recent conversation starts — and gets as many holders
-as that load needs at ``factor`` x one replica's fair share: ``ceil(share x n / factor)``,
-the consistent-hashing-with-bounded-loads idea applied to heads.  While it has fewer and every
+as that load needs: ``round(share x n / factor)`` (``factor`` 1: one holder per replica's
+fair share of starts), the consistent-hashing-with-bounded-loads idea applied to heads.  While it has fewer and every
 holder is busy, a new conversation starts on another replica, which computes the head and
 holds it from then on.  A tenant among several keeps one holder; a single tenant's burst
 spreads over the fleet; an idle holder keeps one-at-a-time traffic (nothing to gain).
@@ -62,8 +62,11 @@ class HeadDemand:
         return (self._heads.get(head, 0.0) / unit + 1.0) / max(self._total / unit + 1.0, prior)
 
     def holders_needed(self, head: int, replicas: int, factor: float, prior: float) -> int:
-        """How many replicas ``head`` needs: ``ceil(share x replicas / factor)``, at least 1."""
-        return max(1, math.ceil(round(self.share(head, prior) * replicas / factor, 9)))
+        """How many replicas ``head`` needs: its share of starts in replicas, ``share x
+        replicas / factor``, rounded to the nearest (at least 1).  Rounding, not the ceiling:
+        a tenant with 30 % of new conversations on 4 replicas (1.2) keeps one holder, a
+        single tenant's burst (share near 1) gets all 4."""
+        return max(1, math.floor(self.share(head, prior) * replicas / factor + 0.5))
 
     def record(self, head: int) -> tuple[int, float, int]:
         """Count a start behind ``head``; returns the undo token."""

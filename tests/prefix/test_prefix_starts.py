@@ -25,11 +25,12 @@ def test_a_head_needs_holders_in_proportion_to_its_share_of_starts() -> None:
     d.record(7)
     # head 7 with this start: 2 of 5 recent starts, over at least 8 (the prior) -> 2/8 = 0.25
     assert math.isclose(d.share(7, prior=8), 0.25)
-    assert d.holders_needed(7, replicas=4, factor=1.25, prior=8) == 1  # 0.25 x 4 / 1.25 = 0.8
+    assert d.holders_needed(7, replicas=4, factor=1.0, prior=8) == 1  # 0.25 x 4 = 1
     for _ in range(8):
         d.record(7)
-    # 10 of 13 recent starts: 10/13 x 4 / 1.25 = 2.46 -> 3 holders
-    assert d.holders_needed(7, replicas=4, factor=1.25, prior=8) == 3
+    # 10 of 13 recent starts: 10/13 x 4 = 3.08 -> 3 holders; 2.46 at factor 1.25 -> 2
+    assert d.holders_needed(7, replicas=4, factor=1.0, prior=8) == 3
+    assert d.holders_needed(7, replicas=4, factor=1.25, prior=8) == 2
     token = d.record(7)
     d.undo(token)
     assert math.isclose(d.recent_starts(), 12.0, rel_tol=1e-6)
@@ -85,10 +86,7 @@ def test_a_tenant_among_several_keeps_one_holder() -> None:
         loads[d.replica] += 1
         if i % 3 == 0:  # some finish
             loads[max(loads, key=loads.__getitem__)] -= 1
-    # Two tenants' first conversations land on one replica here (r1 idle): one of those heads
-    # is copied to the idle replica once; no head is copied on its fair share.
-    assert sum(len(replicas) for replicas in placed.values()) <= 5, placed
-    assert set().union(*placed.values()) == set(NAMES), placed
+    assert all(len(replicas) == 1 for replicas in placed.values()), placed
 
 
 def test_an_idle_holder_keeps_one_at_a_time_requests() -> None:

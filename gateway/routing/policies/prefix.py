@@ -173,14 +173,14 @@ class PrefixPolicySettings(PolicySettings):
         "until its queue outweighs computing the head elsewhere)",
     )
     head_load_factor: float | None = Field(
-        1.25,
-        ge=1.0,
+        1.0,
+        ge=0.25,
         le=100.0,
         description="a shared head (a prefix other prompts went on from differently: a tenant's system prompt) gets "
-        "as many holders as its share of recent conversation starts needs at this factor x one replica's fair "
-        "share, ceil(share x replicas / factor); while it has fewer and every holder is busy, a new conversation "
-        "behind it starts on another replica, which computes the head. null: new conversations always prefer "
-        "the head's holders (up to the load bound)",
+        "as many holders as its share of recent new conversations, in replicas: round(share x replicas / this), at "
+        "least 1; while it has fewer and every holder is busy, a new conversation behind it starts on another "
+        "replica, which computes the head. Larger: fewer copies. null: new conversations always prefer the head's "
+        "holders (up to the load bound)",
     )
     head_window_starts: int = Field(
         256, ge=1, description="recent starts: a start weighs 1/e after this many more in the pool"
