@@ -382,6 +382,47 @@ class LimitsSettings(_Strict):
     )
 
 
+class WarmRestartSettings(_Strict):
+    """Replay the hottest prefixes to a replica that comes back with an empty cache (docs/fleet.md).
+
+    Off by default: it keeps recent request bodies (prompt text) in memory, per route and
+    replica, bounded by ``max_prefixes`` and ``max_bytes``; they are never logged.
+    """
+
+    enabled: bool = Field(
+        False, description="remember the hottest prefixes per replica and replay them when it restarts"
+    )
+    max_prefixes: int = Field(
+        256, ge=1, le=100_000, description="prefixes remembered per route and replica (the coldest go first)"
+    )
+    max_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=4096,
+        description="request-body bytes remembered per route and replica; a body larger than this is not kept",
+    )
+    max_replays: int = Field(64, ge=1, le=100_000, description="replays per warm-up: the hottest this many prefixes")
+    rate_per_s: float = Field(10.0, gt=0, le=10_000, description="replays started per second, at most")
+    concurrency: int = Field(2, ge=1, le=256, description="replays in flight at once, at most")
+    timeout_s: float = Field(30.0, gt=0, description="one replay's deadline (prefill of a long prompt)")
+    half_life_s: float = Field(
+        300.0, gt=0, description="hotness = requests weighted by recency: a request counts half after this long"
+    )
+    key_tokens: int = Field(
+        256,
+        ge=1,
+        description="a prefix is the prompt's first key_tokens tokens (or its session header's value); its "
+        "latest body is what gets replayed",
+    )
+    cooldown_s: float = Field(
+        60.0, ge=0, description="a replica warmed up this recently is not warmed again (one restart, two signals)"
+    )
+    on_rejoin: bool = Field(
+        True,
+        description="also warm up a replica that returns to healthy after being down or ejected (besides "
+        "engine counters going backwards)",
+    )
+
+
 class ReplicaConfig(_Strict):
     """One upstream vLLM (or simulated) server."""
 
@@ -466,6 +507,9 @@ class RouteConfig(_Strict):
     )
     normalize: NormalizeSettings = Field(default_factory=NormalizeSettings, description="volatile-span handling")
     prefix: PrefixSettings = Field(default_factory=PrefixSettings, description="prefix tokenization and keying")
+    warm_restart: WarmRestartSettings | None = Field(
+        None, description="this route's warm-restart settings (null: the top-level warm_restart)"
+    )
 
 
 class GatewayConfig(_Strict):
@@ -481,6 +525,7 @@ class GatewayConfig(_Strict):
     state: StateSettings = Field(default_factory=StateSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
     samples: SampleSettings = Field(default_factory=SampleSettings)
+    warm_restart: WarmRestartSettings = Field(default_factory=WarmRestartSettings)
     replicas: list[ReplicaConfig] = Field(
         default_factory=list, description="static replicas (at least one, unless discovery sources are set)"
     )
@@ -501,6 +546,10 @@ class GatewayConfig(_Strict):
         _unique([r.name for r in self.replicas] + [d.name for d in self.discovery], "replicas and discovery")
         _unique([r.name for r in self.routes], "routes")
         return self
+
+    def warm_restart_of(self, route: RouteConfig) -> WarmRestartSettings:
+        """``route``'s own warm-restart settings, else the top-level ones."""
+        return route.warm_restart if route.warm_restart is not None else self.warm_restart
 
     def pool_of(self, route: RouteConfig) -> list[ReplicaConfig]:
         if route.replicas is None:

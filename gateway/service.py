@@ -32,6 +32,7 @@ from gateway.observe.metrics import (
     ReplicaCollector,
     RouteCollector,
     SyncCollector,
+    WarmupCollector,
 )
 from gateway.observe.outcome import Outcome
 from gateway.observe.samples import SampleBuffer
@@ -42,6 +43,7 @@ from gateway.reload import Reloader, prefix_indexes
 from gateway.replicas.monitor import ReplicaMonitor
 from gateway.replicas.outlier import Fleet
 from gateway.replicas.pool import Replica
+from gateway.replicas.warmup import Warmer
 from gateway.routing.base import Decision, RequestView
 from gateway.routing.routes import Route, RouteTable, build_route
 from gateway.state.affinity_sync import AffinitySync
@@ -113,6 +115,9 @@ class Gateway:
             # discovered replicas join these pools once their sources answer (gateway.membership)
         )
         self.monitor = ReplicaMonitor(list(self.replicas.values()), config.health, config.scrape)
+        # warm restarts (off unless warm_restart.enabled): hot prefixes in, replays out
+        self.warmer = Warmer(lambda: self.config, lambda: self.routes.routes, lambda: self.replicas)
+        self.fleet.on_cold = self.warmer.on_cold
         self.metrics = GatewayMetrics()
         self.metrics.registry.register(ReplicaCollector(lambda: list(self.replicas.values())))
         self.metrics.registry.register(RouteCollector(lambda: [(r.name, r.runner) for r in self.routes.routes]))
@@ -144,6 +149,7 @@ class Gateway:
         self.draining = False  # set on SIGTERM (gateway.drain): /ready answers 503
         self.reloader: Reloader | None = None  # set by the server when serving from a file
         self.metrics.registry.register(MembershipCollector(self.membership, lambda: self.reloads))
+        self.metrics.registry.register(WarmupCollector(self.warmer))
         self.started_at = time.time()
 
     def _build_limiter(self, env: Mapping[str, str]) -> KeyLimiter:
@@ -206,6 +212,7 @@ class Gateway:
             await self.state_sync.stop()
         await self.summary.stop()
         await self.membership.stop()
+        await self.warmer.stop()
         await self.monitor.stop()
 
     async def _learn_context(self) -> None:
@@ -364,6 +371,7 @@ class Gateway:
             },
             "membership": self.membership.snapshot(),
             "reloads": dict(self.reloads),
+            "warm_restart": self.warmer.snapshot(),
         }
 
     def _normalizers(self) -> list[tuple[str, Any]]:

@@ -169,6 +169,12 @@ class ReplicaCollector(Collector):
         )
         healthy = GaugeMetricFamily(p + "replica_healthy", "1 if the replica takes traffic", labels=["replica"])
         changes = CounterMetricFamily(p + "replica_health_changes", "Health state transitions", labels=["replica"])
+        restarts = CounterMetricFamily(
+            p + "replica_restarts_detected",
+            "Times the replica looked restarted: engine counters went backwards (counters_reset) or it "
+            "returned to healthy (rejoined)",
+            labels=["replica", "cause"],
+        )
         outlier = {
             "ejections_total": CounterMetricFamily(
                 p + "replica_ejections", "Ejections by outlier detection (real traffic)", labels=["replica"]
@@ -243,6 +249,8 @@ class ReplicaCollector(Collector):
             pending.add_metric(name, replica.pending_prefill_tokens)
             healthy.add_metric(name, 1.0 if replica.healthy else 0.0)
             changes.add_metric(name, replica.health_changes)
+            for cause, count in replica.restarts_detected.items():
+                restarts.add_metric([replica.name, cause], count)
             for field, family in outlier.items():
                 family.add_metric(name, getattr(replica, field))
             ejected.add_metric(name, 1.0 if replica.ejected_until > now and not replica.healthy else 0.0)
@@ -261,6 +269,7 @@ class ReplicaCollector(Collector):
         yield pending
         yield healthy
         yield changes
+        yield restarts
         yield from outlier.values()
         yield ejected
         yield slow
@@ -407,3 +416,54 @@ class NormalizationCollector(Collector):
         yield warmup
         yield learned
         yield static
+
+
+class WarmupCollector(Collector):
+    """Warm restarts (``gateway.replicas.warmup``): hot-set sizes and replays, read at scrape time.
+
+    ``warmer`` is duck-typed (``sets``, ``stats``, ``running()``) so this module imports no replica code.
+    """
+
+    def __init__(self, warmer: Any) -> None:
+        self._warmer = warmer
+
+    def collect(self) -> Iterable[Metric]:
+        p = "prefix_gateway_warmup_"
+        w = self._warmer
+        prefixes = GaugeMetricFamily(
+            p + "hot_prefixes", "Prefixes remembered to replay, per route and replica", labels=["route", "replica"]
+        )
+        size = GaugeMetricFamily(
+            p + "hot_prefix_bytes", "Request-body bytes remembered to replay", labels=["route", "replica"]
+        )
+        for (route, replica), hot in sorted(w.sets.items()):
+            prefixes.add_metric([route, replica], len(hot))
+            size.add_metric([route, replica], hot.bytes)
+        runs = CounterMetricFamily(p + "runs", "Warm-ups started, by replica", labels=["replica"])
+        replays = CounterMetricFamily(
+            p + "requests", "Warm-up replays (max_tokens 1) by outcome", labels=["replica", "outcome"]
+        )
+        skipped = CounterMetricFamily(
+            p + "skipped",
+            "Restart signals that started no warm-up (cooldown, already running)",
+            labels=["replica", "reason"],
+        )
+        prompt = CounterMetricFamily(
+            p + "prompt_tokens",
+            "Prompt tokens of warm-up replays (in the engine's counters, not in ours)",
+            labels=["replica"],
+        )
+        cached = CounterMetricFamily(
+            p + "cached_tokens", "Of which already cached at the replica when replayed", labels=["replica"]
+        )
+        for name, stats in sorted(w.stats.items()):
+            runs.add_metric([name], stats.runs)
+            for outcome, count in stats.replays.items():
+                replays.add_metric([name, outcome], count)
+            for reason, count in stats.skipped.items():
+                skipped.add_metric([name, reason], count)
+            prompt.add_metric([name], stats.prompt_tokens)
+            cached.add_metric([name], stats.cached_tokens)
+        running = GaugeMetricFamily(p + "running", "Warm-ups in progress")
+        running.add_metric([], len(w.running()))
+        yield from (prefixes, size, runs, replays, skipped, prompt, cached, running)

@@ -142,6 +142,7 @@ class Exchange:
         self.added = 0.0
         self._watcher: asyncio.Task[None] | None = None
         self.ticket: Ticket | None = None  # a per-key concurrency slot (gateway.limits)
+        self.payload = b""  # the bytes sent upstream (warm restarts may keep them to replay)
 
     # -- driver ------------------------------------------------------------------------
     async def run(self) -> None:
@@ -202,6 +203,7 @@ class Exchange:
             o.normalize_mode, o.normalized = plan.route.normalize_mode, plan.prepared.normalized
         gw.check_context(plan, body)
         payload, strip = upstream_body(raw, body, plan, gw.config.upstream.stream_usage)
+        self.payload = payload
         self._watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
         response = await self._send_upstream(plan, payload)
         if plan.request.stream and response.status == 200 and "event-stream" in (response.content_type or ""):
@@ -533,6 +535,8 @@ class Exchange:
             o.added_s = self.added
         o.duration_s = perf_counter() - self.t0
         self.gw.record(o, self.plan, self.body)
+        if completed and self.plan is not None and o.replica:
+            self.gw.warmer.remember(self.plan.route, o.replica, self.plan.request, self.payload)
         info = self.scope.get(LOG_INFO_KEY)
         if info is not None:
             info["route"] = o.route

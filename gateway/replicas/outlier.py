@@ -86,6 +86,9 @@ class Fleet:
         self._pools = pools
         self.health = health
         self._slow_checked = 0.0
+        #: called with (replica, cause) when a replica may have come back with an empty cache
+        #: (see ``Replica._cold``); the gateway's warm-restart replayer sets it
+        self.on_cold: Callable[[Replica, str], None] | None = None
 
     def adopt(self, replicas: Iterable[Replica]) -> None:
         """Point replicas at this fleet (their ejections are then capped with the others)."""
@@ -101,6 +104,11 @@ class Fleet:
         cap = max(1, int(len(members) * percent / 100.0))
         ejected = sum(1 for r in members if r is not replica and r.ejected_until > now)
         return ejected + 1 <= cap
+
+    def note_cold(self, replica: Replica, cause: str) -> None:
+        """``replica`` restarted or rejoined (``cause``, see ``gateway.replicas.pool.COLD_CAUSES``)."""
+        if self.on_cold is not None:
+            self.on_cold(replica, cause)
 
     def note_ttfb(self, now: float) -> None:
         """A replica has a new latency sample: recompute the slow flags (rate-limited)."""

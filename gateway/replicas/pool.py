@@ -13,6 +13,12 @@ failure ejects it again, ``passive_5xx_threshold`` successes in a row end the pr
 The rules that need the whole fleet (ejection cap, panic mode, slow replicas) live in
 :mod:`gateway.replicas.outlier`.
 
+*Restarts* are noticed two ways, and each is logged, counted (``restarts_detected``) and
+passed to the fleet (``Fleet.note_cold``, where warm restarts hook in): the engine's counters
+went backwards between two scrapes (``counters_reset``: vLLM restarted, its prefix cache is
+empty, whether or not a health check saw it down), or the replica returned to healthy after
+being down or ejected (``rejoined``: it may have restarted meanwhile).
+
 When a replica goes down, requests still waiting for its answer are told (``on_down``): the
 proxy retries them elsewhere instead of leaving them stuck on a frozen process.
 
@@ -37,6 +43,22 @@ if TYPE_CHECKING:
     from gateway.replicas.outlier import Fleet
 
 log = logging.getLogger("prefix_gateway.replicas")
+
+#: the engine's counters compared between scrapes: any one going backwards is a restart
+RESET_COUNTERS = ("prefix_cache_queries", "prompt_tokens", "generation_tokens")
+#: why a replica is thought to have an empty cache (a metric label: keep it small)
+COLD_CAUSES = ("counters_reset", "rejoined")
+
+
+def counters_went_back(before: EngineStats | None, after: EngineStats) -> bool:
+    """Whether a monotonic engine counter is lower in ``after`` than in ``before`` (a restart)."""
+    if before is None:
+        return False
+    for field in RESET_COUNTERS:
+        old, new = getattr(before, field), getattr(after, field)
+        if old is not None and new is not None and new < old:
+            return True
+    return False
 
 
 class Replica:
@@ -91,6 +113,7 @@ class Replica:
         self.ttfb_samples = 0
         self.slow = False
         self._slow_skips = 0
+        self.restarts_detected = dict.fromkeys(COLD_CAUSES, 0)
         self._down_listeners: dict[int, Callable[[], None]] = {}
         self._listener_seq = 0
 
@@ -108,8 +131,12 @@ class Replica:
 
     def set_engine(self, engine: EngineStats) -> None:
         """A fresh scrape of the engine's metrics."""
+        reset = counters_went_back(self.engine, engine)
         self.engine = engine
         self.engine_error = None
+        if reset:
+            self.engine_baseline = None  # windows of the new engine start at this scrape
+            self._cold("counters_reset", "its engine counters went backwards (restarted: empty prefix cache)")
         if (
             self.engine_baseline is None
             and engine.prefix_cache_hits is not None
@@ -143,6 +170,15 @@ class Replica:
                 self._probation_successes = 0
             self.returned_at = now
             log.info("replica %s is healthy again (%s)", self.name, how)
+            self._cold("rejoined", "it is back after being down (it may have restarted)")
+
+    def _cold(self, cause: str, why: str) -> None:
+        """The replica may have an empty prefix cache now: count it and tell the fleet (warm restarts)."""
+        self.restarts_detected[cause] += 1
+        if cause == "counters_reset":
+            log.warning("replica %s: %s", self.name, why)
+        if self.fleet is not None:
+            self.fleet.note_cold(self, cause)
 
     def _eject(self, reason: str, now: float) -> None:
         h = self._health

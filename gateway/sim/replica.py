@@ -41,9 +41,11 @@ class Replica:
         self._loras = frozenset(options.lora_modules)
 
     def reset_metrics(self) -> None:
-        """Fresh counters, as after a process restart (scrapers then see a counter reset)."""
+        """Fresh counters, as after a process restart (scrapers then see a counter reset);
+        ``/sim/state``'s totals start over too, so they keep matching ``/metrics``."""
         self.metrics = SimMetrics(self.options)
         self.engine.metrics = self.metrics
+        self.engine.total_queries = self.engine.total_hits = 0
 
     def new_id(self) -> str:
         return f"{self._id_prefix}{next(self._ids):020x}"

@@ -159,5 +159,6 @@ def test_restart_can_reset_counters(sim: str, oai: openai.OpenAI) -> None:
     assert scrape(sim)["vllm:generation_tokens_total"] == 2  # a flush alone keeps counters
     httpx.post(sim + "/sim/restart", json={"reset_metrics": True})
     assert scrape(sim)["vllm:generation_tokens_total"] == 0
+    assert httpx.get(sim + "/sim/state").json()["prefix_cache_queries"] == 0  # /sim/state's totals too
     oai.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=3)
     assert scrape(sim)["vllm:generation_tokens_total"] == 3
