@@ -242,6 +242,11 @@ class Warmer:
                     break
         finally:
             stats.last_duration_s = time.monotonic() - started
+            if stopped:
+                # The replica was not ready after all (down, failing, gone): this run does not
+                # count for the cooldown, and its return to healthy starts a fresh one.
+                stats.last_started = None
+                self._pending.add(replica.name)
             log.info(
                 "replica %s warm-up done: %d replayed in %.2f s (%d ok, %d failed so far)%s",
                 replica.name,

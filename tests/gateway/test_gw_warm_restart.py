@@ -299,7 +299,7 @@ async def test_rate_and_concurrency_are_bounded() -> None:
     assert s.client.peak <= 2
 
 
-async def test_failing_replays_stop_the_warm_up() -> None:
+async def test_failing_replays_stop_the_warm_up_until_the_replica_is_back() -> None:
     s = Setup(RecordingClient(status=503), concurrency=1)
     for prefix in range(10):
         s.remember(prefix)
@@ -307,6 +307,12 @@ async def test_failing_replays_stop_the_warm_up() -> None:
     s.replica.set_engine(stats(0))
     await until(lambda: s.warmer.stats["r0"].last_duration_s is not None, what="the warm-up to end")
     assert len(s.client.posts) == 3 and s.warmer.stats["r0"].replays == {"ok": 0, "failed": 3}
+    # a warm-up that stopped early does not count for the cooldown: the return starts a new one
+    s.client.status = 200
+    s.replica.record_probe(False, "down")
+    s.replica.record_probe(True)
+    await until(lambda: s.warmer.stats["r0"].replays["ok"] == 10 and not s.warmer.running(), what="the retry")
+    assert s.warmer.stats["r0"].runs == 2
 
 
 async def test_off_keeps_nothing_and_replays_nothing() -> None:
