@@ -71,8 +71,8 @@ def ask(client: OpenAI, tenant: int, question: str) -> tuple[str, int]:
     return raw.headers["x-prefix-gateway-replica"], (details.cached_tokens or 0) if details else 0
 
 
-def warm_traffic(gw: RunningGateway) -> tuple[OpenAI, dict[int, str]]:
-    """Three requests per tenant; returns the client and each tenant's replica."""
+def warm_traffic(gw: RunningGateway) -> tuple[OpenAI, str, list[int]]:
+    """Three requests per tenant; returns the client, the replica with most tenants and its tenants."""
     client = OpenAI(base_url=gw.openai_base_url, api_key="unused", max_retries=0, timeout=30)
     home: dict[int, str] = {}
     for round_ in range(3):
@@ -81,7 +81,8 @@ def warm_traffic(gw: RunningGateway) -> tuple[OpenAI, dict[int, str]]:
             assert home.setdefault(tenant, replica) == replica  # affinity keeps a tenant on its replica
             if round_:
                 assert cached > 0
-    return client, home
+    victim = max(set(home.values()), key=list(home.values()).count)
+    return client, victim, [t for t, r in home.items() if r == victim]
 
 
 def restart_and_detect(gw: RunningGateway, url: str, name: str) -> None:
@@ -106,10 +107,8 @@ def config(enabled: bool) -> dict[str, object]:
 
 def test_restarted_replica_is_warmed_with_its_hot_prefixes(sims: list[str]) -> None:
     with serve_in_thread(gateway_config(sims, **config(True))) as gw:
-        client, home = warm_traffic(gw)
-        victim = max(set(home.values()), key=list(home.values()).count)
+        client, victim, hot = warm_traffic(gw)
         url = sims[int(victim[1:])]
-        hot = [t for t, r in home.items() if r == victim]
         warmer = gw.gateway.warmer
         assert len(warmer.sets[("main", victim)]) == len(hot)  # one remembered prefix per tenant there
 
@@ -139,10 +138,8 @@ def test_restarted_replica_is_warmed_with_its_hot_prefixes(sims: list[str]) -> N
 
 def test_nothing_is_replayed_when_off(sims: list[str]) -> None:
     with serve_in_thread(gateway_config(sims, **config(False))) as gw:
-        client, home = warm_traffic(gw)
-        victim = max(set(home.values()), key=list(home.values()).count)
+        client, victim, hot = warm_traffic(gw)
         url = sims[int(victim[1:])]
-        hot = [t for t, r in home.items() if r == victim]
         warmer = gw.gateway.warmer
         assert warmer.sets == {}  # off: no prompt text is kept at all
 
