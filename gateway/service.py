@@ -189,6 +189,7 @@ class Gateway:
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
+        await asyncio.to_thread(self._warm_pipelines)
         await self.monitor.start()
         await self.membership.start(build_sources(self.config.discovery, self.membership.sources, self.environ))
         self.summary.start()
@@ -200,6 +201,18 @@ class Gateway:
         if self.context is not None:
             await self._learn_context()  # before serving: the first requests are checked too
             self._context_task = asyncio.get_running_loop().create_task(self._context_loop(), name="context")
+
+    def _warm_pipelines(self) -> None:
+        """Load the tokenizers the prefix routes will use before serving (see PrefixPipeline.warm):
+        the models a route names literally, else the vocabulary an unknown name resolves to."""
+        for route in self.routes.routes:
+            if route.pipeline is None:
+                continue
+            literal = [m for m in route.config.match.models if not any(ch in m for ch in "*?[")]
+            try:
+                route.pipeline.warm(literal or [""])
+            except Exception:  # a model whose tokenizer cannot load fails its requests clearly, later
+                log.warning("could not preload the tokenizer of route %s", route.name, exc_info=True)
 
     async def stop(self) -> None:
         if self._context_task is not None:

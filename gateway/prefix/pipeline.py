@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,15 @@ class PrefixPipeline:
         self.normalizer = Normalizer(normalize)
         # the tokenizer + chat template per request model (tokenizer: auto | NAME | hf:DIR)
         self.tokens = ModelWindows(prefix.tokenizer, prefix.window_tokens, prefix.token_cache_tokens)
+
+    def warm(self, models: Iterable[str]) -> None:
+        """Load each model's vocabulary and chat template now, not on its first request.
+
+        Loading a BPE vocabulary takes ~0.4 s: paid at startup (before ``/ready``), the first
+        user request does not wait for it.  A dry-run prepare: nothing is learned or recorded.
+        """
+        for model in models:
+            self.prepare("chat", {"model": model, "messages": [{"role": "user", "content": "warm up"}]}, learn=False)
 
     def prepare(self, endpoint: str, body: dict[str, Any], *, learn: bool = True) -> PreparedPrompt:
         """``endpoint`` is "chat" or "completions"; other endpoints get no keys.

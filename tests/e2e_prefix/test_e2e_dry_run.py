@@ -89,3 +89,19 @@ def test_explain_input_forms() -> None:
     ):
         with pytest.raises(BadRequest):
             parse_input(bad)
+
+
+def test_startup_preloads_the_tokenizers_of_prefix_routes() -> None:
+    """The first request must not pay for loading a vocabulary (~0.4 s): start() does it."""
+    llama = "meta-llama/Llama-3.1-8B-Instruct"
+    routes = [
+        prefix_route("named", match={"models": [llama]}),
+        prefix_route("any", match={"models": ["*"]}),
+    ]
+    gateway = offline_gateway(config(URLS, routes))
+    pipelines = {r.name: r.pipeline for r in gateway.routes.routes}
+    assert all(not p.tokens._by_model for p in pipelines.values() if p is not None)
+    gateway._warm_pipelines()
+    assert set(pipelines["named"].tokens._by_model) == {llama}  # type: ignore[union-attr]
+    assert set(pipelines["any"].tokens._by_model) == {""}  # type: ignore[union-attr]  # the fallback vocabulary
+    assert gateway.routes.get("named").runner.policy.snapshot()["affinity"]["keys"] == 0  # nothing recorded
