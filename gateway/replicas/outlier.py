@@ -154,8 +154,15 @@ def select_eligible(
     Healthy ones not yet tried; in panic mode every one not yet tried (a retry prefers a
     healthy one).  Slow replicas are left out while a faster one is eligible, except that
     every ``slow_probe_every``-th request offered to a slow replica goes to it alone
-    (``dry_run`` advances no such turn).
+    (``dry_run`` advances no such turn).  A runner keeps the answer for ``exclude=()``
+    between health events instead (:class:`EligibleSet`).
     """
+    pool, panic = _healthy_or_panic(replicas, exclude)
+    return EligibleSet.split(pool).pick(dry_run), panic
+
+
+def _healthy_or_panic(replicas: Sequence[Replica], exclude: Collection[str]) -> tuple[list[Replica], bool]:
+    """The replicas not yet tried that may serve (health and panic mode only), and the panic flag."""
     if not replicas:
         return [], False
     health = replicas[0].health_settings
@@ -170,14 +177,45 @@ def select_eligible(
                 pool = preferred
     else:
         pool = [r for r in replicas if r.healthy and r.name not in exclude]
-    if len(pool) > 1 and any(r.slow for r in pool):
-        fast = [r for r in pool if not r.slow]
-        if fast:
-            # On its turn a slow replica gets the request outright: a probe that keeps its
-            # latency measured (so it can stop being slow), whatever the policy would prefer.
-            probe = None
-            for r in pool:
-                if r.slow and r.slow_turn(dry_run) and probe is None:
-                    probe = r
-            pool = [probe] if probe is not None else fast
     return pool, panic
+
+
+class EligibleSet:
+    """:func:`select_eligible` for a route's first attempt, computed once per health event.
+
+    Who is eligible changes only when a replica's health or slow flag (or the pool) changes;
+    the runner builds one of these then and reuses it for every request until the next
+    change, so a decision does not pass over the whole pool.  Per request only the slow
+    replicas' probe turns advance (:meth:`pick`).
+    """
+
+    __slots__ = ("panic", "slow", "stable")
+
+    def __init__(self, replicas: Sequence[Replica]) -> None:
+        pool, self.panic = _healthy_or_panic(replicas, ())
+        split = self.split(pool)
+        self.slow, self.stable = split.slow, split.stable
+
+    @classmethod
+    def split(cls, pool: list[Replica]) -> EligibleSet:
+        """``pool`` split into the replicas that serve (``stable``) and the slow ones that
+        are only probed now and then (empty unless a faster one is eligible)."""
+        self = cls.__new__(cls)
+        self.panic = False
+        self.slow = [r for r in pool if r.slow] if len(pool) > 1 else []
+        fast = [r for r in pool if not r.slow] if self.slow else pool
+        if not fast:  # all slow: they all serve, and none is probed apart
+            self.slow, fast = [], pool
+        self.stable = fast
+        return self
+
+    def pick(self, dry_run: bool = False) -> list[Replica]:
+        """The replicas this request may go to: :attr:`stable` (the same list object every
+        time), or one slow replica alone on its probe turn (``dry_run`` advances no turn)."""
+        # On its turn a slow replica gets the request outright: a probe that keeps its
+        # latency measured (so it can stop being slow), whatever the policy would prefer.
+        probe = None
+        for r in self.slow:
+            if r.slow_turn(dry_run) and probe is None:
+                probe = r
+        return [probe] if probe is not None else self.stable

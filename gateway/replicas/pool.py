@@ -23,15 +23,20 @@ When a replica goes down, requests still waiting for its answer are told (``on_d
 proxy retries them elsewhere instead of leaving them stuck on a frozen process.
 
 In-flight counts are plain ints: the event loop is single-threaded, and the runner
-increments them at decision time, so policies see load that no scrape could show yet.
+increments them at decision time, so policies see load that no scrape could show yet.  The
+load counters and the health and slow flags are properties that tell the replica's
+*watchers* (the route runners whose pools hold it) of every change, so a runner keeps its
+fleet's aggregates and eligible set up to date without a pass over the pool per request
+(see :mod:`gateway.routing.load`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.config import HealthSettings, ReplicaConfig
 from gateway.replicas.engine import EngineStats
@@ -61,6 +66,17 @@ def counters_went_back(before: EngineStats | None, after: EngineStats) -> bool:
     return False
 
 
+class ReplicaWatcher(Protocol):
+    """Keeps aggregates over replicas (a route runner): told of each change as it happens."""
+
+    def load_changed(self, replica: Replica, in_flight: int, pending: int) -> None:
+        """``replica``'s in-flight count (peers included) moved by ``in_flight``, its queued
+        prefill tokens (peers included) by ``pending``."""
+
+    def state_changed(self, replica: Replica) -> None:
+        """``replica``'s health or slow flag changed (who is eligible may have changed)."""
+
+
 class Replica:
     """One upstream server and everything the gateway knows about it right now."""
 
@@ -79,12 +95,14 @@ class Replica:
         self.client = client
         self.auth_header = f"Bearer {api_key}" if api_key else None
         self._health = health
-        self.healthy = True
-        self.in_flight = 0
-        self.pending_prefill_tokens = 0  # see ReplicaView.pending_prefill_tokens
+        # weak: a route runner replaced by a config reload stops watching once it is gone
+        self._watchers: list[weakref.ref[ReplicaWatcher]] = []
+        self._healthy = True
+        self._in_flight = 0
+        self._pending_prefill_tokens = 0  # see ReplicaView.pending_prefill_tokens
         # what other gateway processes report for this replica (state.backend: redis)
-        self.peer_in_flight = 0
-        self.peer_pending_prefill_tokens = 0
+        self._peer_in_flight = 0
+        self._peer_pending_prefill_tokens = 0
         self.active_failures = 0
         self.active_successes = 0
         self.passive_5xx = 0
@@ -111,11 +129,101 @@ class Replica:
         self.returned_at = 0.0
         self.ttfb_ewma: float | None = None  # smoothed time to first byte of streams (s)
         self.ttfb_samples = 0
-        self.slow = False
+        self._slow = False
         self._slow_skips = 0
         self.restarts_detected = dict.fromkeys(COLD_CAUSES, 0)
         self._down_listeners: dict[int, Callable[[], None]] = {}
         self._listener_seq = 0
+
+    # -- watched counters and flags (see ReplicaWatcher) ------------------------------------
+    def watch(self, watcher: ReplicaWatcher) -> None:
+        """Tell ``watcher`` of every load, health and slow change from now on (held weakly)."""
+        live = [ref for ref in self._watchers if ref() is not None and ref() is not watcher]
+        self._watchers = [*live, weakref.ref(watcher)]
+
+    def unwatch(self, watcher: ReplicaWatcher) -> None:
+        self._watchers = [ref for ref in self._watchers if ref() is not None and ref() is not watcher]
+
+    def _load_moved(self, in_flight: int, pending: int) -> None:
+        for ref in self._watchers:
+            watcher = ref()
+            if watcher is not None:
+                watcher.load_changed(self, in_flight, pending)
+
+    def _state_moved(self) -> None:
+        for ref in self._watchers:
+            watcher = ref()
+            if watcher is not None:
+                watcher.state_changed(self)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests this gateway process has in flight here."""
+        return self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        delta = value - self._in_flight
+        self._in_flight = value
+        if delta and self._watchers:
+            self._load_moved(delta, 0)
+
+    @property
+    def peer_in_flight(self) -> int:
+        """Requests other gateway processes report in flight here (state.backend: redis)."""
+        return self._peer_in_flight
+
+    @peer_in_flight.setter
+    def peer_in_flight(self, value: int) -> None:
+        delta = value - self._peer_in_flight
+        self._peer_in_flight = value
+        if delta and self._watchers:
+            self._load_moved(delta, 0)
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Uncached prompt tokens sent here by this process, no first byte yet."""
+        return self._pending_prefill_tokens
+
+    @pending_prefill_tokens.setter
+    def pending_prefill_tokens(self, value: int) -> None:
+        delta = value - self._pending_prefill_tokens
+        self._pending_prefill_tokens = value
+        if delta and self._watchers:
+            self._load_moved(0, delta)
+
+    @property
+    def peer_pending_prefill_tokens(self) -> int:
+        """Queued prefill other gateway processes report here."""
+        return self._peer_pending_prefill_tokens
+
+    @peer_pending_prefill_tokens.setter
+    def peer_pending_prefill_tokens(self, value: int) -> None:
+        delta = value - self._peer_pending_prefill_tokens
+        self._peer_pending_prefill_tokens = value
+        if delta and self._watchers:
+            self._load_moved(0, delta)
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        if value != self._healthy:
+            self._healthy = value
+            self._state_moved()
+
+    @property
+    def slow(self) -> bool:
+        """Deprioritized for a high time to first byte (see gateway.replicas.outlier)."""
+        return self._slow
+
+    @slow.setter
+    def slow(self, value: bool) -> None:
+        if value != self._slow:
+            self._slow = value
+            self._state_moved()
 
     # -- views -------------------------------------------------------------------------
     def view(self) -> ReplicaView:

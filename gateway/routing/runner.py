@@ -10,17 +10,25 @@ without changing anything: it asks the policy's ``peek`` instead of ``choose``, 
 round-robin credits, tie-break turns, random generators and the affinity index do not
 advance.  ``set_replicas`` is the one way pool membership changes: the runner and the
 policy's ``set_members`` stay in step.
+
+Nothing here passes over the whole pool per request.  The runner watches its replicas
+(``Replica.watch``): a health or slow-flag change drops the cached eligible set (rebuilt at
+the next decision, :class:`~gateway.replicas.outlier.EligibleSet`), and every in-flight or
+queued-prefill change updates the eligible replicas' :class:`~gateway.routing.load.FleetLoad`,
+which the views handed to the policy carry (``views.load``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 from gateway.errors import NoHealthyReplica
-from gateway.replicas.outlier import select_eligible
+from gateway.replicas.outlier import EligibleSet, select_eligible
 from gateway.replicas.pool import Replica
 from gateway.routing.base import Decision, Policy, ReplicaView, RequestView
+from gateway.routing.load import FleetLoad, FleetViews
 from gateway.routing.policies.least_loaded import least_loaded
 
 log = logging.getLogger("prefix_gateway.routing")
@@ -61,6 +69,15 @@ class LiveReplicaView:
         return None if engine is None else engine.waiting
 
 
+@dataclass(frozen=True, slots=True)
+class FirstAttempt:
+    """Who a request's first attempt may go to, kept from one health event to the next."""
+
+    eligible: EligibleSet
+    views: FleetViews  # views of ``eligible.stable``, carrying their live load
+    slots: dict[int, int]  # id(replica) -> its slot in ``views.load``
+
+
 class PolicyRunner:
     """One route's policy bound to its pool of replicas."""
 
@@ -75,6 +92,37 @@ class PolicyRunner:
         self.panic_decisions = 0  # decisions made over all replicas (healthy share below the panic threshold)
         self._views: dict[str, LiveReplicaView] = {}
         self._all_views: tuple[LiveReplicaView, ...] | None = None
+        self._first: FirstAttempt | None = None
+        for r in self.replicas:
+            r.watch(self)
+
+    # -- what the replicas tell us (gateway.replicas.pool.ReplicaWatcher) ----------------
+    def load_changed(self, replica: Replica, in_flight: int, pending: int) -> None:
+        first = self._first
+        if first is not None:
+            slot = first.slots.get(id(replica))
+            if slot is not None:
+                first.views.load.add(slot, in_flight, pending)
+
+    def state_changed(self, replica: Replica) -> None:
+        self._first = None  # who is eligible may have changed: rebuilt at the next decision
+
+    def _first_attempt(self) -> FirstAttempt:
+        """The cached eligible set for a first attempt, with its views and live load (O(n)
+        to rebuild, once per health event)."""
+        first = self._first
+        if first is None:
+            eligible = EligibleSet(self.replicas)
+            stable = eligible.stable
+            load = FleetLoad(
+                [r.name for r in stable],
+                [r.weight for r in stable],
+                [r.in_flight + r.peer_in_flight for r in stable],
+                [r.pending_prefill_tokens + r.peer_pending_prefill_tokens for r in stable],
+            )
+            views = FleetViews(self._live_views(stable), load)
+            first = self._first = FirstAttempt(eligible, views, {id(r): i for i, r in enumerate(stable)})
+        return first
 
     def _live_views(self, eligible: list[Replica]) -> Sequence[ReplicaView]:
         """Views that read each replica's counters when the policy reads them.
@@ -104,9 +152,14 @@ class PolicyRunner:
         Today the pool is fixed at build time, where the policy factory already receives
         every member; this keeps both in step for any future path that changes it.
         """
+        for r in self.replicas:
+            r.unwatch(self)
         self.replicas = list(replicas)
         self._by_name = {r.name: r for r in self.replicas}
         self._all_views = None
+        self._first = None
+        for r in self.replicas:
+            r.watch(self)
         self.policy.set_members(self.members())
 
     def members(self) -> list[ReplicaView]:
@@ -118,7 +171,7 @@ class PolicyRunner:
 
     def in_panic(self) -> bool:
         """Whether decisions now go over all replicas (see gateway.replicas.outlier)."""
-        return select_eligible(self.replicas, dry_run=True)[1]
+        return self._first_attempt().eligible.panic
 
     def decide(
         self, request: RequestView, exclude: Collection[str] = (), *, dry_run: bool = False
@@ -131,7 +184,14 @@ class PolicyRunner:
         without advancing or teaching the policy (see the module docstring).
         """
         # health, panic mode and slow replicas: gateway.replicas.outlier
-        eligible, panic = select_eligible(self.replicas, exclude, dry_run=dry_run)
+        first = None
+        if exclude:  # a retry: worked out afresh (O(n), rare)
+            eligible, panic = select_eligible(self.replicas, exclude, dry_run=dry_run)
+        else:  # kept between health events; only slow replicas' probe turns advance here
+            first = self._first_attempt()
+            eligible, panic = first.eligible.pick(dry_run), first.eligible.panic
+            if eligible is not first.eligible.stable:
+                first = None  # a slow replica's probe turn: it alone
         if panic and eligible and not dry_run:
             self.panic_decisions += 1
         if not eligible:
@@ -143,10 +203,10 @@ class PolicyRunner:
             error = NoHealthyReplica(msg)
             error.route = self.route
             raise error
-        views = self._live_views(eligible)
+        views = first.views if first is not None else self._live_views(eligible)
         decision = (self.policy.peek if dry_run else self.policy.choose)(request, views)
         replica = self._by_name.get(decision.replica)
-        if replica is None or replica not in eligible:
+        if replica is None or (id(replica) not in first.slots if first is not None else replica not in eligible):
             # A policy bug must not fail the request: fall back and say so (once) in the log.
             if not self._warned_invalid:
                 log.error("policy %s returned ineligible replica %r; using least loaded", self.policy_name, decision)
