@@ -36,7 +36,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.config import HealthSettings, ReplicaConfig
 from gateway.replicas.engine import EngineStats
@@ -77,8 +77,60 @@ class ReplicaWatcher(Protocol):
         """``replica``'s health or slow flag changed (who is eligible may have changed)."""
 
 
+class _Watched:
+    """A replica attribute whose changes the replica's watchers hear of (stored as ``_name``)."""
+
+    __slots__ = ("attr",)
+
+    def __init__(self) -> None:
+        self.attr = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, replica: Replica, owner: type | None = None) -> Any:
+        return getattr(replica, self.attr)
+
+
+class _LoadCounter(_Watched):
+    """A load counter (in flight, or queued prefill tokens): watchers hear of each delta."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, pending: bool) -> None:
+        super().__init__()
+        self.pending = pending
+
+    def __set__(self, replica: Replica, value: int) -> None:
+        delta = value - getattr(replica, self.attr)
+        setattr(replica, self.attr, value)
+        if delta and replica._watchers:
+            replica._load_moved(0, delta) if self.pending else replica._load_moved(delta, 0)
+
+
+class _StateFlag(_Watched):
+    """A flag that decides whether the replica is eligible (healthy, slow): watchers hear of changes."""
+
+    __slots__ = ()
+
+    def __set__(self, replica: Replica, value: bool) -> None:
+        if value != getattr(replica, self.attr):
+            setattr(replica, self.attr, value)
+            replica._state_moved()
+
+
 class Replica:
     """One upstream server and everything the gateway knows about it right now."""
+
+    # Watched (see ReplicaWatcher): requests in flight here from this gateway process and as
+    # other processes report them (state.backend: redis); uncached prompt tokens sent here
+    # with no first byte yet (see ReplicaView.pending_prefill_tokens), ours and the peers'.
+    in_flight = _LoadCounter(pending=False)
+    peer_in_flight = _LoadCounter(pending=False)
+    pending_prefill_tokens = _LoadCounter(pending=True)
+    peer_pending_prefill_tokens = _LoadCounter(pending=True)
+    healthy = _StateFlag()
+    slow = _StateFlag()  # deprioritized for a high time to first byte (see gateway.replicas.outlier)
 
     def __init__(
         self,
@@ -155,75 +207,6 @@ class Replica:
             watcher = ref()
             if watcher is not None:
                 watcher.state_changed(self)
-
-    @property
-    def in_flight(self) -> int:
-        """Requests this gateway process has in flight here."""
-        return self._in_flight
-
-    @in_flight.setter
-    def in_flight(self, value: int) -> None:
-        delta = value - self._in_flight
-        self._in_flight = value
-        if delta and self._watchers:
-            self._load_moved(delta, 0)
-
-    @property
-    def peer_in_flight(self) -> int:
-        """Requests other gateway processes report in flight here (state.backend: redis)."""
-        return self._peer_in_flight
-
-    @peer_in_flight.setter
-    def peer_in_flight(self, value: int) -> None:
-        delta = value - self._peer_in_flight
-        self._peer_in_flight = value
-        if delta and self._watchers:
-            self._load_moved(delta, 0)
-
-    @property
-    def pending_prefill_tokens(self) -> int:
-        """Uncached prompt tokens sent here by this process, no first byte yet."""
-        return self._pending_prefill_tokens
-
-    @pending_prefill_tokens.setter
-    def pending_prefill_tokens(self, value: int) -> None:
-        delta = value - self._pending_prefill_tokens
-        self._pending_prefill_tokens = value
-        if delta and self._watchers:
-            self._load_moved(0, delta)
-
-    @property
-    def peer_pending_prefill_tokens(self) -> int:
-        """Queued prefill other gateway processes report here."""
-        return self._peer_pending_prefill_tokens
-
-    @peer_pending_prefill_tokens.setter
-    def peer_pending_prefill_tokens(self, value: int) -> None:
-        delta = value - self._peer_pending_prefill_tokens
-        self._peer_pending_prefill_tokens = value
-        if delta and self._watchers:
-            self._load_moved(0, delta)
-
-    @property
-    def healthy(self) -> bool:
-        return self._healthy
-
-    @healthy.setter
-    def healthy(self, value: bool) -> None:
-        if value != self._healthy:
-            self._healthy = value
-            self._state_moved()
-
-    @property
-    def slow(self) -> bool:
-        """Deprioritized for a high time to first byte (see gateway.replicas.outlier)."""
-        return self._slow
-
-    @slow.setter
-    def slow(self, value: bool) -> None:
-        if value != self._slow:
-            self._slow = value
-            self._state_moved()
 
     # -- views -------------------------------------------------------------------------
     def view(self) -> ReplicaView:
