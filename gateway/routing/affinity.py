@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from itertools import pairwise
 
 # Bytes one (key, replica) pair costs at most, with up to 30 replicas: the key's int (36),
 # its share of the holders dict (<= 110 just after a resize), the replica's OrderedDict
@@ -34,6 +35,10 @@ ENTRY_BYTES = 560
 
 
 _MISSING = object()
+
+
+def _depth_first(group: tuple[int, int]) -> int:
+    return -group[0]
 
 
 class AffinityIndex:
@@ -64,6 +69,7 @@ class AffinityIndex:
         self._lru: dict[str, OrderedDict[int, int | None]] = {}
         self._slot: dict[str, int] = {}
         self._names: dict[int, str] = {}
+        self.generation = 0  # moves whenever a slot is given or taken: masks from mask_of() expire
         # Called with (replica, stored keys deepest first, prompt_tokens) after each local record.
         self.listener: Callable[[str, list[int], int | None], None] | None = None
 
@@ -93,6 +99,7 @@ class AffinityIndex:
                 holders.pop(key, None)
                 self._forget_key(key)
         del self._names[slot]
+        self.generation += 1
 
     def _forget_key(self, key: int) -> None:
         """No replica holds ``key`` any more: forget what followed it."""
@@ -105,6 +112,7 @@ class AffinityIndex:
             slot = next(i for i in range(len(self._names) + 1) if i not in self._names)
             self._slot[name] = slot
             self._names[slot] = name
+            self.generation += 1
             self._lru[name] = OrderedDict()
         return slot
 
@@ -158,40 +166,93 @@ class AffinityIndex:
                 self._forget_key(key)
 
     # -- the hot path ------------------------------------------------------------------
-    def match(self, keys: Sequence[int], replicas: Iterable[str] | None) -> dict[str, int]:
-        """For each of ``replicas`` (None: every tracked one) with a match: the number of
-        leading keys it holds (>= 1)."""
+    def mask_of(self, replicas: Iterable[str] | None) -> int:
+        """The bit mask :meth:`match` uses for ``replicas`` (None: every tracked one); a caller
+        matching against the same set many times computes it once."""
         want = 0
-        slot_of = self._slot
         if replicas is None:
             for slot in self._names:
                 want |= 1 << slot
-        else:
-            for name in replicas:
-                slot = slot_of.get(name)
-                if slot is not None:
-                    want |= 1 << slot
-        depth: dict[str, int] = {}
-        if not want or not keys:
-            return depth
-        found = 0
-        holders = self._holders
+            return want
+        slot_of = self._slot
+        for name in replicas:
+            slot = slot_of.get(name)
+            if slot is not None:
+                want |= 1 << slot
+        return want
+
+    def match(self, keys: Sequence[int], replicas: Iterable[str] | None, mask: int | None = None) -> dict[str, int]:
+        """For each of ``replicas`` (None: every tracked one; or those of ``mask``, from
+        :meth:`mask_of`) with a match: the number of leading keys it holds (>= 1)."""
+        want = self.mask_of(replicas) if mask is None else mask
         names = self._names
-        for i in range(len(keys) - 1, -1, -1):
+        depth: dict[str, int] = {}
+        for d, found in self.match_groups(keys, want):
+            while found:
+                low = found & -found
+                depth[names[low.bit_length() - 1]] = d
+                found ^= low
+        return depth
+
+    def match_groups(self, keys: Sequence[int], want: int) -> list[tuple[int, int]]:
+        """:meth:`match` by group, deepest first: (depth, mask of the replicas of ``want`` whose
+        deepest match is there).  Replicas holding the same prefix form one group however
+        many they are (a hot head on the whole fleet is one mask), so a caller need not
+        look at them one by one.
+
+        Probes every ``stride``-th key, then only the ``stride - 1`` keys after each group's:
+        a replica holding a key holds every stored key before it in the chain (a record
+        stores the stride keys along with the deepest and touches them after it, so LRU
+        evicts them later, and ``unrecord`` takes back only keys it added), so its deepest
+        key is at most ``stride - 1`` past its deepest stride key.  Same answer as probing
+        every key, about ``stride`` times fewer probes.
+        """
+        groups: list[tuple[int, int]] = []
+        if not want or not keys:
+            return groups
+        holders = self._holders
+        stride = self.stride
+        last = len(keys) - 1
+        remaining = want  # wanted replicas not found yet
+        by_stride: list[tuple[int, int]] = []  # (position of the deepest stride key held, who)
+        for i in range(last - (last + 1) % stride, -1, -stride):
             mask = holders.get(keys[i])
             if mask is None:
                 continue
-            new = mask & want & ~found
+            new = mask & remaining
             if not new:
                 continue
-            found |= new
-            while new:
-                low = new & -new
-                depth[names[low.bit_length() - 1]] = i + 1
-                new ^= low
-            if found == want:
+            remaining ^= new
+            by_stride.append((i, new))
+            if not remaining:
                 break
-        return depth
+        if stride == 1:
+            return [(i + 1, mask) for i, mask in by_stride]
+        if remaining:
+            by_stride.append((-1, remaining))  # holding no stride key: only a short prompt's deepest
+        for i, mask in by_stride:
+            # a deeper prompt end (not a stride key) among the next stride - 1 keys
+            for j in range(min(i + stride - 1, last), i, -1):
+                deeper = holders.get(keys[j])
+                if deeper is None:
+                    continue
+                deeper &= mask
+                if deeper:
+                    groups.append((j + 1, deeper))
+                    mask ^= deeper
+                    if not mask:
+                        break
+            if mask and i >= 0:
+                groups.append((i + 1, mask))
+        groups.sort(key=_depth_first)
+        return groups
+
+    def slot_of(self, name: str) -> int | None:
+        """``name``'s bit in masks (None: not tracked)."""
+        return self._slot.get(name)
+
+    def name_of(self, slot: int) -> str:
+        return self._names[slot]
 
     def record(self, name: str, keys: Sequence[int], prompt_tokens: int | None = None) -> list[int]:
         """``name`` is serving a prompt with these keys: it will hold them (most recent).
@@ -213,8 +274,11 @@ class AffinityIndex:
     def stored_keys(self, keys: Sequence[int]) -> list[int]:
         """The keys :meth:`record` keeps, deepest first: every ``stride``-th and the deepest."""
         stride = self.stride
-        last = len(keys) - 1
-        return [keys[i] for i in range(last, -1, -1) if i == last or (i + 1) % stride == 0]
+        stored = list(keys[stride - 1 :: stride])  # blocks stride, 2 x stride, ... (1-based)
+        if len(keys) % stride:
+            stored.append(keys[-1])  # the deepest, when it is not one of them
+        stored.reverse()
+        return stored
 
     def record_stored(self, name: str, stored: Sequence[int], prompt_tokens: int | None = None) -> list[int]:
         """Record keys already chosen by :meth:`stored_keys` (deepest first), e.g. from a peer.
@@ -229,26 +293,30 @@ class AffinityIndex:
         lru = self._lru[name]
         holders = self._holders
         child_of = self._child
+        forks = self._forks
         added: list[int] = []
-        for i, key in enumerate(stored):
-            if i:
-                # What followed this key in this prompt: a key followed by two different
-                # continuations is a fork — a prefix several prompts share (a system prompt),
-                # not one conversation's history.
-                child = child_of.get(key)
-                if child is None:
-                    child_of[key] = stored[i - 1]
-                elif child != stored[i - 1]:
-                    self._forks.add(key)
-            # The deepest key is marked as the end of a prompt (0 without an extent): a later
-            # request matching exactly there continues that prompt (a conversation's next turn).
-            extent = (prompt_tokens or 0) if i == 0 else None
+        # The deepest key is marked as the end of a prompt (0 without an extent): a later
+        # request matching exactly there continues that prompt (a conversation's next turn).
+        deepest = stored[0]
+        extent = prompt_tokens or 0
+        if deepest in lru:
+            lru.move_to_end(deepest)
+            if extent or lru[deepest] is None:
+                lru[deepest] = extent
+        else:
+            lru[deepest] = extent
+            holders[deepest] = holders.get(deepest, 0) | bit
+            added.append(deepest)
+        for after, key in pairwise(stored):
+            # What followed this key in this prompt: a key followed by two different
+            # continuations is a fork — a prefix several prompts share (a system prompt),
+            # not one conversation's history.
+            if child_of.setdefault(key, after) != after:
+                forks.add(key)
             if key in lru:
                 lru.move_to_end(key)
-                if extent is not None and (extent or lru[key] is None):
-                    lru[key] = extent
             else:
-                lru[key] = extent
+                lru[key] = None
                 holders[key] = holders.get(key, 0) | bit
                 added.append(key)
         if is_new:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from gateway.routing.affinity import AffinityIndex
 
 
@@ -120,3 +122,45 @@ def test_unrecord_takes_back_only_what_a_record_added() -> None:
     index.unrecord("a", added)
     assert index.match([1, 2, 3, 4], ["a", "b"]) == {"a": 2, "b": 3}
     assert index.holders(3) == ["b"] and index.holders(4) == []
+
+
+def _full_scan(index: AffinityIndex, keys: tuple[int, ...], names: list[str]) -> dict[str, int]:
+    """Depth per replica by probing every key (what match_groups skips most of)."""
+    depth: dict[str, int] = {}
+    for name in names:
+        for i in range(len(keys) - 1, -1, -1):
+            if name in index.holders(keys[i]):
+                depth[name] = i + 1
+                break
+    return depth
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3, 4])
+def test_probing_stride_keys_finds_what_probing_every_key_finds(stride: int) -> None:
+    """Records, failed attempts taken back, replicas leaving, LRU eviction and peers' records:
+    the deepest match of every replica is the same as a probe of every key would find."""
+    rnd = random.Random(stride)
+    names = [f"r{i}" for i in range(6)]
+    index = AffinityIndex(None, stride, 40, max_bytes=1 << 24)
+    index.set_members(names)
+    heads = [tuple(rnd.getrandbits(64) for _ in range(rnd.randint(1, 9))) for _ in range(4)]
+    prompts = [rnd.choice(heads) + tuple(rnd.getrandbits(64) for _ in range(rnd.randint(0, 12))) for _ in range(30)]
+    for step in range(1500):
+        action = rnd.random()
+        prompt = rnd.choice(prompts)
+        if action < 0.25:  # a conversation's next turn
+            grown = prompt + tuple(rnd.getrandbits(64) for _ in range(rnd.randint(1, 6)))
+            prompts[prompts.index(prompt)] = grown
+            prompt = grown
+        name = rnd.choice(names)
+        if action < 0.7:
+            added = index.record(name, prompt, rnd.choice([None, 5000]))
+            if rnd.random() < 0.15:
+                index.unrecord(name, added)  # the attempt failed before an answer
+        elif action < 0.8:
+            index.record_stored(name, index.stored_keys(prompt[: rnd.randint(1, len(prompt))]))  # a peer's
+        elif action < 0.82:
+            index.set_members([n for n in names if n != name])  # it left ...
+            index.set_members(names)  # ... and came back empty
+        probe = rnd.choice(prompts)[: rnd.randint(1, 30)] + tuple(rnd.getrandbits(64) for _ in range(rnd.randint(0, 3)))
+        assert index.match(probe, None) == _full_scan(index, probe, names), step
