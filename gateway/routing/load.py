@@ -74,6 +74,7 @@ class FleetLoad:
 
     __slots__ = (
         "_orders",
+        "distinct_weights",
         "in_flight",
         "index",
         "names",
@@ -94,6 +95,7 @@ class FleetLoad:
         self.pending = list(pending)
         self.total_in_flight = sum(self.in_flight)
         self.weight_sum = sum(self.weights)
+        self.distinct_weights = frozenset(self.weights)
         first = self.weights[0] if self.weights else 0.0
         self.uniform = first > 0 and all(w == first for w in self.weights)
         self._orders: dict[tuple[float, float], LoadOrder] = {}
@@ -113,13 +115,28 @@ class FleetLoad:
         return len(self.names)
 
     def order(self, a: float, b: float) -> LoadOrder:
-        """The replicas sorted by ``(a x in_flight + b x pending) / weight``, kept from now on."""
+        """The replicas sorted by ``(a x in_flight + b x pending) / weight``, kept from now on.
+
+        Proportional costs share one order: its keys are those of ``(1, b / a)`` (or ``(0, 1)``
+        when ``a`` is 0), i.e. the cost divided by ``a`` (or ``b``).
+        """
+        if a > 0:
+            a, b = 1.0, b / a
+        else:
+            a, b = 0.0, 1.0 if b > 0 else 0.0
         order = self._orders.get((a, b))
         if order is None:
             if len(self._orders) >= MAX_ORDERS:  # settings changed under us: keep the newest few
                 self._orders.pop(next(iter(self._orders)))
             order = self._orders[(a, b)] = LoadOrder(a, b, self)
         return order
+
+    def least_loaded(self, turn: int) -> int:
+        """:func:`~gateway.routing.policies.least_loaded.least_loaded` in O(log n): the slot with
+        the least in-flight per unit of weight, ``turn`` rotating among ties in pool order."""
+        order = self.order(1.0, 0.0)
+        entries = order.entries
+        return entries[turn % order.count_upto(entries[0][0])][1]
 
     def add(self, slot: int, in_flight: int, pending: int) -> None:
         """Replica ``slot``'s in-flight count moved by ``in_flight``, its queued prefill by ``pending``."""

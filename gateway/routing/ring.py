@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import xxhash
 
@@ -110,33 +110,75 @@ class HashRing:
                 best = candidate
         return None if best is None else self._names[best[1]]
 
+    def first_where(self, key: int, accept: Callable[[str], bool], max_points: int) -> str | None:
+        """The first member in ring order from ``key`` that ``accept`` s, looking at no more
+        than ``max_points`` ring points (None: none found within them).
+
+        For a large subset known only by a predicate (say, every replica as idle as the least
+        busy one): points of a subset holding a share s of the ring come every ~1/s points,
+        so the walk is short exactly when :meth:`first` (one bisect per member of the subset)
+        would be long.  ``accept`` is asked once per member.
+        """
+        points, owners, names = self._points, self._owners, self._names
+        n = len(points)
+        if not n:
+            return None
+        rejected: set[int] = set()
+        i = bisect_left(points, key & 0xFFFFFFFFFFFFFFFF)
+        for _ in range(min(n, max_points)):
+            if i == n:
+                i = 0
+            owner = owners[i]
+            i += 1
+            if owner in rejected:
+                continue
+            name = names[owner]
+            if accept(name):
+                return name
+            rejected.add(owner)
+        return None
+
     def owner(self, key: int) -> str | None:
         """The member that owns ``key`` (None on an empty ring)."""
         return next(self.walk(key), None)
 
 
-def load_bounds(in_flight: Mapping[str, int], weights: Mapping[str, float], load_factor: float) -> dict[str, int]:
-    """CHWBL capacity of each replica: ``ceil(c x (total_in_flight + 1) x w / W)``.
+class LoadBound:
+    """CHWBL capacity by weight for one decision: ``ceil(c x (total_in_flight + 1) x w / W)``.
 
     The ``+ 1`` counts the request being placed.  With equal weights this is the textbook
     ``ceil(c x (total + 1) / n)``.  A replica may take the request while its in-flight count
     is *below* its bound; since ``c ≥ 1`` the bounds add up to more than the current total,
-    so some replica is always under its bound.
+    so some replica is always under its bound.  Needs only the sums, not a pass over the
+    replicas; computed once per distinct weight (usually one).
     """
-    total = sum(in_flight.values()) + 1
-    weight_sum = sum(weights[name] for name in in_flight)
-    if weight_sum <= 0:
-        weights = dict.fromkeys(in_flight, 1.0)
-        weight_sum = float(len(in_flight))
-    # round() first: float noise must not turn an exact 2.0 into a bound of 3.  One computation
-    # per distinct weight (usually one): this runs for every replica on every request.
-    per_weight: dict[float, int] = {}
-    out: dict[str, int] = {}
-    scale = load_factor * total / weight_sum
-    for name in in_flight:
-        w = weights[name]
-        bound = per_weight.get(w)
+
+    __slots__ = ("_by_weight", "_scale", "_uniform")
+
+    def __init__(self, load_factor: float, total_in_flight: int, weight_sum: float, n: int, uniform: bool) -> None:
+        total = total_in_flight + 1
+        self._by_weight: dict[float, int] = {}
+        self._uniform: int | None = None
+        self._scale = 0.0
+        if uniform:
+            self._uniform = math.ceil(round(load_factor * total / n, 9))
+        elif weight_sum <= 0:  # no weights at all: every replica counts as weight 1
+            self._uniform = math.ceil(round(load_factor * total / n, 9)) if n else 0
+        else:
+            self._scale = load_factor * total / weight_sum
+
+    def __call__(self, weight: float) -> int:
+        if self._uniform is not None:
+            return self._uniform
+        bound = self._by_weight.get(weight)
         if bound is None:
-            bound = per_weight[w] = math.ceil(round(scale * w, 9))
-        out[name] = bound
-    return out
+            # round() first: float noise must not turn an exact 2.0 into a bound of 3
+            bound = self._by_weight[weight] = math.ceil(round(self._scale * weight, 9))
+        return bound
+
+
+def load_bounds(in_flight: Mapping[str, int], weights: Mapping[str, float], load_factor: float) -> dict[str, int]:
+    """:class:`LoadBound` for each of ``in_flight``'s replicas (an O(n) map, for tests and explain)."""
+    weight_sum = sum(weights[name] for name in in_flight)
+    bound = LoadBound(load_factor, sum(in_flight.values()), weight_sum, len(in_flight), False)
+    return {name: bound(weights[name]) for name in in_flight}

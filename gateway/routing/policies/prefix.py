@@ -66,7 +66,6 @@ shows.  No HTTP, metrics or logging here.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -75,8 +74,9 @@ from pydantic import Field
 
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import Decision, PolicySettings, ReplicaView, RequestView
-from gateway.routing.policies.least_loaded import least_loaded
-from gateway.routing.ring import HashRing, load_bounds
+from gateway.routing.load import FleetLoad, fleet_load
+from gateway.routing.policies.prefix_fleet import Cheapest, Cost, DecisionFleet, Group
+from gateway.routing.ring import HashRing
 from gateway.routing.starts import HeadDemand
 
 REASONS = ("affinity", "ring", "spill", "fallback")
@@ -213,6 +213,8 @@ class PrefixPolicy:
         self._capacity_block_size = 0
         self.demand = HeadDemand(settings.head_window_starts)
         self._turn = 0
+        self._admitted: FleetLoad | None = None  # the live load whose names are all on the ring
+        self._bits_cache: tuple[FleetLoad, int, int, list[int]] | None = None
         self.set_members(members)
 
     # -- membership --------------------------------------------------------------------
@@ -223,15 +225,37 @@ class PrefixPolicy:
             self._weights = weights
             self.ring = HashRing(weights, self.settings.virtual_nodes)
         self.index.set_members(weights)
+        self._admitted = None
 
-    def _admit(self, replicas: Sequence[ReplicaView]) -> None:
-        """A replica the runner offers but ``set_members`` never named joins the ring."""
-        missing = {r.name: float(r.weight) for r in replicas if r.name not in self._weights}
+    def _admit(self, load: FleetLoad) -> None:
+        """A replica the runner offers but ``set_members`` never named joins the ring (checked
+        once per live load: its names change only with a new one)."""
+        if load is self._admitted:
+            return
+        weights = load.weights
+        missing = {name: weights[i] for i, name in enumerate(load.names) if name not in self._weights}
         if missing:
-            weights = {**self._weights, **missing}
-            self._weights = weights
-            self.ring = HashRing(weights, self.settings.virtual_nodes)
-            self.index.set_members(weights)
+            weights_now = {**self._weights, **missing}
+            self._weights = weights_now
+            self.ring = HashRing(weights_now, self.settings.virtual_nodes)
+            self.index.set_members(weights_now)
+        self._admitted = load
+
+    def _eligible_bits(self, load: FleetLoad) -> tuple[int, list[int]]:
+        """The affinity index's mask of the eligible replicas and each one's bit, kept while
+        both stay the same (a live load lasts from one health event to the next)."""
+        cached = self._bits_cache
+        generation = self.index.generation
+        if cached is not None and cached[0] is load and cached[1] == generation:
+            return cached[2], cached[3]
+        bits: list[int] = []
+        for name in load.names:
+            bit = self.index.slot_of(name)
+            assert bit is not None  # _admit made every eligible replica a member of the index
+            bits.append(bit)
+        mask = self.index.mask_of(load.names)
+        self._bits_cache = (load, generation, mask, bits)
+        return mask, bits
 
     # -- the decision ------------------------------------------------------------------
     def choose(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
@@ -249,7 +273,12 @@ class PrefixPolicy:
         return self._decide(request, replicas, commit=False)
 
     def _decide(self, request: RequestView, replicas: Sequence[ReplicaView], commit: bool) -> Decision:
-        self._admit(replicas)
+        # Nothing here passes over every replica (see "Route cost" in docs/prefix-routing.md):
+        # fleet-wide numbers come from the runner's live load, the affinity index answers by
+        # group (replicas holding the same prefix), and each group's best replica is found
+        # through the load's sorted orders (gateway/routing/policies/prefix_fleet.py).
+        load = fleet_load(replicas)
+        self._admit(load)
         settings = self.settings
         keys = request.block_keys
         block_size = request.block_size or 1
@@ -258,73 +287,41 @@ class PrefixPolicy:
             turn = self._turn + 1
             if commit:
                 self._turn = turn
-            pick = least_loaded(replicas, turn)
-            return Decision(pick.name, "fallback", {"predicted_cached_tokens": 0, "key_source": "none"})
+            pick = load.names[load.least_loaded(turn)]
+            return Decision(pick, "fallback", {"predicted_cached_tokens": 0, "key_source": "none"})
         self._sync_capacity(block_size)
 
-        # One pass over the replicas (this runs for every replica on every request).
-        in_flight: dict[str, int] = {}
-        weights: dict[str, float] = {}
-        pending: dict[str, int] = {}  # only replicas with queued prefill
-        total = 0
-        for r in replicas:
-            name = r.name
-            f = in_flight[name] = r.in_flight
-            total += f
-            weights[name] = float(r.weight)
-            p = r.pending_prefill_tokens
-            if p:
-                pending[name] = p
-        first_weight = weights[replicas[0].name]
-        uniform = first_weight > 0 and all(w == first_weight for w in weights.values())
-        if uniform:  # equal weights (the usual case): one bound for all, ceil(c x (total + 1) / n)
-            bound = math.ceil(round(settings.load_factor * (total + 1) / len(in_flight), 9))
-            bounds = dict.fromkeys(in_flight, bound)
-        else:
-            bounds = load_bounds(in_flight, weights, settings.load_factor)
-        # every member eligible (the usual case): the index matches against all of them
-        everyone = len(in_flight) == len(self._weights)
-        depth = self.index.match(keys, None if everyone else in_flight) if keys else {}
-        best_any = max(depth.values(), default=0)
-        matched = self._matched_tokens(request, depth)
-        if settings.bound_extra:
-            # Extra room only where a long enough prefix is cached: a conversation keeps its
-            # replica at low load, a short popular prefix cannot pile up beyond the bound.
-            deep = max(1, settings.bound_extra_min_tokens)
-            for name, tokens in matched.items():
-                if tokens >= deep and name in bounds:
-                    bounds[name] += settings.bound_extra
-        mean_weight = sum(weights.values()) / len(weights) or 1.0
-        # In-flight per unit of weight; a weight-0 replica looks very busy (finite, so scores stay numbers).
-        load: dict[str, float] = (
-            in_flight  # type: ignore[assignment]  # read-only here: in-flight per unit of weight
-            if uniform
-            else {
-                name: f * mean_weight / w if w > 0 else 1e9 + f
-                for (name, f), w in zip(in_flight.items(), weights.values(), strict=True)
-            }
-        )
-        under = [name for name, f in in_flight.items() if f < bounds[name]]
-        if not under:  # impossible with load_factor >= 1; stay total anyway
-            under = [r.name for r in replicas]
-        has_match = any(depth.get(name, 0) for name in under)
-        homes = self._homes(keys, depth, under, matched) if has_match and settings.sticky_homes else []
+        want, bits = self._eligible_bits(load)
+        fleet = DecisionFleet(load, settings.load_factor, bits, self.index.name_of)
+        found = self.index.match_groups(keys, want) if keys else []
+        best_any = found[0][0] if found else 0
+        groups = self._groups(request, found)  # most of the prompt held first
+        held = 0
+        for _, mask in found:
+            held |= mask
+        free = Group(0, 0, want & ~held)  # eligible replicas holding none of the prompt
+        under = [group for group in groups if fleet.admitted_members(group, 1)]  # groups with a replica under its bound
+        any_free = bool(fleet.admitted_members(free, 1))
+        if not under and not any_free:  # impossible with load_factor >= 1; stay total anyway
+            fleet.all_under = True
+            under, any_free = list(groups), bool(free.mask)
+        has_match = bool(under)
+        home = self._home(keys, fleet, under) if has_match and settings.sticky_homes else None
         # A new conversation behind a shared head (its deepest match is a fork) stays where it
         # starts: the head gets as many holders as its share of recent starts needs (see
         # gateway.routing.starts); while it has fewer and every holder is busy, start elsewhere.
         factor = settings.head_load_factor
         start: int | None = None  # the shared head behind a new conversation
-        if factor is not None and not homes and best_any and self.index.is_fork(keys[best_any - 1]):
+        if factor is not None and home is None and best_any and self.index.is_fork(keys[best_any - 1]):
             start = keys[best_any - 1]
-            holders = {name for name, d in depth.items() if d >= best_any}
-            prior = settings.head_min_starts or 2 * len(in_flight)
-            if len(holders) < self.demand.holders_needed(start, len(in_flight), factor, prior) and all(
-                in_flight[name] for name in under if name in holders
-            ):
-                others = [name for name in under if name not in holders]
-                if others:
-                    under = others
-                    has_match = any(depth.get(name, 0) for name in under)
+            holders = [group for group in groups if group.depth == best_any]
+            prior = settings.head_min_starts or 2 * load.n
+            needed = self.demand.holders_needed(start, load.n, factor, prior)
+            if sum(group.size for group in holders) < needed and not any(fleet.idle_member(g) for g in holders):
+                elsewhere = [group for group in under if group.depth != best_any]
+                if elsewhere or any_free:
+                    under = elsewhere
+                    has_match = bool(under)
         # Ties break on this request's own identity — its session, or its deepest key (which
         # covers the whole prompt) — never on a shared head's key: conversations behind one
         # long system prompt spread instead of following that prompt's key to one replica.
@@ -336,84 +333,71 @@ class PrefixPolicy:
         # equally good caches and never pulls a request away from more of its prompt, which
         # the fleet would recompute (measured: that trade loses more hits than it saves time).
         queue_weight = settings.prefill_queue_weight
-        cached_under = [matched.get(name, 0) for name in under]
-        if queue_weight and max(cached_under) - min(cached_under) >= block_size:
-            queue_weight = 0.0
-        queued = dict.fromkeys(in_flight, 0.0)
-        if queue_weight:
-            for name, p in pending.items():
-                w = weights[name]
-                queued[name] = queue_weight * p * mean_weight / w if w > 0 else 0.0
-        scores: dict[str, float] = {}
+        if queue_weight and under:
+            cached_under = [group.tokens for group in under]
+            if max(cached_under) - (0 if any_free else min(cached_under)) >= block_size:
+                queue_weight = 0.0
         shared_slack = settings.shared_prefix_slack
-        if homes:
-            # A conversation's next turn: its history ends on these replicas (under their
+        others = [*under, free] if any_free else under
+        if home is not None:
+            # A conversation's next turn: its history ends on this replica (under its
             # bound).  Stay: the bound, not a score, guards against hot spots.
             branch = "home"
-            pick = homes[0]
-            reason = "affinity" if matched.get(pick, 0) == max(matched.values()) else "spill"
-        elif has_match and shared_slack is not None and self._shared_only(keys, depth):
+            pick = home
+        elif has_match and shared_slack is not None and self.index.is_fork(keys[best_any - 1]):
             branch = "shared"
-            pick = self._place_shared(
-                request, weights, pending, under, load, matched, tie_key, shared_slack, mean_weight
-            )
-            reason = "affinity" if matched.get(pick, 0) == max(matched.values()) else "spill"
+            pick = self._place_shared(request, fleet, under, others, tie_key, shared_slack)
         elif has_match:
             branch = "score"
-            for name in under:
-                scores[name] = matched.get(name, 0) - settings.load_cost_tokens * load[name] - queued[name]
-            top = max(scores.values())
-            tied = [name for name in under if scores[name] == top]
-            pick = tied[0] if len(tied) == 1 else self._first(tie_key, tied)
-            reason = "affinity" if matched.get(pick, 0) == max(matched.values()) else "spill"
+            pick = self._best_score(fleet, others, queue_weight, tie_key)
         else:
             branch = "ring"
-            home = self.ring.owner(ring_key) if everyone else self._first(ring_key, in_flight)
-            slack = settings.ring_slack
-            # in requests: queued tokens count load_cost_tokens per request (with load_cost_tokens
-            # 0, any queued prefill outweighs request counts, which still break its ties)
-            per_request = max(settings.load_cost_tokens, 1.0)
-            cost = {name: load[name] + queued[name] / per_request for name in under}
-            limit = float("inf") if slack is None else min(cost.values()) + slack
-            pick = self._first(ring_key, [name for name in under if cost[name] <= limit])
-            reason = "ring" if pick == home and best_any == 0 else "spill"
+            pick = self._ring_pick(fleet, free, ring_key, queue_weight)
+        picked = self._group_of(fleet, pick, groups)
+        if branch != "ring":
+            reason = "affinity" if picked.tokens == groups[0].tokens else "spill"
+        elif best_any:
+            reason = "spill"
+        else:
+            everyone = load.n == len(self._weights)
+            reason = (
+                "ring"
+                if pick == (self.ring.owner(ring_key) if everyone else self._first_eligible(ring_key, load))
+                else "spill"
+            )
 
-        predicted = matched.get(pick, 0)
-        prompt_tokens = request.prompt_tokens_estimate or request.prompt_tokens
-        if prompt_tokens:
-            # vLLM always recomputes a prompt's last token, so a full hit stops one block short.
-            predicted = min(predicted, (prompt_tokens - 1) // block_size * block_size)
         added: list[int] = []
         started: tuple[int, float, int] | None = None
         if commit:
             added = self.index.record(pick, keys, self._beyond_window(request))
             if start is not None:
                 started = self.demand.record(start)
+        predicted = picked.tokens
+        prompt_tokens = request.prompt_tokens_estimate or request.prompt_tokens
+        if prompt_tokens:
+            # vLLM always recomputes a prompt's last token, so a full hit stops one block short.
+            predicted = min(predicted, (prompt_tokens - 1) // block_size * block_size)
         detail: dict[str, Any] = {
             "predicted_cached_tokens": max(0, predicted),
-            "matched_blocks": depth.get(pick, 0),
+            "matched_blocks": picked.depth,
             "best_matched_blocks": best_any,
             "key_source": key_source,
             "key_depth_blocks": key_depth,
             "blocks": len(keys),
             "block_size": block_size,
         }
-        if not commit and has_match and not scores:  # explain shows the generic scores on every branch
-            scores = {
-                name: matched.get(name, 0) - settings.load_cost_tokens * load[name] - queued[name] for name in under
-            }
         if added:
             detail["recorded_keys"] = added  # taken back by forget_attempt if the attempt fails
         if started is not None:
             detail["started"] = started  # likewise
         if not commit:
+            # The explain-only part (hex key, per-candidate table over every replica) costs a
+            # pass over the fleet, a ring walk and string formatting: real requests skip it.
             detail["branch"] = branch  # home | shared | score | ring
-            # The explain-only part (hex key, per-candidate table) costs a ring walk and string
-            # formatting: real requests only need the cheap fields above.
             detail["key"] = f"{ring_key:016x}"
             detail["load_factor"] = settings.load_factor
-            detail["total_in_flight"] = sum(in_flight.values())
-            detail["candidates"] = self._candidates(ring_key, replicas, bounds, depth, matched, scores)
+            detail["total_in_flight"] = load.total_in_flight
+            detail["candidates"] = self._explain(fleet, ring_key, replicas, groups, free, has_match, queue_weight)
         return Decision(pick, reason, detail)
 
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
@@ -445,53 +429,110 @@ class PrefixPolicy:
         }
 
     # -- helpers -----------------------------------------------------------------------
-    def _homes(
-        self, keys: Sequence[int], depth: dict[str, int], under: list[str], matched: dict[str, int]
-    ) -> list[str]:
-        """Under-bound replicas with the deepest match among them, if that match is this
+    def _groups(self, request: RequestView, found: list[tuple[int, int]]) -> list[Group]:
+        """The index's groups with the prompt tokens each holds, most first, and their extra room.
+
+        Keys cover the whole prompt (token blocks, then text chunks), so a conversation's
+        previous turn is matched to its full length.  Only a prompt running past its keys
+        (none continue past the window, e.g. a route whose window is not full) uses the old
+        estimate: a replica matching *every* key is credited with the length of the prompt
+        that last ended there (one group each).  Extra room (``bound_extra``) only where a
+        long enough prefix is cached: a conversation keeps its replica at low load, a short
+        popular prefix cannot pile up beyond the bound.
+        """
+        settings = self.settings
+        keys = request.block_keys
+        total = self._beyond_window(request) if settings.estimate_past_window else None
+        groups: list[Group] = []
+        for depth, mask in found:
+            tokens = self._depth_tokens(request, depth)
+            if total is None or depth != len(keys):
+                groups.append(Group(depth, tokens, mask))
+                continue
+            while mask:
+                low = mask & -mask
+                mask ^= low
+                extent = self.index.extent(self.index.name_of(low.bit_length() - 1), keys[-1])
+                groups.append(Group(depth, max(tokens, min(extent, total)) if extent else tokens, low))
+        groups.sort(key=lambda group: -group.tokens)
+        deep = max(1, settings.bound_extra_min_tokens)
+        if settings.bound_extra:
+            for group in groups:
+                if group.tokens >= deep:
+                    group.extra = settings.bound_extra
+        return groups
+
+    def _group_of(self, fleet: DecisionFleet, name: str, groups: list[Group]) -> Group:
+        bit = fleet.bits[fleet.load.index[name]]
+        return next((group for group in groups if group.mask >> bit & 1), Group(0, 0, 0))
+
+    def _home(self, keys: Sequence[int], fleet: DecisionFleet, under: list[Group]) -> str | None:
+        """The under-bound replica with the deepest match among them, if that match is this
         request's own history (no other prompt went on differently after it: see
         :meth:`AffinityIndex.is_fork`) and no other under-bound replica holds as much (then
-        moving would cost nothing: load may decide)."""
-        best = max(matched.get(name, 0) for name in under)
-        is_fork = self.index.is_fork
-        homes: list[str] = []
-        for name in under:
-            if matched.get(name, 0) != best:
-                continue
-            d = depth.get(name, 0)
-            if not d or is_fork(keys[d - 1]):
-                return []
-            homes.append(name)
-        return homes if len(homes) == 1 else []
+        moving would cost nothing: load may decide).  ``under``: groups, most held first."""
+        best = [group for group in under if group.tokens == under[0].tokens]
+        if any(self.index.is_fork(keys[group.depth - 1]) for group in best):
+            return None
+        homes: list[int] = []
+        for group in best:
+            homes += fleet.admitted_members(group, 2 - len(homes))
+            if len(homes) > 1:
+                return None
+        return fleet.load.names[homes[0]] if homes else None
 
-    def _first(self, key: int, names: Sequence[str] | dict[str, int]) -> str:
-        """The first of ``names`` (never empty, all on the ring) in ring order from ``key``."""
-        pick = self.ring.first(key, names)
+    def _first_eligible(self, key: int, load: FleetLoad) -> str:
+        """The first eligible replica in ring order from ``key`` (a short walk: most are)."""
+        pick = self.ring.first_where(key, load.index.__contains__, 64 + 8 * len(self.ring) // load.n)
+        if pick is None:
+            pick = self.ring.first(key, load.names)
         assert pick is not None  # the runner's replicas are always admitted to the ring
         return pick
 
-    def _shared_only(self, keys: Sequence[int], depth: dict[str, int]) -> bool:
-        """True when the deepest match is a prefix other prompts went on from differently.
+    def _ring_pick(self, fleet: DecisionFleet, free: Group, ring_key: int, queue_weight: float) -> str:
+        """No under-bound replica holds any of the request: the first in ring order from its
+        key among the free replicas whose load is at most the least + ``ring_slack``."""
+        # in requests: queued tokens count load_cost_tokens per request (with load_cost_tokens
+        # 0, any queued prefill outweighs request counts, which still break its ties)
+        per_request = max(self.settings.load_cost_tokens, 1.0)
 
-        Then the request shares a prefix *inside* other prompts (a tenant's system prompt, a
-        document many ask about) and continues none of them, so it may start on any replica —
-        unlike a conversation's next turn, which continues its own history (on one replica;
-        a relocated values block or an edit at the end does not change that).
-        """
-        best = max(depth.values())
-        return self.index.is_fork(keys[best - 1])
+        def cost(slot: int) -> float:
+            return fleet.busy(slot) + fleet.queued(slot, queue_weight) / per_request
+
+        order = fleet.load.order(1.0, queue_weight / per_request)
+        best = fleet.cheapest(free, order, cost)
+        assert best is not None  # some replica is free when none under its bound has a match
+        per_key = fleet.per_key(1.0, queue_weight / per_request)
+        return fleet.first_in_ring(
+            self.ring, ring_key, [fleet.tie(free, order, cost, best, self.settings.ring_slack, per_key)]
+        )
+
+    def _best_score(self, fleet: DecisionFleet, groups: list[Group], queue_weight: float, tie_key: int) -> str:
+        """The under-bound replica with the best ``cached - load_cost_tokens x load - queued``;
+        ties by the request's own key.  ``groups``: those with a replica under its bound."""
+        lc = self.settings.load_cost_tokens
+        order = fleet.load.order(lc, queue_weight)
+        best: list[tuple[Group, Cost, Cheapest]] = []
+        for group in groups:
+
+            def cost(slot: int, held: int = group.tokens) -> float:  # the score, negated
+                return -(held - lc * fleet.busy(slot) - fleet.queued(slot, queue_weight))
+
+            cheapest = fleet.cheapest(group, order, cost)
+            if cheapest is not None:
+                best.append((group, cost, cheapest))
+        top = min(cheapest.cost for _, _, cheapest in best)
+        ties = [fleet.tie(group, order, cost, cheapest) for group, cost, cheapest in best if cheapest.cost == top]
+        return fleet.first_in_ring(self.ring, tie_key, ties)
 
     def _place_shared(
         self,
         request: RequestView,
-        weights: dict[str, float],
-        pending: dict[str, int],
-        under: list[str],
-        load: dict[str, float],
-        matched: dict[str, int],
+        fleet: DecisionFleet,
+        under: list[Group],
+        groups: list[Group],
         tie_key: int,
         slack: float,
-        mean_weight: float,
     ) -> str:
         """Where a request that shares only a prefix goes: replicate a busy prefix, don't pile on it.
 
@@ -506,7 +547,9 @@ class PrefixPolicy:
         a hot prefix ends up on as many replicas as its traffic needs, a quiet one on one.
         The best holder also keeps the request while within ``slack`` requests' worth
         (x ``load_cost_tokens``) of the cheapest.  Ties break on the request's own key (most
-        of the prompt held first): a tenant's new conversations spread.
+        of the prompt held first): a tenant's new conversations spread.  ``under``: the
+        groups holding some of the prompt with a replica under its bound; ``groups``: those
+        and the free one if it has such a replica.
         """
         settings = self.settings
         per_request = settings.load_cost_tokens
@@ -514,23 +557,68 @@ class PrefixPolicy:
         block = request.block_size or 1
         total = request.prompt_tokens_estimate or request.prompt_tokens or 0
         recompute = settings.shared_recompute_weight
-        cost: dict[str, float] = {}
-        for name in under:
-            p = pending.get(name, 0)
-            w = weights[name]
-            queued = queue_weight * p * mean_weight / w if p and w > 0 else 0.0
-            cost[name] = per_request * load[name] + queued + recompute * max(0, total - matched.get(name, 0))
-        least = min(cost.values())
-        best = max(matched.get(name, 0) for name in under)
-        holders = [name for name in under if matched.get(name, 0) > best - block]
-        holder_cost = min(cost[name] for name in holders)
+        order = fleet.load.order(per_request, queue_weight)
+        best: list[tuple[Group, Cost, Cheapest]] = []
+        for group in groups:
+
+            def cost(slot: int, held: int = group.tokens) -> float:
+                return (
+                    per_request * fleet.busy(slot) + fleet.queued(slot, queue_weight) + recompute * max(0, total - held)
+                )
+
+            cheapest = fleet.cheapest(group, order, cost)
+            if cheapest is not None:
+                best.append((group, cost, cheapest))
+        least = min(cheapest.cost for _, _, cheapest in best)
+        most = under[0].tokens
+        holders = [entry for entry in best if entry[0].tokens > most - block]
+        holder_cost = min(cheapest.cost for _, _, cheapest in holders)
         if holder_cost <= least + slack * max(per_request, 1.0):
-            pool = [name for name in holders if cost[name] == holder_cost]
+            pool = [entry for entry in holders if entry[2].cost == holder_cost]
         else:
-            pool = [name for name in under if cost[name] == least]
-            top = max(matched.get(name, 0) for name in pool)
-            pool = [name for name in pool if matched.get(name, 0) == top]
-        return pool[0] if len(pool) == 1 else self._first(tie_key, pool)
+            pool = [entry for entry in best if entry[2].cost == least]
+            top = max(group.tokens for group, _, _ in pool)  # among the cheapest, most of the prompt held
+            pool = [entry for entry in pool if entry[0].tokens == top]
+        ties = [fleet.tie(group, order, cost, cheapest) for group, cost, cheapest in pool]
+        return fleet.first_in_ring(self.ring, tie_key, ties)
+
+    def _explain(
+        self,
+        fleet: DecisionFleet,
+        ring_key: int,
+        replicas: Sequence[ReplicaView],
+        groups: list[Group],
+        free: Group,
+        has_match: bool,
+        queue_weight: float,
+    ) -> list[dict[str, Any]]:
+        """The per-candidate table of ``/admin/explain``: every replica in ring order from the
+        key (a pass over the fleet: explain only)."""
+        load = fleet.load
+        group_of = {load.names[slot]: group for group in groups for slot in fleet.members(group)}
+        lc = self.settings.load_cost_tokens
+        by_name = {r.name: r for r in replicas}
+        out = []
+        for rank, name in enumerate(self.ring.walk(ring_key, by_name)):
+            r = by_name[name]
+            slot = load.index[name]
+            group = group_of.get(name, free)
+            bound = fleet.bound(slot) + group.extra
+            entry: dict[str, Any] = {
+                "replica": name,
+                "ring_rank": rank,
+                "weight": r.weight,
+                "in_flight": r.in_flight,
+                "pending_prefill_tokens": r.pending_prefill_tokens,
+                "bound": bound,
+                "under_bound": r.in_flight < bound,
+                "matched_blocks": group.depth,
+                "matched_tokens": group.tokens,
+            }
+            if has_match and fleet.admitted(slot, group):  # the generic score, on every branch
+                entry["score"] = group.tokens - lc * fleet.busy(slot) - fleet.queued(slot, queue_weight)
+            out.append(entry)
+        return out
 
     @staticmethod
     def _depth_tokens(request: RequestView, depth: int) -> int:
@@ -555,28 +643,6 @@ class PrefixPolicy:
         keyed = self._depth_tokens(request, len(request.block_keys))
         return total if total > keyed + (request.block_size or 1) else None
 
-    def _matched_tokens(self, request: RequestView, depth: dict[str, int]) -> dict[str, int]:
-        """Cached tokens per replica: what its matched keys cover, and past the keys an estimate.
-
-        Keys cover the whole prompt (token blocks, then text chunks), so a conversation's
-        previous turn is matched to its full length.  Only a prompt running past its keys
-        (none continue past the window, e.g. a route whose window is not full) uses the old
-        estimate: a replica matching *every* key is credited with the length of the prompt
-        that last ended there.
-        """
-        keys = request.block_keys
-        matched = {name: self._depth_tokens(request, d) for name, d in depth.items()}
-        total = self._beyond_window(request)
-        if total is None or not self.settings.estimate_past_window:
-            return matched
-        full = len(keys)
-        for name, d in depth.items():
-            if d == full:
-                extent = self.index.extent(name, keys[-1])
-                if extent:
-                    matched[name] = max(matched[name], min(extent, total))
-        return matched
-
     def _ring_key(self, request: RequestView) -> tuple[int | None, str, int]:
         keys = request.block_keys
         if self.settings.use_session_key and request.session_key:
@@ -594,32 +660,3 @@ class PrefixPolicy:
         self._capacity_block_size = block_size
         self.index.replica_capacity = max(1, tokens // (block_size * self.settings.affinity_stride_blocks))
         self.index.set_members(self._weights)
-
-    def _candidates(
-        self,
-        ring_key: int,
-        replicas: Sequence[ReplicaView],
-        bounds: dict[str, int],
-        depth: dict[str, int],
-        matched: dict[str, int],
-        scores: dict[str, float],
-    ) -> list[dict[str, Any]]:
-        by_name = {r.name: r for r in replicas}
-        out = []
-        for rank, name in enumerate(self.ring.walk(ring_key, by_name)):
-            r = by_name[name]
-            entry: dict[str, Any] = {
-                "replica": name,
-                "ring_rank": rank,
-                "weight": r.weight,
-                "in_flight": r.in_flight,
-                "pending_prefill_tokens": r.pending_prefill_tokens,
-                "bound": bounds[name],
-                "under_bound": r.in_flight < bounds[name],
-                "matched_blocks": depth.get(name, 0),
-                "matched_tokens": matched.get(name, 0),
-            }
-            if name in scores:
-                entry["score"] = scores[name]
-            out.append(entry)
-        return out
