@@ -189,7 +189,7 @@ class DecisionFleet:
             count = order.count_upto(max_key)  # replicas of any group within the key limit
             expected = count * size / n  # of this group's, about
             # Listing costs min(size, count) reads; a ring walk about n / expected points.
-            if min(size, count) * expected <= 2 * n:
+            if min(size, count) * expected <= n:
                 if size <= count:
                     slots: Iterable[int] = self.members(group)
                 else:
