@@ -154,16 +154,18 @@ class AffinityIndex:
         lru = self._lru[name]
         if len(lru) <= cap:
             return
-        bit = 1 << self._slot[name]
-        holders = self._holders
-        while len(lru) > cap:
-            key, _ = lru.popitem(last=False)
-            mask = holders.get(key, 0) & ~bit
+        keep = ~(1 << self._slot[name])
+        holders, child, forks = self._holders, self._child, self._forks
+        popitem = lru.popitem
+        for _ in range(len(lru) - cap):  # the oldest first: deepest keys of old prompts
+            key = popitem(last=False)[0]
+            mask = holders.get(key, 0) & keep
             if mask:
                 holders[key] = mask
-            else:
+            else:  # no replica holds it any more: forget what followed it (_forget_key)
                 holders.pop(key, None)
-                self._forget_key(key)
+                child.pop(key, None)
+                forks.discard(key)
 
     # -- the hot path ------------------------------------------------------------------
     def mask_of(self, replicas: Iterable[str] | None) -> int:
