@@ -682,7 +682,7 @@ def imbalance_spills(info: RouteInfo, live: dict[str, Any]) -> list[Finding]:
     if total < MIN_REQUESTS or spills / total < SPILL_SHARE:
         return []
     share = spills / total
-    section = {"policy_settings": {"load_factor": 1.5, "bound_extra": 4}}
+    section = {"policy_settings": {"load_factor": 3, "bound_extra": 4}}  # above the defaults (2, 2)
     return [
         Finding(
             "imbalance_spill",
