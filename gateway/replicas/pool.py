@@ -88,7 +88,9 @@ class _Watched:
     def __set_name__(self, owner: type, name: str) -> None:
         self.attr = "_" + name
 
-    def __get__(self, replica: Replica, owner: type | None = None) -> Any:
+    def __get__(self, replica: Replica | None, owner: type | None = None) -> Any:
+        if replica is None:  # looked up on the class (introspection, mocks): the descriptor
+            return self
         return getattr(replica, self.attr)
 
 

@@ -118,3 +118,12 @@ def test_plain_views_get_a_snapshot_and_runner_views_their_live_load() -> None:
     assert [snap.names[i] for i in snap.order(1.0, 0.0).slots()] == ["b", "a"]  # 1/1 < 3/2
     live = FleetViews(views, snap)
     assert fleet_load(live) is snap and list(live) == views
+
+
+def test_the_watched_attributes_read_like_plain_ones() -> None:
+    (r,) = pool_of([1.0])
+    assert (r.in_flight, r.pending_prefill_tokens, r.healthy, r.slow) == (0, 0, True, False)
+    r.in_flight += 3
+    r.healthy = False
+    assert (r.in_flight, r.healthy) == (3, False)
+    assert isinstance(Replica.__dict__["in_flight"], type(Replica.in_flight))  # the class gets the descriptor
