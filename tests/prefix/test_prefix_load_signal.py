@@ -88,7 +88,7 @@ def test_a_busy_shared_prefix_is_replicated_not_piled_on() -> None:
 
 def test_a_long_cached_history_stays_home_despite_queued_prefill() -> None:
     """Moving a conversation recomputes its history: queued prefill does not move it."""
-    p = policy(load_factor=1.25)
+    p = policy(load_factor=1.25, bound_extra=2, bound_extra_min_tokens=2048)
     history = chain(200, 7)  # 3,200 tokens >= bound_extra_min_tokens (2,048)
     p.index.record("r1", history)
     d = p.choose(req(history + chain(10, 8)), views({"r1": 20_000}))
@@ -99,7 +99,7 @@ def test_a_long_cached_history_stays_home_despite_queued_prefill() -> None:
 
 
 def test_when_the_home_is_over_its_bound_queued_prefill_picks_the_next_replica() -> None:
-    p = policy(load_factor=1.25)
+    p = policy(load_factor=1.25, bound_extra=2, bound_extra_min_tokens=2048)
     history = chain(200, 21)  # 3,200 cached tokens on r1
     p.index.record("r1", history)
     # r1 is over its bound (ceil(1.25 x 8 / 4) + 2 = 5): the request moves, and the replica

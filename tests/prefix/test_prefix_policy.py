@@ -166,7 +166,7 @@ def test_popular_shared_prefix_is_spread_over_replicas() -> None:
 
 
 def test_busy_affinity_replica_spills() -> None:
-    p = policy(load_factor=1.25)
+    p = policy(load_factor=1.25, bound_extra=2, bound_extra_min_tokens=2048)
     keys = chain(64, 7)
     p.choose(req(keys), views())
     home = p.index.holders(keys[-1])[0]

@@ -9,7 +9,7 @@ uncached tokens.  The decision, in order:
 
 1. **Load bound (CHWBL).**  Replica *r* may take the request only while
    ``in_flight_r < ceil(c x (total_in_flight + 1) x w_r / W)`` (c = ``load_factor``), plus
-   ``bound_extra`` (2) if *r* holds at least ``bound_extra_min_tokens`` (2,048) of this prompt:
+   ``bound_extra`` (4) if *r* holds at least ``bound_extra_min_tokens`` (1,024) of this prompt:
    the textbook bound pushes a long conversation off its replica at low load (two other
    requests there are enough), recomputing thousands of tokens to save a short wait, while
    short popular prefixes must not pile up.  Some replica is always under its bound, so the
@@ -132,13 +132,13 @@ class PrefixPolicySettings(PolicySettings):
         "null: pure CHWBL, only the load bound)",
     )
     bound_extra: int = Field(
-        2,
+        4,
         ge=0,
         description="in-flight requests a replica may hold above its CHWBL bound when it has at least "
         "bound_extra_min_tokens of this prompt cached (0: the textbook bound everywhere)",
     )
     bound_extra_min_tokens: int = Field(
-        2048,
+        1024,
         ge=0,
         description="matched (cached) prompt tokens a replica needs to get bound_extra: long histories stay "
         "home at low load, short popular prefixes cannot pile up",
