@@ -95,6 +95,7 @@ def serve(
     """
     configure_logging(config.logging)
     gateway = Gateway(config, client_factory=client_factory)
+    gateway.freeze_heap = True  # this process is the gateway: its startup heap lives as long
     if config_path is not None:
         gateway.reloader = Reloader(gateway, config_path)
     sock = bind_socket(config.server.host, config.server.port, reuse_port=reuse_port)
@@ -136,6 +137,7 @@ def serve_in_thread(
     if configure_logs:
         configure_logging(config.logging)
     gateway = Gateway(config, client_factory=client_factory)
+    gateway.freeze_heap = True  # this process is the gateway: its startup heap lives as long
     if config_path is not None:
         gateway.reloader = Reloader(gateway, config_path, reload_poll_s)
     sock = bind_socket(config.server.host, config.server.port)
