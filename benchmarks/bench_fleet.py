@@ -1,8 +1,10 @@
-"""Several gateway pods, measured: 1 gateway vs 3, with and without shared state (Redis).
+"""Several gateway pods, measured: 1 gateway vs 3, with and without shared state (Redis),
+and a gateway that joins mid-run, with and without catch-up.
 
     python benchmarks/bench_fleet.py --quick                  # smoke run: 2 workloads, small samples
     python benchmarks/bench_fleet.py                          # every workload, moderate load
     python benchmarks/bench_fleet.py --workload agent --size 0.5
+    python benchmarks/bench_fleet.py --quick --mode join      # only the join rows
 
 Behind a Kubernetes Service each request of a conversation may reach a different gateway pod.
 This replays the policy benchmark's workloads (``bench_policies.py``: its workloads, simulated
@@ -15,10 +17,36 @@ fleet, load levels and replay machinery, imported, not copied) through:
 The client spreads requests over the gateways in turn (``replay``'s multi-URL mode), as a
 Service spreads connections.  Targets (issue 10), for ``3 gateways + redis`` against
 ``1 gateway``: hit rate at most 1 point lower, TTFT p50 at most 1.2x, prefill-work balance
-(max/mean over replicas) at most 1.25.  Redis: ``--redis-url`` (default
-``$PREFIX_GATEWAY_TEST_REDIS_URL`` or 127.0.0.1:6379); when none answers, a ``redis-server``
-child is started as the tests do (``tests/redis_server.py``).  Results: a table on stdout and
-``benchmarks/results/bench_fleet.json``.
+(max/mean over replicas) at most 1.25.
+
+Join mode (``--mode join``; ``--mode all``, the default, runs both): a new gateway process
+joining mid-run must catch up from its peers (``gateway/state/catchup.py``) instead of routing
+blind: its first minute's hit rate within 2 points of the others' (issue 10).  Two rows, each
+on fresh gateways and emptied caches, byte-identical traffic:
+
+- ``join, catch-up``: 2 gateways sharing Redis take the traffic; at ``--join-at`` (40 %) of
+  the arrivals' span a 3rd gateway starts (same Redis channel, ``state.catch_up_keys`` at its
+  default), and once its ``/ready`` answers the client spreads requests over all three, as a
+  Service adds a pod once it is ready;
+- ``join, blind``: the same with ``catch_up_keys: 0`` on every gateway (the peers send no
+  snapshot; the joiner still gets every record made after it subscribed).
+
+The joiner needs 1-3 s of wall time to start on a busy 2-core machine, while the policy
+benchmark's samples last 3-7 s, so the join rows replay a larger sample of the same workload
+(``--join-size``: 2.0 with ``--quick``, else 4.0; 12-28 s of arrivals).  "The first minute"
+is on the simulated fleet's clock, as everywhere here: 60 simulated seconds, i.e.
+``60 x time_scale`` wall seconds (~6 s for the Mooncake replays, ~22 s for the agent ones),
+from the joiner's first request.  When the arrivals end sooner (usual for the agent
+workloads) the window is what is left of the run: the joiner's first K requests, every one
+it got, and the JSON says so (``window.cut_by_end_of_run``, ``joiner.requests``).  Over
+that window the joiner's hit rate (requests sent to its URL: ``replay`` records which URL
+each request went to) is compared with the hit rate of the requests the other two gateways
+got in the same window.  Verdict: ``others - joiner`` at most 2 points with catch-up; the
+blind row's gap is reported beside it.
+
+Redis: ``--redis-url`` (default ``$PREFIX_GATEWAY_TEST_REDIS_URL`` or 127.0.0.1:6379); when
+none answers, a ``redis-server`` child is started as the tests do (``tests/redis_server.py``).
+Results: a table on stdout and ``benchmarks/results/bench_fleet.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -33,6 +61,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,29 +71,35 @@ if str(ROOT) not in sys.path:
 
 
 from benchmarks import bench_policies as bp  # noqa: E402
-from benchmarks.replay import prepare  # noqa: E402
+from benchmarks.joiner import PEER_SNAPSHOT_INTERVAL_S, Joiner, admin_state, join_window  # noqa: E402
+from benchmarks.processes import stop_all  # noqa: E402
+from benchmarks.replay import WireRequest, median_of_runs, prepare  # noqa: E402
 from benchmarks.workloads import WORKLOAD_NAMES, build  # noqa: E402
 from tests.redis_server import start_redis  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_fleet.json"
 ROWS = ("1 gateway", "3 gateways", "3 gateways + redis")
-TARGETS = {"hit_rate_loss_points": 1.0, "ttft_p50_ratio": 1.2, "balance": 1.25}
+JOIN_ROWS = ("join, catch-up", "join, blind")
+TARGETS = {"hit_rate_loss_points": 1.0, "ttft_p50_ratio": 1.2, "balance": 1.25, "join_gap_points": 2.0}
 QUICK_WORKLOADS = ("agent", "mooncake_conversation")
+MODES = ("all", "base", "join")
+JOIN_AT = 0.4  # share of the arrivals' span after which the 3rd gateway starts
+JOIN_SIZE = {"quick": 2.0, "full": 4.0}  # the join rows' sample (see the module docstring)
+MINUTE_S = 60.0  # "the joiner's first minute", in simulated seconds
 
 
 def start_gateway(name: str, replicas: Sequence[tuple[str, str]], workdir: Path, state: dict[str, Any] | None) -> Any:
     """``bench_policies.start_gateway`` (a prefix gateway, quiet logs), with ``state:`` added to its config."""
-    base = bp.gateway_config
+    extra = {"state": state} if state is not None else None
+    return bp.start_gateway(bp.Variant(name, "prefix", "relocate"), replicas, workdir, extra)
 
-    def with_state(replicas: Sequence[tuple[str, str]], variant: bp.Variant, port: int) -> dict[str, Any]:
-        config = base(replicas, variant, port)
-        return {**config, "state": state} if state is not None else config
 
-    bp.gateway_config = with_state  # type: ignore[assignment]
-    try:
-        return bp.start_gateway(bp.Variant(name, "prefix", "relocate"), replicas, workdir)
-    finally:
-        bp.gateway_config = base  # type: ignore[assignment]
+def redis_state(redis_url: str, catch_up_keys: int | None = None) -> dict[str, Any]:
+    """``state:`` for gateways sharing Redis, on a channel of their own (no run hears another's)."""
+    state: dict[str, Any] = {"backend": "redis", "redis_url": redis_url, "channel": f"bench-fleet-{uuid.uuid4().hex}"}
+    if catch_up_keys is not None:
+        state["catch_up_keys"] = catch_up_keys
+    return state
 
 
 @contextmanager
@@ -80,8 +115,7 @@ def gateway_set(
             bp.poll(gw.url + "/ready", 60, f"gateway {gw.name}")
         yield [gw.url for gw in procs]
     finally:
-        for gw in procs:
-            gw.stop()
+        stop_all(procs)
 
 
 def row_numbers(summary: dict[str, Any]) -> dict[str, Any]:
@@ -96,38 +130,178 @@ def row_numbers(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_workload(name: str, size: float, seed: int, redis_url: str, workdir: Path) -> dict[str, Any]:
-    from gateway.sim.launcher import run_replicas
+@dataclass(frozen=True)
+class Sample:
+    """One workload sample, ready to replay at the moderate level, and the clock it runs on."""
 
+    name: str
+    size: float
+    wire: list[WireRequest]
+    time_scale: float  # wall seconds per simulated second (the simulated fleet's clock)
+
+    @property
+    def span_s(self) -> float:
+        return self.wire[-1].at if self.wire else 0.0
+
+    @property
+    def deadline_s(self) -> float:
+        return self.span_s * bp.DEADLINE_FACTOR + bp.DEADLINE_SLACK_S
+
+
+def sample(name: str, size: float, seed: int) -> Sample:
+    """The policy benchmark's moderate level of ``name`` at ``size``."""
     wl = build(name, size=size, seed=seed)
     time_scale = bp.time_scale_for(wl, bp.SIM, bp.REPLICAS)
     factor = bp.time_factor_for(wl, bp.LOADS[wl.name]["moderate"], time_scale, bp.SIM, bp.REPLICAS)
-    wire = prepare(wl.requests, bp.MODEL, factor)
-    span = wire[-1].at if wire else 0.0
-    deadline = span * bp.DEADLINE_FACTOR + bp.DEADLINE_SLACK_S
-    print(f"\n== {name}: {len(wire)} requests over {span:.1f} s (moderate load, time_scale {time_scale})")
-    out: dict[str, Any] = {"requests": len(wire), "span_s": span, "rows": {}}
-    names = [f"r{i}" for i in range(bp.REPLICAS)]
-    sim = {**bp.SIM, "time_scale": time_scale}
-    with run_replicas(bp.REPLICAS, log_dir=workdir / f"sims-{name}", **sim) as urls:
-        replicas = list(zip(names, urls, strict=True))
-        for row in ROWS:
-            n = 1 if row == "1 gateway" else 3
-            state = None
-            if row.endswith("redis"):
-                state = {"backend": "redis", "redis_url": redis_url, "channel": f"bench-fleet-{uuid.uuid4().hex}"}
-            tag = row.replace(" ", "_").replace("+", "")
-            with gateway_set(n, replicas, workdir, state, tag) as gateway_urls:
-                summary = bp.run_once(wire, gateway_urls, urls, names, deadline, via_gateway=True)
-            out["rows"][row] = row_numbers(summary)
-            r = out["rows"][row]
-            print(
-                f"  {row:<20} hit {100 * (r['hit_rate'] or 0):5.1f} %  ttft p50 {r['ttft_p50_ms'] or 0:7.0f} ms"
-                f"  balance {r['balance'] or 0:4.2f}  ok {r['ok']} errors {r['errors']}"
-            )
-    ref, alone, shared = (out["rows"][r] for r in ROWS)
-    out["verdict"] = verdict(ref, shared, alone)
+    out = Sample(name, size, prepare(wl.requests, bp.MODEL, factor), time_scale)
+    print(
+        f"\n== {name} (size {size}): {len(out.wire)} requests over {out.span_s:.1f} s "
+        f"(moderate load, time_scale {time_scale})"
+    )
     return out
+
+
+Fleet = tuple[list[tuple[str, str]], list[str], list[str]]  # (name, url) pairs, urls, names
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to run, decided once from the command line."""
+
+    mode: str  # all, base (1 vs 3 gateways) or join
+    size: float  # sample size of the 1-vs-3 rows
+    join_size: float  # sample size of the join rows
+    join_at: float  # share of the join sample's span after which the 3rd gateway starts
+    seed: int
+    redis_url: str
+    workdir: Path
+    repeat: int = 1  # runs per row; the table shows their medians
+
+
+@contextmanager
+def fleet(smp: Sample, workdir: Path, tag: str) -> Iterator[Fleet]:
+    """The simulated replicas on ``smp``'s clock: yields ((name, url) pairs, urls, names)."""
+    from gateway.sim.launcher import run_replicas
+
+    names = [f"r{i}" for i in range(bp.REPLICAS)]
+    sim = {**bp.SIM, "time_scale": smp.time_scale}
+    with run_replicas(bp.REPLICAS, log_dir=workdir / f"sims-{smp.name}-{tag}", **sim) as urls:
+        yield list(zip(names, urls, strict=True)), list(urls), names
+
+
+def print_row(row: str, r: dict[str, Any]) -> None:
+    print(
+        f"  {row:<20} hit {100 * (r['hit_rate'] or 0):5.1f} %  ttft p50 {r['ttft_p50_ms'] or 0:7.0f} ms"
+        f"  balance {r['balance'] or 0:4.2f}  ok {r['ok']} errors {r['errors']}"
+    )
+
+
+def run_base(smp: Sample, plan: Plan) -> dict[str, Any]:
+    """The three rows of 1 vs 3 gateways (module docstring); medians over ``--repeat`` runs."""
+    out: dict[str, Any] = {"requests": len(smp.wire), "span_s": smp.span_s, "rows": {}}
+    runs: dict[str, list[dict[str, Any]]] = {row: [] for row in ROWS}
+    with fleet(smp, plan.workdir, "base") as (replicas, urls, names):
+        for _ in range(plan.repeat):
+            for row in ROWS:
+                n = 1 if row == "1 gateway" else 3
+                state = redis_state(plan.redis_url) if row.endswith("redis") else None
+                tag = row.replace(" ", "_").replace("+", "")
+                with gateway_set(n, replicas, plan.workdir, state, tag) as gateway_urls:
+                    summary = bp.run_once(smp.wire, gateway_urls, urls, names, smp.deadline_s, via_gateway=True)
+                runs[row].append(row_numbers(summary))
+                print_row(row, runs[row][-1])
+    out["rows"] = {row: median_of_runs(runs[row]) for row in ROWS}
+    if plan.repeat > 1:
+        out["runs"] = runs
+    return out
+
+
+# -- a gateway joining mid-run ------------------------------------------------------------------
+
+
+def run_join_row(row: str, smp: Sample, fleet_: Fleet, state: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """2 gateways, then a 3rd joining at ``plan.join_at`` of the span: the run's numbers and the join window."""
+    replicas, urls, names = fleet_
+    tag = row.replace(" ", "_").replace(",", "")
+    joiner = Joiner(
+        lambda: start_gateway(f"{tag}-joiner", replicas, plan.workdir, state), smp.span_s * plan.join_at, bp.ADMIN_KEY
+    )
+    try:
+        with gateway_set(2, replicas, plan.workdir, state, tag) as peers:
+            # the peers met (and swapped snapshots) about a second after they were ready
+            joiner.not_before = time.monotonic() + PEER_SNAPSHOT_INTERVAL_S + 0.5
+            summary = bp.run_once(
+                smp.wire, peers, urls, names, smp.deadline_s, via_gateway=True, replayer=joiner.replay
+            )
+            sent = [admin_state(u, bp.ADMIN_KEY) for u in peers]
+    finally:
+        joiner.stop()
+    records = [int(s.get("records_sent") or 0) for s in sent]
+    landed = joiner.snapshot_landed_s(records)
+    outcomes = joiner.result.outcomes if joiner.result is not None else []
+    return {
+        **row_numbers(summary),
+        "join": {
+            "launched_s": joiner.launched_s,
+            "ready_s": joiner.ready_s,
+            "snapshot_landed_s": landed,
+            "applied_at_ready": joiner.applied[0][1] if joiner.applied else None,
+            "peers_snapshot_records": joiner.records_since_ready(records),
+            "error": joiner.error,
+        },
+        **join_window(outcomes, joiner.url, MINUTE_S * smp.time_scale, smp.span_s, landed),
+    }
+
+
+def run_join(smp: Sample, plan: Plan) -> dict[str, Any]:
+    """The join rows (module docstring): catch-up at its default, and blind (``catch_up_keys: 0``).
+
+    With ``--repeat`` the rows alternate in order from one repetition to the next (a slow
+    moment on the machine hits both) and each number is the median of the runs.
+    """
+    out: dict[str, Any] = {
+        "size": smp.size,
+        "requests": len(smp.wire),
+        "span_s": smp.span_s,
+        "time_scale": smp.time_scale,
+        "join_at_s": round(smp.span_s * plan.join_at, 3),
+        "rows": {},
+        "runs": {row: [] for row in JOIN_ROWS},
+    }
+    with fleet(smp, plan.workdir, "join") as fleet_:
+        for rep in range(plan.repeat):
+            for row in JOIN_ROWS if rep % 2 == 0 else JOIN_ROWS[::-1]:
+                state = redis_state(plan.redis_url, catch_up_keys=0 if row.endswith("blind") else None)
+                r = run_join_row(row, smp, fleet_, state, plan)
+                out["runs"][row].append(r)
+                print_row(row, r)
+                print(f"  {'':<20} {join_line(r)}")
+    out["rows"] = {row: median_of_runs(out["runs"][row]) for row in JOIN_ROWS}
+    return out
+
+
+def join_line(r: dict[str, Any]) -> str:
+    """One row's join window in words (the table and the progress lines)."""
+    j, w = r["join"], r.get("window")
+    if w is None:
+        return f"the joiner served no request (ready at {j['ready_s']} s; {j['error'] or 'the run ended first'})"
+    pct = lambda x: "n/a" if x is None else f"{100 * x:.1f} %"  # noqa: E731
+    cut = ", cut by the end of the run" if w["cut_by_end_of_run"] else ""
+    landed = j["snapshot_landed_s"]
+    snapshot = "no snapshot" if landed is None else f"snapshot +{landed - j['ready_s']:.1f} s"
+    text = (
+        f"ready at {j['ready_s']:.1f} s ({snapshot}); window {w['start_s']:.1f}-{w['end_s']:.1f} s{cut}: "
+        f"joiner {pct(r['joiner']['hit_rate'])} over {r['joiner']['requests']} requests, "
+        f"others {pct(r['others']['hit_rate'])} over {r['others']['requests']}: "
+        f"gap {r['gap_points']} ± {r['gap_se_points']} pts"
+    )
+    after = r.get("after_snapshot")
+    if after is not None:
+        text += f"; after the snapshot: {after['gap_points']} ± {after['gap_se_points']} pts"
+    return text
+
+
+# -- verdicts and report ------------------------------------------------------------------------
 
 
 def verdict(ref: dict[str, Any], shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, Any]:
@@ -152,37 +326,109 @@ def verdict(ref: dict[str, Any], shared: dict[str, Any], alone: dict[str, Any]) 
     return v
 
 
+def join_verdict(join: dict[str, Any]) -> dict[str, Any]:
+    """With catch-up, the joiner at most ``join_gap_points`` below the others; the blind gap beside it."""
+    caught_up, blind = (join["rows"][r] for r in JOIN_ROWS)
+    gap, se = caught_up["gap_points"], caught_up["gap_se_points"]
+    runs = len(join["runs"][JOIN_ROWS[0]])
+    if se is not None and runs > 1:  # the median's standard error (1.2533 x sigma / sqrt(n) from 3 runs on)
+        se = round(se * (1.2533 if runs > 2 else 1.0) / runs**0.5, 2)
+    return {
+        "join_gap_points": gap,
+        "join_gap_se_points": se,
+        # the sample decides only when the gap is more than 2 standard errors from the target
+        "join_decided": gap is not None and se is not None and abs(gap - TARGETS["join_gap_points"]) > 2 * se,
+        "join_blind_gap_points": blind["gap_points"],
+        "join_joiner_requests": caught_up["joiner"]["requests"],
+        "join_gap_runs": [r["gap_points"] for r in join["runs"][JOIN_ROWS[0]]],
+        "join_blind_gap_runs": [r["gap_points"] for r in join["runs"][JOIN_ROWS[1]]],
+        "pass": {"join": gap is not None and gap <= TARGETS["join_gap_points"]},
+    }
+
+
+def merge_verdicts(*parts: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"pass": {}}
+    for part in parts:
+        out.update({k: v for k, v in part.items() if k != "pass"})
+        out["pass"].update(part["pass"])
+    return out
+
+
+def run_workload(name: str, plan: Plan) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    verdicts = []
+    if plan.mode in ("all", "base"):
+        out.update(run_base(sample(name, plan.size, plan.seed), plan))
+        verdicts.append(verdict(*(out["rows"][r] for r in (ROWS[0], ROWS[2], ROWS[1]))))
+    if plan.mode in ("all", "join"):
+        out["join"] = run_join(sample(name, plan.join_size, plan.seed), plan)
+        verdicts.append(join_verdict(out["join"]))
+    out["verdict"] = merge_verdicts(*verdicts)
+    return out
+
+
+def _mark(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
 def table(results: dict[str, Any]) -> str:
     lines = [
         f"{'workload':<24}{'row':<22}{'hit %':>7}{'ttft p50 ms':>13}{'p90 ms':>9}{'balance':>9}{'errors':>8}",
     ]
-    for name, wres in results["workloads"].items():
-        for row, r in wres["rows"].items():
-            lines.append(
-                f"{name:<24}{row:<22}{100 * (r['hit_rate'] or 0):>7.1f}{r['ttft_p50_ms'] or 0:>13.0f}"
-                f"{r['ttft_p90_ms'] or 0:>9.0f}{r['balance'] or 0:>9.2f}{r['errors']:>8}"
-            )
-        v = wres["verdict"]
-        lines.append(
-            f"{'':<24}redis vs 1 gateway: hit loss {v['redis_hit_rate_loss_points']} pts (target <= 1, "
-            f"{'PASS' if v['pass']['hit_rate'] else 'FAIL'}), ttft p50 x{v['redis_ttft_p50_ratio']} (<= 1.2, "
-            f"{'PASS' if v['pass']['ttft_p50'] else 'FAIL'}), balance {v['redis_balance']} (<= 1.25, "
-            f"{'PASS' if v['pass']['balance'] else 'FAIL'}); "
-            f"without sharing: hit loss {v['no_sharing_hit_rate_loss_points']} pts"
+
+    def row_line(name: str, row: str, r: dict[str, Any]) -> str:
+        return (
+            f"{name:<24}{row:<22}{100 * (r['hit_rate'] or 0):>7.1f}{r['ttft_p50_ms'] or 0:>13.0f}"
+            f"{r['ttft_p90_ms'] or 0:>9.0f}{r['balance'] or 0:>9.2f}{r['errors']:>8}"
         )
+
+    for name, wres in results["workloads"].items():
+        v = wres["verdict"]
+        for row, r in (wres.get("rows") or {}).items():
+            lines.append(row_line(name, row, r))
+        if "rows" in wres:
+            lines.append(
+                f"{'':<24}redis vs 1 gateway: hit loss {v['redis_hit_rate_loss_points']} pts (target <= 1, "
+                f"{_mark(v['pass']['hit_rate'])}), ttft p50 x{v['redis_ttft_p50_ratio']} (<= 1.2, "
+                f"{_mark(v['pass']['ttft_p50'])}), balance {v['redis_balance']} (<= 1.25, "
+                f"{_mark(v['pass']['balance'])}); "
+                f"without sharing: hit loss {v['no_sharing_hit_rate_loss_points']} pts"
+            )
+        if "join" in wres:
+            join = wres["join"]
+            lines.append(
+                f"{'':<24}join sample: size {join['size']:g}, {join['requests']} requests over "
+                f"{join['span_s']:.1f} s, the 3rd gateway started at {join['join_at_s']:.1f} s"
+            )
+            for row, r in join["rows"].items():
+                lines.append(row_line(name, row, r))
+                lines.append(f"{'':<26}{join_line(r)}")
+            lines.append(
+                f"{'':<24}joiner vs the others, first minute: gap {v['join_gap_points']} "
+                f"± {v['join_gap_se_points']} pts with catch-up (target <= {TARGETS['join_gap_points']:g}, "
+                f"{_mark(v['pass']['join'])}{'' if v['join_decided'] else ', within noise'}), "
+                f"{v['join_blind_gap_points']} pts blind; "
+                f"runs: {v['join_gap_runs']} with catch-up, {v['join_blind_gap_runs']} blind"
+            )
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_WORKLOADS)} at size 0.3")
+    parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_WORKLOADS)}, small samples")
     parser.add_argument("--workload", action="append", choices=WORKLOAD_NAMES)
-    parser.add_argument("--size", type=float, default=None)
+    parser.add_argument("--mode", choices=MODES, default="all", help="base: 1 vs 3 gateways; join: a gateway joins")
+    parser.add_argument("--size", type=float, default=None, help="sample size of the 1-vs-3 rows")
+    parser.add_argument("--join-size", type=float, default=None, help="sample size of the join rows")
+    parser.add_argument("--join-at", type=float, default=JOIN_AT, help="share of the span when the 3rd gateway starts")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per row; the table shows medians")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
     args = parser.parse_args(argv)
     workloads = args.workload or (list(QUICK_WORKLOADS) if args.quick else list(WORKLOAD_NAMES))
     size = args.size if args.size is not None else (bp.QUICK_SIZE if args.quick else 1.0)
+    join_size = args.join_size if args.join_size is not None else JOIN_SIZE["quick" if args.quick else "full"]
     t0 = time.monotonic()
     redis = start_redis(args.redis_url)
     if redis.url is None:
@@ -190,12 +436,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     results: dict[str, Any] = {
         "meta": {
-            "command": " ".join(["python", "benchmarks/bench_fleet.py", *(argv or sys.argv[1:])]),
+            "command": " ".join(["python", "benchmarks/bench_fleet.py", *(sys.argv[1:] if argv is None else argv)]),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "cpus": os.cpu_count(),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
             "python": platform.python_version(),
+            "mode": args.mode,
             "size": size,
+            "join_size": join_size,
+            "join_at": args.join_at,
             "seed": args.seed,
+            "repeat": args.repeat,
             "load": "moderate",
             "replicas": bp.REPLICAS,
             "redis": redis.reason,
@@ -206,15 +457,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
+            plan = Plan(args.mode, size, join_size, args.join_at, args.seed, redis.url, Path(tmp), args.repeat)
             for name in workloads:
-                results["workloads"][name] = run_workload(name, size, args.seed, redis.url, Path(tmp))
+                results["workloads"][name] = run_workload(name, plan)
     finally:
         redis.stop()
     results["meta"]["elapsed_s"] = round(time.monotonic() - t0, 1)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    results["meta"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
     print("\n" + table(results))
-    print(f"\nwrote {RESULTS.relative_to(ROOT)} in {results['meta']['elapsed_s']:.0f} s")
+    print(f"\nwrote {args.out} in {results['meta']['elapsed_s']:.0f} s")
     return 0
 
 

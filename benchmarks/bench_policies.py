@@ -43,7 +43,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ import yaml  # noqa: E402
 from benchmarks import peer_sglang, report  # noqa: E402
 from benchmarks.processes import ManagedProcess, free_port  # noqa: E402
 from benchmarks.procstat import cpu_seconds  # noqa: E402
-from benchmarks.replay import id_prefix, median_of_runs, prepare, replay, summarize  # noqa: E402
+from benchmarks.replay import ReplayResult, id_prefix, median_of_runs, prepare, replay, summarize  # noqa: E402
 from benchmarks.workloads import WORKLOAD_NAMES, Workload, build  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -189,11 +189,18 @@ def gateway_config(replicas: Sequence[tuple[str, str]], variant: Variant, port: 
     }
 
 
-def start_gateway(variant: Variant, replicas: Sequence[tuple[str, str]], workdir: Path) -> GatewayProcess:
+def start_gateway(
+    variant: Variant,
+    replicas: Sequence[tuple[str, str]],
+    workdir: Path,
+    extra_config: dict[str, Any] | None = None,
+) -> GatewayProcess:
+    """Start (not wait for) a gateway; ``extra_config`` adds top-level sections (``state:`` for the fleet bench)."""
     name = variant.name
     port = free_port()
     config = workdir / f"gateway-{name}.yaml"
-    config.write_text(yaml.safe_dump(gateway_config(replicas, variant, port), sort_keys=False))
+    settings = {**gateway_config(replicas, variant, port), **(extra_config or {})}
+    config.write_text(yaml.safe_dump(settings, sort_keys=False))
     log_path = workdir / f"gateway-{name}.log"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -384,12 +391,14 @@ def run_once(
     deadline_s: float,
     via_gateway: bool,
     id_prefixes: dict[str, str] | None = None,
+    replayer: Callable[..., Awaitable[ReplayResult]] = replay,
 ) -> dict[str, Any]:
+    """One replay on emptied caches, summarized; ``replayer`` wraps ``replay`` to act during the run."""
     reset_sims(sims)
     before = sim_states(sims)
     targets = [target] if isinstance(target, str) else list(target)
     result = asyncio.run(
-        replay(
+        replayer(
             wire,
             targets,
             deadline_s=deadline_s,

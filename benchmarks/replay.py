@@ -93,6 +93,7 @@ class Outcome:
     done: float | None = None
     status: int | None = None
     replica: str | None = None
+    sent_to: str | None = None  # the base URL the client sent it to (which gateway, with several)
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     completion_tokens: int | None = None
@@ -214,10 +215,13 @@ async def replay(
     """Send ``requests`` open-loop; stop at ``deadline_s`` seconds after the start.
 
     With one URL (a gateway, or the pooled oracle) everything goes there.  With several URLs
-    (direct mode, no gateway) the client itself round-robins over them and labels each
-    request with the replica it chose.  ``replica_names`` lists every replica so that idle
-    ones still count in the load statistics.  ``id_prefixes`` (response-id prefix -> replica
-    name) attributes responses of a router that sends no replica header.
+    the client round-robins over them (several gateways, as a Service spreads connections; or,
+    in direct mode, the replicas themselves, each request labelled with the replica it chose).
+    Every outcome records the URL it was sent to.  With gateways, ``base_urls`` may be a list
+    the caller extends during the run (a gateway joining): each request goes to the next URL
+    in turn among those listed when it is sent.  ``replica_names`` lists every replica so that
+    idle ones still count in the load statistics.  ``id_prefixes`` (response-id prefix ->
+    replica name) attributes responses of a router that sends no replica header.
     """
     n_urls = len(base_urls)
     names = list(replica_names or ([f"r{i}" for i in range(n_urls)] if n_urls > 1 else ["oracle"]))
@@ -240,8 +244,9 @@ async def replay(
                     await asyncio.sleep(delay)
                 if clock() >= deadline_s:
                     break
-                url = base_urls[i % n_urls]
+                url = base_urls[i % len(base_urls)] if via_gateway else base_urls[i % n_urls]
                 default = None if via_gateway else names[i % n_urls] if n_urls > 1 else names[0]
+                outcomes[i].sent_to = url
                 tasks.append(loop.create_task(_send_one(session, url, req, outcomes[i], clock, default, id_prefixes)))
 
         dispatcher = loop.create_task(dispatch())

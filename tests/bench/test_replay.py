@@ -72,6 +72,30 @@ async def test_replay_measures_ttft_usage_replica_and_cuts_at_the_deadline():
     assert summary.load["requests_per_replica"] == {"rX": 3, "rY": 0}
 
 
+async def test_replay_spreads_over_urls_added_during_the_run_and_records_where_each_went():
+    stall = asyncio.Event()
+    stall.set()
+    (runner_a, a), (runner_b, b) = await _fake_server(stall), await _fake_server(stall)
+    reqs = [BenchRequest(t=i * 0.02, endpoint="completions", body={"prompt": [1] * 8}, max_tokens=2, prompt_tokens=8)
+            for i in range(20)]  # fmt: skip
+    urls = [a]
+
+    async def join() -> None:  # the second gateway answers from the 10th request's time on
+        await asyncio.sleep(0.19)
+        urls.append(b)
+
+    try:
+        result, _ = await asyncio.gather(replay(prepare(reqs, "m", 1.0), urls, deadline_s=5.0), join())
+    finally:
+        await runner_a.cleanup()
+        await runner_b.cleanup()
+    sent_to = [o.sent_to for o in sorted(result.outcomes, key=lambda o: o.sent)]
+    assert all(o.ok for o in result.outcomes)
+    first_b = sent_to.index(b)
+    assert 8 <= first_b <= 12 and set(sent_to[:first_b]) == {a}  # only a before the join
+    assert sent_to[first_b:].count(b) >= (len(sent_to) - first_b) // 2  # then both, in turn
+
+
 def test_load_stats_reconstructs_in_flight_from_intervals():
     outs = [
         Outcome(index=0, scheduled=0, sent=0.0, done=1.0, replica="a"),
