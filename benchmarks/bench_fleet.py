@@ -308,7 +308,8 @@ def join_line(r: dict[str, Any]) -> str:
     landed = j["snapshot_landed_s"]
     snapshot = "no snapshot" if landed is None else f"snapshot +{landed - j['ready_s']:.1f} s"
     text = (
-        f"ready at {j['ready_s']:.1f} s ({snapshot}); window {w['start_s']:.1f}-{w['end_s']:.1f} s{cut}: "
+        f"launched at {j['launched_s']:.1f} s, ready at {j['ready_s']:.1f} s ({snapshot}); "
+        f"window {w['start_s']:.1f}-{w['end_s']:.1f} s{cut}: "
         f"joiner {pct(r['joiner']['hit_rate'])} over {r['joiner']['requests']} requests, "
         f"others {pct(r['others']['hit_rate'])} over {r['others']['requests']}: "
         f"gap {r['gap_points']} ± {r['gap_se_points']} pts"
@@ -415,7 +416,7 @@ def table(results: dict[str, Any]) -> str:
             join = wres["join"]
             lines.append(
                 f"{'':<24}join sample: size {join['size']:g}, {join['requests']} requests over "
-                f"{join['span_s']:.1f} s, the 3rd gateway started at {join['join_at_s']:.1f} s"
+                f"{join['span_s']:.1f} s, the 3rd gateway due at {join['join_at_s']:.1f} s"
             )
             for row, r in join["rows"].items():
                 lines.append(row_line(name, row, r))
