@@ -9,7 +9,9 @@ later (so the newcomer has subscribed).  Every process applies those records lik
 (for the ones that had them already, they only refresh recency).
 
 Bounded: at most ``keys_total`` keys per snapshot, spread over the replicas, and at most
-one snapshot per ``min_interval_s`` (a rollout starting many pods at once gets one).
+one snapshot per ``min_interval_s`` (a rollout starting many pods at once gets one; a pod
+joining within the interval gets the next one at its end, not none; an empty index sends
+nothing and does not count).
 The snapshot keeps each key's "end of a prompt" mark and length (``AffinityIndex`` extents)
 and the recency order; it reads the index's own LRU (no second copy of the state).
 """
@@ -76,22 +78,28 @@ class CatchUp:
         self._scheduled = False
 
     def new_peer(self, pod: str) -> None:
-        """A process this one did not know reported its load: offer it a snapshot, soon."""
-        if self._scheduled or time.monotonic() - self._last < self.min_interval_s:
+        """A process this one did not know reported its load: offer it a snapshot, soon.
+
+        Within ``min_interval_s`` of the last snapshot the send is deferred to the end of the
+        interval, not dropped: pods of a rollout a few seconds apart all get one (a pending
+        send serves every newcomer: snapshots go to the shared channel).
+        """
+        if self._scheduled:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
         self._scheduled = True
-        loop.call_later(self.delay_s, self._send, pod)
+        wait = max(self.delay_s, self._last + self.min_interval_s - time.monotonic())
+        loop.call_later(wait, self._send, pod)
 
     def _send(self, pod: str) -> None:
         self._scheduled = False
-        self._last = time.monotonic()
         records = snapshot_records(self.sync.indexes, self.keys_total)
-        if not records:
+        if not records:  # nothing learned yet (peers meeting at startup): not a snapshot
             return
+        self._last = time.monotonic()
         self.sync.offer(records)
         self.sent += 1
         self.records += len(records)

@@ -88,3 +88,32 @@ async def test_a_process_that_joins_learns_its_peers_recent_affinity(redis_url: 
             await new.stop()
     finally:
         await old.stop()
+
+
+class _Sync:
+    """What CatchUp reads of an AffinitySync: its indexes and its publish queue."""
+
+    def __init__(self, idx: AffinityIndex) -> None:
+        self.indexes = {"chat": idx}
+        self.offered: list[int] = []
+
+    def offer(self, records: list[object]) -> None:
+        self.offered.append(len(records))
+
+
+async def test_a_newcomer_within_the_interval_gets_a_deferred_snapshot_and_empty_ones_do_not_count() -> None:
+    idx = index()
+    sync = _Sync(idx)
+    catch_up = CatchUp(sync, keys_total=1000, min_interval_s=0.5, delay_s=0.01)
+    catch_up.new_peer("a")  # peers meeting at startup: nothing learned, nothing sent
+    await until(lambda: not catch_up._scheduled, what="the empty send")
+    assert sync.offered == [] and catch_up.sent == 0
+    for i, keys in enumerate(chains(6, 4)):
+        idx.record(NAMES[i % 3], keys)
+    catch_up.new_peer("b")  # the empty one did not start the interval: sent at once
+    await until(lambda: catch_up.sent == 1, what="b's snapshot")
+    catch_up.new_peer("c")  # 10 ms later, inside the 0.5 s interval: deferred, not dropped
+    catch_up.new_peer("d")  # joins the pending send
+    assert catch_up._scheduled and catch_up.sent == 1
+    await until(lambda: catch_up.sent == 2, timeout=5.0, what="c's deferred snapshot")
+    assert len(sync.offered) == 2
