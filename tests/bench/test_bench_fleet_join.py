@@ -60,13 +60,14 @@ def test_the_snapshot_lands_when_half_of_the_smallest_one_is_applied() -> None:
 
 
 def test_join_mode_runs_end_to_end(redis_url: str, tmp_path: Path) -> None:
-    # 13 s of arrivals; the 3rd gateway starts 5.5 s after the peers were ready (each sends at
+    # ~14 s of arrivals; the 3rd gateway starts 5.5 s after the peers were ready (each sends at
     # most one snapshot per 5 s, and they sent one to each other when they met)
     out = tmp_path / "fleet.json"
-    argv = ["--mode", "join", "--workload", "mooncake_conversation", "--join-size", "2.0", "--join-at", "0.3"]
+    # agent: built from code, no trace file (a fresh clone has no ../shared/workloads)
+    argv = ["--mode", "join", "--workload", "agent", "--join-size", "2.5", "--join-at", "0.3"]
     assert bench_fleet.main([*argv, "--redis-url", redis_url, "--out", str(out)]) == 0
     results = json.loads(out.read_text())
-    wl = results["workloads"]["mooncake_conversation"]
+    wl = results["workloads"]["agent"]
     assert "rows" not in wl  # join mode only: the 1-vs-3 rows did not run
     for row in bench_fleet.JOIN_ROWS:
         r = wl["join"]["rows"][row]
