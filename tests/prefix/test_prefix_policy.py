@@ -17,18 +17,9 @@ from gateway.prefix.pipeline import PrefixPipeline
 from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.policies.prefix import REASONS, PrefixPolicy, PrefixPolicySettings
 from gateway.routing.ring import load_bounds
-from tests.prefix.policy_helpers import NAMES, chain, policy
+from tests.prefix.policy_helpers import NAMES, chain, policy, req, views
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def req(keys: tuple[int, ...], session: str | None = None, rid: str = "x") -> RequestView:
-    return RequestView(rid, "route", "m", "chat", session, keys, 16, len(keys) * 16 + 3)
-
-
-def views(loads: dict[str, int] | None = None) -> list[ReplicaView]:
-    loads = loads or {}
-    return [ReplicaView(n, in_flight=loads.get(n, 0)) for n in NAMES]
 
 
 class Fleet:

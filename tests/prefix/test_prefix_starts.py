@@ -5,17 +5,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.starts import HeadDemand
-from tests.prefix.policy_helpers import NAMES, chain, policy
-
-
-def req(keys: tuple[int, ...]) -> RequestView:
-    return RequestView("x", "route", "m", "chat", None, keys, 16, len(keys) * 16 + 3)
-
-
-def busy(loads: dict[str, int]) -> list[ReplicaView]:
-    return [ReplicaView(n, in_flight=loads.get(n, 0)) for n in NAMES]
+from tests.prefix.policy_helpers import NAMES, chain, policy, req, views
 
 
 def test_a_head_needs_holders_in_proportion_to_its_share_of_starts() -> None:
@@ -62,13 +53,13 @@ def test_new_conversations_behind_one_busy_head_spread_while_each_stays_home() -
     loads: Counter[str] = Counter()
     first: dict[int, str] = {}
     for i in range(16):
-        d = p.choose(req(head + chain(8, 100 + i)), busy(loads))
+        d = p.choose(req(head + chain(8, 100 + i)), views(loads))
         first[i] = d.replica
         loads[d.replica] += 1  # still in flight
     spread = Counter(first.values())
     assert set(spread) == set(NAMES) and max(spread.values()) <= 6, spread
     for i in range(16):  # turn 2 of each: its own history, home
-        d = p.choose(req(head + chain(8, 100 + i) + chain(12, 200 + i)), busy(loads))
+        d = p.choose(req(head + chain(8, 100 + i) + chain(12, 200 + i)), views(loads))
         assert d.replica == first[i]
 
 
@@ -81,7 +72,7 @@ def test_a_tenant_among_several_keeps_one_holder() -> None:
     placed: dict[int, set[str]] = {t: set() for t in range(4)}
     for i in range(64):
         t = i % 4
-        d = p.choose(req(heads[t] + chain(8, 1000 + i)), busy(loads))
+        d = p.choose(req(heads[t] + chain(8, 1000 + i)), views(loads))
         placed[t].add(d.replica)
         loads[d.replica] += 1
         if i % 3 == 0:  # some finish
@@ -94,7 +85,7 @@ def test_an_idle_holder_keeps_one_at_a_time_requests() -> None:
     head elsewhere while its holder is idle."""
     p = policy()
     head = chain(40, 2)
-    picks = {p.choose(req(head + chain(4, 300 + i)), busy({})).replica for i in range(12)}
+    picks = {p.choose(req(head + chain(4, 300 + i)), views({})).replica for i in range(12)}
     assert len(picks) == 1
 
 
@@ -103,7 +94,7 @@ def test_off_the_holder_takes_them_until_its_load_bound() -> None:
     head = chain(640, 1)
     loads: Counter[str] = Counter()
     for i in range(16):
-        loads[p.choose(req(head + chain(8, 100 + i)), busy(loads)).replica] += 1
+        loads[p.choose(req(head + chain(8, 100 + i)), views(loads)).replica] += 1
     assert max(loads.values()) >= 8  # piled on the head's holder
 
 
@@ -113,7 +104,7 @@ def test_a_failed_start_is_taken_back() -> None:
     p.index.record("r1", head + chain(4, 1))
     p.index.record("r1", head + chain(4, 2))  # the head is a fork: a request behind it starts
     request = req(head + chain(4, 3))
-    d = p.choose(request, busy({}))
+    d = p.choose(request, views({}))
     assert d.detail["started"] and math.isclose(p.demand.recent_starts(), 1.0)
     p.forget_attempt(request, d)
     assert p.demand.recent_starts() == 0
