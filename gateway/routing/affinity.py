@@ -367,16 +367,6 @@ class AffinityIndex:
         """
         return key in self._forks
 
-    def ends_at(self, name: str, key: int) -> bool:
-        """Whether some request ``name`` served ended (its deepest key) at ``key``.
-
-        A request whose best match is such a key continues an earlier prompt (a
-        conversation's history); one that matches only keys inside other prompts shares a
-        prefix with them (a tenant's system prompt), which may be served from anywhere.
-        """
-        lru = self._lru.get(name)
-        return lru is not None and lru.get(key) is not None
-
     # -- introspection -----------------------------------------------------------------
     def __len__(self) -> int:
         """Distinct keys indexed."""

@@ -310,9 +310,11 @@ class PrefixPolicy:
         # A new conversation behind a shared head (its deepest match is a fork) stays where it
         # starts: the head gets as many holders as its share of recent starts needs (see
         # gateway.routing.starts); while it has fewer and every holder is busy, start elsewhere.
+        # the deepest match is a prefix other prompts went on from differently (a shared head)
+        forked = bool(best_any) and self.index.is_fork(keys[best_any - 1])
         factor = settings.head_load_factor
         start: int | None = None  # the shared head behind a new conversation
-        if factor is not None and home is None and best_any and self.index.is_fork(keys[best_any - 1]):
+        if factor is not None and home is None and forked:
             start = keys[best_any - 1]
             holders = [group for group in groups if group.depth == best_any]
             prior = settings.head_min_starts or 2 * load.n
@@ -344,7 +346,7 @@ class PrefixPolicy:
             # bound).  Stay: the bound, not a score, guards against hot spots.
             branch = "home"
             pick = home
-        elif has_match and shared_slack is not None and self.index.is_fork(keys[best_any - 1]):
+        elif has_match and shared_slack is not None and forked:
             branch = "shared"
             pick = self._place_shared(request, fleet, under, others, tie_key, shared_slack)
         elif has_match:
