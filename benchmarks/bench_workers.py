@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import peer_sglang  # noqa: E402
 from benchmarks.bench_proxy import SMALL_CHAT, closed_loop, ms, pct, phase_added_latency, run_async  # noqa: E402
+from benchmarks.processes import stop_process  # noqa: E402
 from gateway.sim import DEFAULT_MODEL  # noqa: E402
 from gateway.sim.launcher import run_replicas  # noqa: E402
 
@@ -83,11 +84,7 @@ def gateway_workers(replica_url: str, workers: int, workdir: Path) -> Iterator[s
             time.sleep(0.05)
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, signal.SIGTERM, 20)
         log.close()
 
 

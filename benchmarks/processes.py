@@ -32,6 +32,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 10) -> None:
+    """``sig``, then SIGKILL after ``timeout`` s: a benchmark never leaves a server behind."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @dataclass
 class ManagedProcess:
     """A started server: where it answers, its process and its log file."""
@@ -42,14 +53,8 @@ class ManagedProcess:
     log_path: Path
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 10 s: a benchmark never leaves a server behind."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        """SIGTERM, then SIGKILL after 10 s."""
+        stop_process(self.process)
 
 
 def stop_all(procs: Sequence[ManagedProcess]) -> None:
@@ -97,13 +102,7 @@ def serve_gateway(config: dict[str, Any], log_path: Path) -> Iterator[tuple[str,
                 time.sleep(0.05)
             yield url, proc
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_process(proc, signal.SIGINT, 15)
 
 
 def _answers(url: str) -> bool:
