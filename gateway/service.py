@@ -57,6 +57,8 @@ from gateway.upstream.client import ClientFactory
 
 log = logging.getLogger("prefix_gateway")
 
+STOP_TIMEOUT_S = 10.0  # how long shutdown waits for background tasks and connections to close
+
 ENDPOINT_PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -224,6 +226,15 @@ class Gateway:
                 log.warning("could not preload the tokenizer of route %s", route.name, exc_info=True)
 
     async def stop(self) -> None:
+        """Stop the background work, bounded: a part that hangs (a peer that never answers a
+        close) is logged and left behind instead of keeping the process from exiting."""
+        try:
+            async with asyncio.timeout(STOP_TIMEOUT_S):
+                await self._stop_parts()
+        except TimeoutError:
+            log.error("gateway shutdown: background parts still stopping after %.0f s; exiting anyway", STOP_TIMEOUT_S)
+
+    async def _stop_parts(self) -> None:
         if self._context_task is not None:
             await cancel_and_wait(self._context_task)
             self._context_task = None

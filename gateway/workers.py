@@ -10,7 +10,9 @@ only supervises:
   (``gateway.state``): through the configured Redis when ``state.backend: redis``, else through
   a small broker the parent runs on a unix socket (``gateway.state.local_broker``);
 - SIGTERM/SIGINT are forwarded (each worker drains, see ``gateway.drain``) and SIGHUP too (each
-  reloads the file); a worker that dies is started again.
+  reloads the file); a worker that dies is started again;
+- shutdown is bounded: a worker still running well past its own drain and shutdown timeouts is
+  killed (and the exit code says so), so a pod never hangs in Terminating on one stuck process.
 
 Per-key limits (``limits:``) count per worker unless a real Redis is configured.
 """
@@ -32,12 +34,14 @@ from typing import Any
 from gateway.config import GatewayConfig, parse_config
 from gateway.observe.logs import configure_logging
 from gateway.server import bind_socket
+from gateway.service import STOP_TIMEOUT_S
 from gateway.state.local_broker import LocalBroker
 
 log = logging.getLogger("prefix_gateway.workers")
 
 BROKER_URL_ENV = "PREFIX_GATEWAY_WORKERS_REDIS_URL"
 RESTART_DELAY_S = 1.0
+KILL_MARGIN_S = 5.0  # past a worker's own drain + shutdown bounds before it is killed
 
 
 def worker_config(config: GatewayConfig, port: int, broker_url: str | None, channel: str) -> dict[str, Any]:
@@ -57,6 +61,9 @@ class Supervisor:
         self.config_path = config_path
         self.children: dict[int, asyncio.subprocess.Process] = {}
         self.stopping = False
+        self.killed = 0  # workers that had to be killed on shutdown
+        self._stop_signal = signal.SIGTERM
+        self._keepers: asyncio.Future[list[None]] | None = None
 
     async def run(self) -> int:
         host = self.config.server.host
@@ -85,43 +92,85 @@ class Supervisor:
             port,
             "the local broker" if broker else "Redis",
         )
+        self._keepers = asyncio.gather(*(self._keep_running(i, config_file) for i in range(self.n)))
         try:
-            await asyncio.gather(*(self._keep_running(i, config_file) for i in range(self.n)))
+            await self._keepers
+        except asyncio.CancelledError:  # _give_up: an exit that was never reported
+            self.killed = max(self.killed, 1)
         finally:
             if broker is not None:
-                await broker.stop()
+                try:
+                    await asyncio.wait_for(broker.stop(), KILL_MARGIN_S)
+                except TimeoutError:
+                    log.error("the local broker did not close within %.0f s", KILL_MARGIN_S)
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
             anchor.close()
             workdir.cleanup()
-        return 0
+        return 1 if self.killed else 0
+
+    def worker_command(self, config_file: Path) -> list[str]:
+        cmd = [sys.executable, "-m", "gateway.workers", "--worker", str(config_file)]
+        return [*cmd, "--reload-from", self.config_path] if self.config_path else cmd
 
     async def _keep_running(self, index: int, config_file: Path) -> None:
-        cmd = [sys.executable, "-m", "gateway.workers", "--worker", str(config_file)]
-        if self.config_path:
-            cmd += ["--reload-from", self.config_path]
+        cmd = self.worker_command(config_file)
         while not self.stopping:
             env = {**os.environ}
             env.pop(BROKER_URL_ENV, None)
             process = await asyncio.create_subprocess_exec(*cmd, env=env)
             self.children[index] = process
+            if self.stopping:  # the stop signal came while this one was being started
+                self._signal(process, self._stop_signal)
             code = await process.wait()
             if self.stopping:
                 return
             log.error("worker %d exited with %s; starting it again in %.0f s", index, code, RESTART_DELAY_S)
             await asyncio.sleep(RESTART_DELAY_S)
 
+    @staticmethod
+    def _signal(process: asyncio.subprocess.Process, sig: int) -> None:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(sig)
+
     def _forward(self, sig: int) -> None:
         for process in self.children.values():
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    process.send_signal(sig)
+            self._signal(process, sig)
 
     def _stop(self, sig: int) -> None:
         """Workers drain on SIGTERM (a second signal, or SIGINT, stops them at once)."""
         if self.stopping and sig == signal.SIGINT:
             self._forward(signal.SIGINT)
             return
+        first = not self.stopping
         self.stopping = True
-        self._forward(signal.SIGTERM if sig == signal.SIGTERM else signal.SIGINT)
+        self._stop_signal = signal.SIGTERM if sig == signal.SIGTERM else signal.SIGINT
+        self._forward(self._stop_signal)
+        if first:
+            server = self.config.server
+            bound = server.drain_grace_s + server.timeout_graceful_shutdown_s + STOP_TIMEOUT_S + KILL_MARGIN_S
+            asyncio.get_running_loop().call_later(bound, self._kill_stragglers, bound)
+
+    def _kill_stragglers(self, waited_s: float) -> None:
+        for index, process in self.children.items():
+            if process.returncode is None:
+                log.error(
+                    "worker %d (pid %d) still running %.0f s after the stop signal; killing it",
+                    index,
+                    process.pid,
+                    waited_s,
+                )
+                self.killed += 1
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+        asyncio.get_running_loop().call_later(KILL_MARGIN_S, self._give_up)
+
+    def _give_up(self) -> None:
+        """The last resort: a worker's exit the event loop never reported ends the wait anyway."""
+        if self._keepers is not None and not self._keepers.done():
+            log.error("worker exits not reported %.0f s after killing them; exiting", KILL_MARGIN_S)
+            self._keepers.cancel()
 
 
 def serve_workers(config: GatewayConfig, workers: int, config_path: str | None = None) -> int:

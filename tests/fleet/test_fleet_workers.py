@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -9,9 +10,12 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 import yaml
 
+from gateway import workers
+from gateway.config import parse_config
 from gateway.sim.launcher import ReplicaGroup
 from gateway.state.local_broker import LocalBroker
 from tests.fleet.fleet_helpers import MODEL, shared_free_port
@@ -50,7 +54,8 @@ def test_two_workers_on_one_port_share_affinity(tmp_path: Path) -> None:
     with ReplicaGroup(2, log_dir=tmp_path / "sims", time_scale=0, disable_uvicorn_access_log=True).start() as sims:
         port = shared_free_port(["127.0.0.1"])
         config = {
-            "server": {"port": port, "drain_grace_s": 0.2},
+            # short shutdown bounds: a worker stuck in shutdown is killed well within the wait below
+            "server": {"port": port, "drain_grace_s": 0.2, "timeout_graceful_shutdown_s": 2},
             "logging": {"summary_interval_s": 0},
             "replicas": [{"name": f"r{i}", "url": url} for i, url in enumerate(sims.urls)],
             "routes": [{"name": "main", "policy": "prefix"}],
@@ -112,6 +117,34 @@ def test_two_workers_on_one_port_share_affinity(tmp_path: Path) -> None:
             assert all(d["replica"] == home for d in answered)
         finally:
             process.send_signal(signal.SIGTERM)
-            _, err = process.communicate(timeout=30)
+            _, err = process.communicate(timeout=60)
+        assert "killing it" not in err.decode(), err.decode()[-3000:]
         assert process.returncode == 0
         assert "2 workers on http://127.0.0.1:" in err.decode()
+
+
+async def test_a_worker_stuck_in_shutdown_is_killed_and_the_exit_code_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod must not hang in Terminating on one worker that never finishes its shutdown."""
+    monkeypatch.setattr(workers, "STOP_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(workers, "KILL_MARGIN_S", 0.5)
+    config = parse_config(
+        {
+            "server": {"port": 0, "drain_grace_s": 0, "timeout_graceful_shutdown_s": 0},
+            "replicas": [{"name": "r0", "url": "http://127.0.0.1:9"}],
+        },
+        "<test>",
+    )
+    supervisor = workers.Supervisor(config, 2, None)
+    ready = tmp_path / "ready"
+    stuck = "import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    stuck += f"pathlib.Path({str(ready)!r}).with_suffix('.' + sys.argv[1]).touch(); time.sleep(120)"
+    commands = iter(["a", "b"])
+    monkeypatch.setattr(supervisor, "worker_command", lambda _: [sys.executable, "-c", stuck, next(commands)])
+    running = asyncio.ensure_future(supervisor.run())
+    await until(lambda: ready.with_suffix(".a").exists() and ready.with_suffix(".b").exists(), timeout=20)
+    supervisor._stop(signal.SIGTERM)
+    code = await asyncio.wait_for(running, timeout=20)
+    assert code == 1 and supervisor.killed == 2
+    assert all(process.returncode == -signal.SIGKILL for process in supervisor.children.values())
