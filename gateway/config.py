@@ -313,6 +313,13 @@ class StateSettings(_Strict):
         description="when a new gateway process appears (its first load report), send it this many of the most "
         "recent affinity keys so it does not start blind (needs share_load; 0 = off)",
     )
+    catch_up_ready_wait_s: float = Field(
+        8.0,
+        ge=0.0,
+        le=300.0,
+        description="a gateway process that starts answers /ready with 503 until its peers' catch-up snapshot "
+        "has landed, at most this long (0 = ready at once); one that hears no peer within 1.5 s is ready then",
+    )
 
     secret_env: str = Field(
         "PREFIX_GATEWAY_STATE_SECRET",

@@ -187,7 +187,7 @@ class Gateway:
             signer=Signer(secret) if (secret := state.resolved_secret(env)) else None,
         )
         if peer_load is not None and state.catch_up_keys:
-            self.catch_up = CatchUp(sync, state.catch_up_keys)
+            self.catch_up = CatchUp(sync, state.catch_up_keys, ready_wait_s=state.catch_up_ready_wait_s)
             peer_load.on_new_peer = self.catch_up.new_peer
         return sync
 
@@ -208,6 +208,8 @@ class Gateway:
             await self.reloader.start()
         if self.state_sync is not None:
             await self.state_sync.start()
+            if self.catch_up is not None:
+                self.catch_up.start(time.monotonic())
         await self.limiter.start()
         if self.context is not None:
             await self._learn_context()  # before serving: the first requests are checked too
@@ -333,12 +335,16 @@ class Gateway:
 
     # -- read-only views ---------------------------------------------------------------
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Ready when every route has at least one healthy replica, and not draining (SIGTERM)."""
+        """Ready when every route has at least one healthy replica, not draining (SIGTERM), and,
+        sharing state, once caught up with the peers' affinity (``gateway.state.catchup``)."""
         routes = {r.name: r.runner.healthy_count() for r in self.routes.routes}
         detail: dict[str, Any] = {"routes": {k: {"healthy_replicas": v} for k, v in routes.items()}}
         if self.draining:
             return False, {"draining": True, **detail}
-        return all(routes.values()), detail
+        caught_up = True
+        if self.catch_up is not None:
+            caught_up, detail["catch_up"] = self.catch_up.readiness(time.monotonic())
+        return all(routes.values()) and caught_up, detail
 
     async def models(self) -> list[dict[str, Any]]:
         """Union of the models healthy replicas serve, restricted to what some route accepts."""

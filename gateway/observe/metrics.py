@@ -324,11 +324,16 @@ class SyncCollector(Collector):
         rejected.add_metric([], stats.rejected)
         peers = GaugeMetricFamily(p + "peers", "Other gateway processes whose load reports are current")
         peers.add_metric([], stats.peers)
+        snapshots = CounterMetricFamily(
+            p + "snapshots_heard", "Catch-up snapshots peers finished sending (to a gateway process that joined)"
+        )
+        snapshots.add_metric([], stats.snapshots_heard)
         yield connected
         yield records
         yield errors
         yield rejected
         yield peers
+        yield snapshots
 
 
 class MembershipCollector(Collector):

@@ -12,14 +12,17 @@ miss, never a wrong answer).  A record is queued in memory (bounded; the oldest 
 first), published in small batches every ``batch_interval_ms``, and applied by peers within
 milliseconds.  While Redis is unreachable the gateway keeps routing on its own index,
 retries with backoff, and says so once in the log and in ``prefix_gateway_state_sync_*``
-metrics.  A pod that starts later learns from new traffic only (no snapshot): within one
-conversation turn its records are as good as everyone's.
+metrics.  A pod that starts later gets a snapshot of its peers' recent records
+(:mod:`gateway.state.catchup`) and, until it has, answers ``/ready`` with 503.
 
 Wire format (one pub/sub message per batch, JSON)::
 
     {"v": 1, "pod": "<id>", "records": [[route, replica, prompt_tokens or 0, "<keys>"], ...]}
 
 where ``<keys>`` is the base64 of the stored block keys as little-endian u64, deepest first.
+The last message of a catch-up snapshot (:mod:`gateway.state.catchup`) also carries
+``"catch_up_end": true`` (with no records when the sender had none): a process that has just
+joined is ready once it hears one (``CatchUp.readiness``).
 The channel ``<channel>:load`` carries each process's load reports
 (:mod:`gateway.state.peer_load`),
 ``{"v": 1, "pod": "<id>", "load": {"<replica>": [in_flight, queued_prefill_tokens], ...}}``,
@@ -80,18 +83,22 @@ class SyncStats:
     errors: int = 0  # failed Redis calls and malformed messages
     rejected: int = 0  # messages dropped for a missing, wrong or stale signature (state.secret_env)
     peers: int = 0  # other gateway processes whose load reports are current
+    snapshots_heard: int = 0  # catch-up snapshots that ended (a peer's answer to a newcomer)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
-def encode(pod: str, records: Sequence[Record]) -> bytes:
+def encode(pod: str, records: Sequence[Record], *, catch_up_end: bool = False) -> bytes:
     """One batch as a pub/sub payload (see the module docstring)."""
     rows = [
         [route, replica, prompt_tokens or 0, base64.b64encode(struct.pack(f"<{len(keys)}Q", *keys)).decode()]
         for route, replica, keys, prompt_tokens in records
     ]
-    return json.dumps({"v": WIRE_VERSION, "pod": pod, "records": rows}, separators=(",", ":")).encode()
+    message: dict[str, Any] = {"v": WIRE_VERSION, "pod": pod, "records": rows}
+    if catch_up_end:
+        message["catch_up_end"] = True
+    return json.dumps(message, separators=(",", ":")).encode()
 
 
 def encode_load(pod: str, report: Report) -> bytes:
@@ -165,7 +172,7 @@ class AffinitySync:
         self.pod_id = pod_id or uuid.uuid4().hex[:16]
         self.stats = SyncStats()
         self._indexes = dict(indexes)
-        self._pending: deque[Record] = deque()
+        self._pending: deque[Record | None] = deque()  # None: the end of a catch-up snapshot
         self._max_pending = max_pending
         self._interval = batch_interval_s
         self._wake = asyncio.Event()
@@ -176,6 +183,8 @@ class AffinitySync:
         self._load_interval = load_interval_s
         self.signer = signer
         self._rejected_warned = False
+        self.subscribed_at: float | None = None  # monotonic time of the first subscription
+        self._subscribed = asyncio.Event()
         self._attach()
 
     def _attach(self) -> None:
@@ -195,9 +204,15 @@ class AffinitySync:
         return self._indexes
 
     def offer(self, records: Sequence[Record]) -> None:
-        """Queue records that are not new placements (a catch-up snapshot, ``gateway.state.catchup``)."""
+        """Queue a catch-up snapshot (``gateway.state.catchup``): records that are not new placements,
+        then its end, which tells a newcomer it may serve (even with no records: nothing to learn)."""
         for route, replica, keys, prompt_tokens in records:
             self._enqueue(route, replica, keys, prompt_tokens)
+        if len(self._pending) >= self._max_pending:
+            self._pending.popleft()
+            self.stats.dropped += 1
+        self._pending.append(None)
+        self._wake.set()
 
     # -- the request path: O(1), never waits ----------------------------------------------
     def _enqueue(self, route: str, replica: str, stored: list[int], prompt_tokens: int | None) -> None:
@@ -235,6 +250,8 @@ class AffinitySync:
                     self.peer_load.apply(pod, parse_load(message["load"]), time.monotonic())
                 return 0
             records = decode_records(message)
+            if message.get("catch_up_end") is True:
+                self.stats.snapshots_heard += 1
         except Exception as exc:  # ValueError, or anything a hostile payload finds
             self.stats.errors += 1
             log.warning("affinity sync: skipped a malformed message on %s: %s", self.channel, exc)
@@ -294,6 +311,9 @@ class AffinitySync:
             try:
                 await pubsub.subscribe(self.channel, self.load_channel)
                 self._set_connected(True)
+                if self.subscribed_at is None:
+                    self.subscribed_at = time.monotonic()
+                self._subscribed.set()
                 backoff = _BACKOFF_START_S
                 loop = asyncio.get_running_loop()
                 heard = loop.time()
@@ -328,9 +348,10 @@ class AffinitySync:
             self._wake.clear()
             await asyncio.sleep(self._interval)  # let a burst of placements share one message
             while self._pending:
-                batch = [self._pending.popleft() for _ in range(min(len(self._pending), MAX_RECORDS_PER_MESSAGE))]
+                batch, ends_snapshot = self._next_batch()
                 try:
-                    await self._redis.publish(self.channel, self._seal(encode(self.pod_id, batch)))
+                    payload = encode(self.pod_id, batch, catch_up_end=ends_snapshot)
+                    await self._redis.publish(self.channel, self._seal(payload))
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
@@ -348,13 +369,26 @@ class AffinitySync:
                 self._publish_failing = False
                 backoff = _BACKOFF_START_S
 
+    def _next_batch(self) -> tuple[list[Record], bool]:
+        """Up to ``MAX_RECORDS_PER_MESSAGE`` pending records, stopping after a snapshot's end."""
+        batch: list[Record] = []
+        while self._pending and len(batch) < MAX_RECORDS_PER_MESSAGE:
+            record = self._pending.popleft()
+            if record is None:
+                return batch, True
+            batch.append(record)
+        return batch, False
+
     async def _load_loop(self) -> None:
         """Publish this process's per-replica load every interval (when it changed, or each second).
 
         Also where stale peer reports expire, so nothing in the body may block for long (the
-        publish is bounded by one second) or end the loop (a failure is logged once).
+        publish is bounded by one second) or end the loop (a failure is logged once).  The first
+        report waits for the subscription: it is what makes peers send their catch-up snapshot,
+        which this process must be listening for.
         """
         assert self.peer_load is not None
+        await self._subscribed.wait()
         last: Report | None = None
         sent_at = 0.0
         failing = False

@@ -3,15 +3,20 @@
 Shared affinity (``gateway.state.affinity_sync``) only carries *new* records, so a pod that
 starts (a scale-up, a rollout, a restart) would route blind until traffic taught it, and
 send conversations away from the replicas that hold their history.  Instead, when a peer
-hears a process it does not know yet (its first load report: ``state.share_load``), it
-re-publishes the most recent part of its affinity indexes on the shared channel, a second
-later (so the newcomer has subscribed).  Every process applies those records like any other
-(for the ones that had them already, they only refresh recency).
+hears a process it does not know yet (its first load report: ``state.share_load``, sent only
+once that process has subscribed), it re-publishes the most recent part of its affinity
+indexes on the shared channel, then an end mark.  Every process applies those records like any
+other (for the ones that had them already, they only refresh recency).
+
+The newcomer answers ``/ready`` with 503 until it has heard a snapshot end (``readiness``): a
+Service then sends it traffic only once it routes like its peers.  It does not wait when it
+is alone (no peer's load report within ``ALONE_S`` of subscribing), and never longer than
+``ready_wait_s`` (Redis away, or peers of an older version that send no end mark).
 
 Bounded: at most ``keys_total`` keys per snapshot, spread over the replicas, and at most
 one snapshot per ``min_interval_s`` (a rollout starting many pods at once gets one; a pod
 joining within the interval gets the next one at its end, not none; an empty index sends
-nothing and does not count).
+only its end mark and does not count).
 The snapshot keeps each key's "end of a prompt" mark and length (``AffinityIndex`` extents)
 and the recency order; it reads the index's own LRU (no second copy of the state).
 """
@@ -64,18 +69,61 @@ def snapshot_records(indexes: Mapping[str, AffinityIndex], keys_total: int) -> l
     return records
 
 
-class CatchUp:
-    """Sends a snapshot to the shared channel when a new peer appears (see the module docstring)."""
+# Peers publish their load at least every second (``affinity_sync._LOAD_HEARTBEAT_S``): a process
+# that has heard none this long after subscribing is alone and has nobody to wait for.
+ALONE_S = 1.5
 
-    def __init__(self, sync: Any, keys_total: int = 16_384, min_interval_s: float = 5.0, delay_s: float = 1.0) -> None:
-        self.sync = sync  # an AffinitySync: its indexes and its publish queue
+
+class CatchUp:
+    """Sends a snapshot to the shared channel when a new peer appears, and says when this process,
+    itself new, has had one (see the module docstring)."""
+
+    def __init__(
+        self,
+        sync: Any,
+        keys_total: int = 16_384,
+        min_interval_s: float = 5.0,
+        delay_s: float = 0.2,
+        ready_wait_s: float = 8.0,
+    ) -> None:
+        self.sync = sync  # an AffinitySync: its indexes, its publish queue, its subscription and stats
         self.keys_total = keys_total
         self.min_interval_s = min_interval_s
-        self.delay_s = delay_s
+        self.delay_s = delay_s  # a short pause lets a rollout's pods appearing together share one send
+        self.ready_wait_s = ready_wait_s
         self.sent = 0  # snapshots sent
         self.records = 0  # records in them
         self._last = float("-inf")
         self._scheduled = False
+        self._started_at: float | None = None
+        self._done: str | None = None  # why this process no longer waits (once decided, for good)
+
+    def start(self, now: float) -> None:
+        """The process starts sharing state: the wait for a snapshot is counted from here."""
+        self._started_at = now
+
+    def readiness(self, now: float) -> tuple[bool, str]:
+        """``(ready, why)`` for ``/ready``: has this process caught up with its peers (or need not)?"""
+        if self._done is not None:
+            return True, self._done
+        if self._started_at is None or self.ready_wait_s <= 0:
+            return True, "not waiting"
+        subscribed = self.sync.subscribed_at
+        if self.sync.stats.snapshots_heard:
+            self._done = "snapshot received"
+        elif subscribed is not None and not self.sync.stats.peers and now - subscribed >= ALONE_S:
+            self._done = "no peers"
+        elif now - self._started_at >= self.ready_wait_s:
+            self._done = "gave up waiting"
+            log.warning(
+                "affinity sync: no catch-up snapshot within %.0f s (%s); serving on what this process knows",
+                self.ready_wait_s,
+                "Redis not reached" if subscribed is None else f"{self.sync.stats.peers} peers",
+            )
+        else:
+            return False, "waiting for the peers' catch-up snapshot"
+        log.info("affinity sync: ready (%s)", self._done)
+        return True, self._done
 
     def new_peer(self, pod: str) -> None:
         """A process this one did not know reported its load: offer it a snapshot, soon.
@@ -97,10 +145,10 @@ class CatchUp:
     def _send(self, pod: str) -> None:
         self._scheduled = False
         records = snapshot_records(self.sync.indexes, self.keys_total)
-        if not records:  # nothing learned yet (peers meeting at startup): not a snapshot
+        self.sync.offer(records)  # empty, it is only the end mark: the newcomer has nothing to wait for
+        if not records:  # nothing learned yet (peers meeting at startup): does not count
             return
         self._last = time.monotonic()
-        self.sync.offer(records)
         self.sent += 1
         self.records += len(records)
         log.info("affinity sync: new peer %s; sent a snapshot of %d records", pod, len(records))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import httpx
 import pytest
 from e2e_helpers import ADMIN_KEY, MODEL, admin, ask, client, gateway, metric_sum, wait_for
 
@@ -61,6 +62,30 @@ def test_a_conversation_keeps_its_replica_across_gateways(
         assert metric_sum(text, "prefix_gateway_state_sync_connected") == 1
         assert metric_sum(text, "prefix_gateway_state_sync_records_total", outcome="applied") >= 1
         assert state["backend"] == "redis" and state["channel"] == channel and state["applied"] >= 1
+
+
+def test_a_gateway_that_joins_is_ready_only_once_it_routes_like_its_peer(
+    fleet: ReplicaGroup, monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    """Scale-up: B starts after A served a conversation; once B's /ready answers 200 it already
+    knows where that conversation's history is (A's catch-up snapshot), before any traffic."""
+    monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
+    channel = f"test-e2e-join-{uuid.uuid4().hex}"
+    with gateway(fleet.urls, state=shared(channel, redis_url)) as gw_a:
+        with httpx.Client(base_url=gw_a.url, timeout=5) as http:  # alone: ready without waiting long
+            wait_for(lambda: http.get("/ready").status_code == 200, what="A ready")
+            assert http.get("/ready").json()["catch_up"] == "no peers"
+        messages = [SYSTEM, {"role": "user", "content": "Can I bring my bicycle on the train?"}]
+        first = ask(client(gw_a), messages)
+        messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "A folding one?"}]
+        with gateway(fleet.urls, state=shared(channel, redis_url)) as gw_b, httpx.Client(base_url=gw_b.url) as http:
+            wait_for(lambda: http.get("/ready").status_code == 200, what="B ready")
+            assert http.get("/ready").json()["catch_up"] == "snapshot received"
+            plan = explain(gw_b, messages)
+            assert plan["replica"] == first.replica and plan["reason"] == "affinity"
+            with admin(gw_b) as admin_http:
+                state = admin_http.get("/admin/stats").json()["state"]
+            assert state["snapshots_heard"] >= 1 and state["applied"] >= 1
 
 
 def test_without_shared_state_the_other_gateway_does_not_know(

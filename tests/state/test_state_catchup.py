@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+import time
 import uuid
 
 from gateway.config import HealthSettings, ReplicaConfig
 from gateway.replicas.pool import Replica
 from gateway.routing.affinity import AffinityIndex
-from gateway.state.affinity_sync import AffinitySync
-from gateway.state.catchup import CatchUp, snapshot_records
+from gateway.state.affinity_sync import AffinitySync, SyncStats
+from gateway.state.catchup import ALONE_S, CatchUp, snapshot_records
 from gateway.state.peer_load import PeerLoad
 from tests.polling import until
 
@@ -63,7 +64,7 @@ def fleet() -> dict[str, Replica]:
 def process(redis_url: str, channel: str, idx: AffinityIndex) -> tuple[AffinitySync, CatchUp]:
     load = PeerLoad(fleet(), ttl_s=2.0)
     sync = AffinitySync(redis_url, channel, {"chat": idx}, batch_interval_s=0.001, peer_load=load, load_interval_s=0.05)
-    catch_up = CatchUp(sync, keys_total=10_000, min_interval_s=0.0, delay_s=0.2)
+    catch_up = CatchUp(sync, keys_total=10_000, min_interval_s=0.0, delay_s=0.2, ready_wait_s=30)
     load.on_new_peer = catch_up.new_peer
     return sync, catch_up
 
@@ -78,11 +79,15 @@ async def test_a_process_that_joins_learns_its_peers_recent_affinity(redis_url: 
         for i, keys in enumerate(convs):
             old_index.record(NAMES[i % 3], keys, prompt_tokens=500)
         await until(lambda: old.stats.published == 20, what="records published to nobody")
-        new, _ = process(redis_url, channel, new_index)  # starts after every record was made
+        new, new_catch_up = process(redis_url, channel, new_index)  # starts after every record was made
         await new.start()
+        new_catch_up.start(time.monotonic())
         try:
             await until(lambda: old_catch_up.sent == 1, what="the old process answering the newcomer")
-            await until(lambda: all(new_index.match(k, NAMES) == old_index.match(k, NAMES) for k in convs))
+            # ready once the snapshot has ended, and by then it knows everything the old one does
+            await until(lambda: new_catch_up.readiness(time.monotonic())[0], what="the newcomer ready")
+            assert new_catch_up.readiness(time.monotonic()) == (True, "snapshot received")
+            assert all(new_index.match(k, NAMES) == old_index.match(k, NAMES) for k in convs)
             assert new_index.match(convs[4], NAMES)[NAMES[4 % 3]] == len(convs[4])  # its whole conversation
         finally:
             await new.stop()
@@ -105,9 +110,9 @@ async def test_a_newcomer_within_the_interval_gets_a_deferred_snapshot_and_empty
     idx = index()
     sync = _Sync(idx)
     catch_up = CatchUp(sync, keys_total=1000, min_interval_s=0.5, delay_s=0.01)
-    catch_up.new_peer("a")  # peers meeting at startup: nothing learned, nothing sent
+    catch_up.new_peer("a")  # peers meeting at startup: nothing learned, only the end mark sent
     await until(lambda: not catch_up._scheduled, what="the empty send")
-    assert sync.offered == [] and catch_up.sent == 0
+    assert sync.offered == [0] and catch_up.sent == 0
     for i, keys in enumerate(chains(6, 4)):
         idx.record(NAMES[i % 3], keys)
     catch_up.new_peer("b")  # the empty one did not start the interval: sent at once
@@ -116,4 +121,41 @@ async def test_a_newcomer_within_the_interval_gets_a_deferred_snapshot_and_empty
     catch_up.new_peer("d")  # joins the pending send
     assert catch_up._scheduled and catch_up.sent == 1
     await until(lambda: catch_up.sent == 2, timeout=5.0, what="c's deferred snapshot")
-    assert len(sync.offered) == 2
+    assert len(sync.offered) == 3
+
+
+class _Heard:
+    """What ``CatchUp.readiness`` reads of an AffinitySync: when it subscribed, peers and snapshots heard."""
+
+    def __init__(self) -> None:
+        self.subscribed_at: float | None = None
+        self.stats = SyncStats()
+
+
+def test_a_newcomer_is_ready_once_a_snapshot_ends_or_when_alone_or_after_the_cap() -> None:
+    def fresh(wait: float = 8.0) -> tuple[_Heard, CatchUp]:
+        heard = _Heard()
+        catch_up = CatchUp(heard, ready_wait_s=wait)
+        catch_up.start(100.0)
+        return heard, catch_up
+
+    heard, catch_up = fresh()
+    assert catch_up.readiness(101.0) == (False, "waiting for the peers' catch-up snapshot")  # Redis not yet
+    heard.subscribed_at, heard.stats.peers = 100.2, 2
+    assert not catch_up.readiness(100.2 + ALONE_S + 1)[0]  # peers are there: wait for their snapshot
+    heard.stats.snapshots_heard = 1
+    assert catch_up.readiness(103.0) == (True, "snapshot received")
+    heard.stats.snapshots_heard = 0
+    assert catch_up.readiness(104.0)[0]  # decided for good: a later drop of peers changes nothing
+
+    heard, catch_up = fresh()
+    heard.subscribed_at = 100.1
+    assert not catch_up.readiness(100.1 + ALONE_S / 2)[0]  # peers report every second: not yet alone
+    assert catch_up.readiness(100.1 + ALONE_S) == (True, "no peers")
+
+    heard, catch_up = fresh(wait=5.0)
+    assert not catch_up.readiness(104.9)[0]  # Redis unreachable: not ready ...
+    assert catch_up.readiness(105.0) == (True, "gave up waiting")  # ... but never longer than the cap
+
+    assert CatchUp(_Heard(), ready_wait_s=0).readiness(0.0) == (True, "not waiting")
+    assert CatchUp(_Heard()).readiness(0.0) == (True, "not waiting")  # not started: not a joining process
