@@ -2,9 +2,10 @@
 
 ``bench_fleet.py``'s join rows: the replay runs on 2 gateways; ``Joiner`` starts a 3rd one
 during it and, once its ``/ready`` answers, appends its URL to the list the replayer spreads
-requests over (``replay`` reads that list at each send).  Meanwhile it samples the joiner's
-``/admin/stats`` counter of peer records applied, which shows when the peers' catch-up
-snapshot landed (a burst of records, against a trickle of live ones).
+requests over (``replay`` reads that list at each send).  From its start it samples the
+joiner's ``/admin/stats`` counter of peer records applied, which shows when the peers' catch-up
+snapshot landed (a burst of records, against a trickle of live ones): before ``/ready``, since
+a joining gateway waits for it (``gateway/state/catchup.py``).
 
 ``join_window`` then compares, over the joiner's first window, the hit rate of the requests
 it served with that of the requests the others served in the same window, with a bootstrap
@@ -72,7 +73,8 @@ class Joiner:
     launched_s: float | None = None
     ready_s: float | None = None
     applied: list[tuple[float, int]] = field(default_factory=list)  # (time, peer records applied so far)
-    peers_records_at_ready: list[int] = field(default_factory=list)  # records_sent of each peer then
+    applied_at_ready: int | None = None
+    peers_records_at_launch: list[int] = field(default_factory=list)  # records_sent of each peer then
     error: str | None = None
     result: ReplayResult | None = field(default=None, repr=False)
 
@@ -94,6 +96,9 @@ class Joiner:
     async def _join(self, targets: list[str], clock: Callable[[], float]) -> None:
         await asyncio.sleep(self.at_s)
         await asyncio.sleep(max(0.0, self.not_before - time.monotonic()))
+        peers = list(targets)
+        states = await asyncio.gather(*(asyncio.to_thread(admin_state, u, self.admin_key) for u in peers))
+        self.peers_records_at_launch = [int(s.get("records_sent") or 0) for s in states]
         self.launched_s = clock()
 
         def launch() -> None:  # in a thread; it sets proc itself, so a cancelled wait cannot lose it
@@ -109,21 +114,24 @@ class Joiner:
             if self.proc.process.poll() is not None or clock() > deadline:
                 self.error = f"the joining gateway did not become ready; log: {self.proc.log_path}"
                 return
+            await self._sample_applied(clock)
             await asyncio.sleep(POLL_S)
         self.ready_s = clock()
-        peers = list(targets)
         targets.append(self.proc.url)  # the replay sends it every n-th request from now on
-        states = await asyncio.gather(*(asyncio.to_thread(admin_state, u, self.admin_key) for u in peers))
-        self.peers_records_at_ready = [int(s.get("records_sent") or 0) for s in states]
+        await self._sample_applied(clock)
+        self.applied_at_ready = self.applied[-1][1] if self.applied else None
         while True:  # until the run ends (cancelled)
-            state = await asyncio.to_thread(admin_state, self.proc.url, self.admin_key)
-            if "applied" in state:
-                self.applied.append((round(clock(), 3), int(state["applied"])))
             await asyncio.sleep(SAMPLE_S)
+            await self._sample_applied(clock)
 
-    def records_since_ready(self, peers_records_now: Sequence[int]) -> list[int]:
-        """Records each peer sent in snapshots since the joiner was ready (its catch-up)."""
-        return [now - then for now, then in zip(peers_records_now, self.peers_records_at_ready, strict=False)]
+    async def _sample_applied(self, clock: Callable[[], float]) -> None:
+        state = await asyncio.to_thread(admin_state, self.proc.url, self.admin_key)
+        if "applied" in state:
+            self.applied.append((round(clock(), 3), int(state["applied"])))
+
+    def records_since_launch(self, peers_records_now: Sequence[int]) -> list[int]:
+        """Records each peer sent in snapshots since the joiner started (its catch-up)."""
+        return [now - then for now, then in zip(peers_records_now, self.peers_records_at_launch, strict=False)]
 
     def snapshot_landed_s(self, peers_records_now: Sequence[int]) -> float | None:
         """When the joiner had applied half of the smallest snapshot a peer sent since it was ready.
@@ -133,11 +141,10 @@ class Joiner:
         so crossing half of one is its arrival, to within ``SAMPLE_S``.  None: none was sent
         (catch-up off) or none arrived before the run ended.
         """
-        smallest = min((n for n in self.records_since_ready(peers_records_now) if n > 0), default=0)
+        smallest = min((n for n in self.records_since_launch(peers_records_now) if n > 0), default=0)
         if not self.applied or smallest <= 0:
             return None
-        base = self.applied[0][1]
-        return next((t for t, n in self.applied if n - base >= smallest / 2), None)
+        return next((t for t, n in self.applied if n >= smallest / 2), None)
 
     def stop(self) -> None:
         if self.proc is not None:

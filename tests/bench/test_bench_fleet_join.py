@@ -52,11 +52,11 @@ def test_hit_rate_se_grows_with_heterogeneous_requests() -> None:
 
 
 def test_the_snapshot_lands_when_half_of_the_smallest_one_is_applied() -> None:
-    joiner = Joiner(lambda: None, 0.0, "key", peers_records_at_ready=[50, 60])
+    joiner = Joiner(lambda: None, 0.0, "key", peers_records_at_launch=[50, 60])
     joiner.applied = [(5.0, 3), (5.1, 8), (5.2, 12), (5.3, 300), (5.4, 620)]
-    assert joiner.records_since_ready([350, 360]) == [300, 300]
+    assert joiner.records_since_launch([350, 360]) == [300, 300]
     assert joiner.snapshot_landed_s([350, 360]) == 5.3
-    assert joiner.snapshot_landed_s([50, 60]) is None  # catch-up off: nothing sent since ready
+    assert joiner.snapshot_landed_s([50, 60]) is None  # catch-up off: nothing sent since it started
 
 
 def test_join_mode_runs_end_to_end(redis_url: str, tmp_path: Path) -> None:
@@ -77,8 +77,16 @@ def test_join_mode_runs_end_to_end(redis_url: str, tmp_path: Path) -> None:
     caught_up, blind = (wl["join"]["rows"][row]["join"] for row in bench_fleet.JOIN_ROWS)
     assert sum(caught_up["peers_snapshot_records"]) > 0  # the peers sent the joiner a snapshot...
     assert sum(blind["peers_snapshot_records"]) == 0  # ...and nothing with catch_up_keys: 0
+    # it was ready only once caught up: by then it had applied (at least half of) the snapshot
+    assert caught_up["applied_at_ready"] >= min(caught_up["peers_snapshot_records"]) / 2
     verdict = wl["verdict"]
     for key in ("join_gap_points", "join_gap_se_points", "join_blind_gap_points", "join_decided"):
         assert key in verdict
+    # the warm control got the joiner's requests on a gateway that knew everything from the start
+    control = wl["join"]["rows"][bench_fleet.WARM_ROW]
+    assert control["errors"] == 0 and control["joiner"]["requests"] > 0
+    assert verdict["join_control_gap_points"] == control["gap_points"]
+    with_catch_up = wl["join"]["rows"][bench_fleet.JOIN_ROWS[0]]
+    assert verdict["join_excess_gap_points"] == round(with_catch_up["gap_points"] - control["gap_points"], 2)
     assert set(verdict["pass"]) == {"join"}
     assert results["targets"]["join_gap_points"] == 2.0
