@@ -302,7 +302,9 @@ class StateSettings(_Strict):
         description="also publish this process's per-replica in-flight and queued-prefill counts and add the "
         "peers' to what policies see (the load bound then covers every gateway's requests)",
     )
-    load_interval_ms: float = Field(100.0, ge=10.0, le=10_000.0, description="how often load is published")
+    load_interval_ms: float = Field(
+        20.0, ge=10.0, le=10_000.0, description="how often load is published (when it changed; at least once a second)"
+    )
     peer_load_ttl_s: float = Field(
         3.0, gt=0.0, le=600.0, description="a peer's load report older than this is dropped (the peer is gone)"
     )

@@ -33,9 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.auth import KeyChecker
 from gateway.config import ConfigError, GatewayConfig, RouteConfig, load_config
+from gateway.prefix.learn import VarianceLearner
 from gateway.prefix.pipeline import PrefixPipeline
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.routes import Route, RouteTable, build_route
+from gateway.routing.starts import HeadDemand
 from gateway.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -182,7 +184,8 @@ async def apply_config(gw: Gateway, new: GatewayConfig) -> list[str]:
     gw.admin_keys, gw.client_keys = admin_keys, client_keys
     _update_route_metrics(gw, old_routes)
     if gw.state_sync is not None:
-        gw.state_sync.set_indexes(prefix_indexes(gw.routes.routes))
+        routes = gw.routes.routes
+        gw.state_sync.set_indexes(prefix_indexes(routes), prefix_demands(routes), prefix_learners(routes))
     await gw.membership.set_sources(effective.discovery)
     return notes
 
@@ -195,6 +198,21 @@ def prefix_indexes(routes: list[Route]) -> dict[str, AffinityIndex]:
         if isinstance(index, AffinityIndex):
             indexes[route.name] = index
     return indexes
+
+
+def prefix_learners(routes: list[Route]) -> dict[str, VarianceLearner]:
+    """Each route's normalization learner (places seen to vary), for routes that normalize prompts."""
+    return {route.name: route.pipeline.normalizer.learner for route in routes if route.pipeline is not None}
+
+
+def prefix_demands(routes: list[Route]) -> dict[str, HeadDemand]:
+    """Each route's shared-head start counts, for the policies that keep them (shared through Redis)."""
+    demands = {}
+    for route in routes:
+        demand = getattr(route.runner.policy, "demand", None)
+        if isinstance(demand, HeadDemand):
+            demands[route.name] = demand
+    return demands
 
 
 def _update_route_metrics(gw: Gateway, old_routes: list[Route]) -> None:

@@ -40,7 +40,7 @@ from gateway.observe.samples import SampleBuffer
 from gateway.observe.stats import StatsBook, normalization_section
 from gateway.observe.summary import SummaryReporter
 from gateway.prefix.pipeline import PreparedPrompt
-from gateway.reload import Reloader, prefix_indexes
+from gateway.reload import Reloader, prefix_demands, prefix_indexes, prefix_learners
 from gateway.replicas.monitor import ReplicaMonitor
 from gateway.replicas.outlier import Fleet
 from gateway.replicas.pool import Replica
@@ -185,6 +185,8 @@ class Gateway:
             peer_load=peer_load,
             load_interval_s=state.load_interval_ms / 1000.0,
             signer=Signer(secret) if (secret := state.resolved_secret(env)) else None,
+            demands=prefix_demands(self.routes.routes),
+            learners=prefix_learners(self.routes.routes),
         )
         if peer_load is not None and state.catch_up_keys:
             self.catch_up = CatchUp(sync, state.catch_up_keys, ready_wait_s=state.catch_up_ready_wait_s)

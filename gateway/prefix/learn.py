@@ -16,6 +16,14 @@ The price is warm-up: the first request of a template keeps its (new) value in p
 misses; the value is moved from the first request whose value differs (the 2nd for a value
 that changes every request).  Each request that kept a value before its place was known to
 vary is counted in ``warmup_misses``.
+
+Several gateway processes share what they learn (``gateway.state.affinity_sync``): a new
+place (with a stable hash of its first value) and a place seen to vary are announced to
+``listener`` as a stable 64-bit digest of (rule, field, context) — no prompt text leaves the
+process — and the peers' announcements come in through ``learn_peer``.  A process that sees a
+place first with another value than a peer saw there knows at once that it varies: a
+template's warm-up is paid once per fleet, not once per process.  A process that joins gets
+its peers' list of varying places in their catch-up snapshot (``varying_digests``).
 """
 
 from __future__ import annotations
@@ -24,7 +32,10 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import xxhash
 
 # Digits → 9, ASCII letters → a/A: enough to show a value's format, nothing of its content.
 _SHAPE = str.maketrans(
@@ -56,6 +67,16 @@ def context_key(text: str, start: int, end: int, lo: int, hi: int) -> str:
 def digest(text: str) -> str:
     """A short stable digest of a context (shown in stats instead of the text)."""
     return f"{zlib.crc32(text.encode('utf-8', 'surrogatepass')):08x}"
+
+
+def place_digest(rule: str, where: str, context: str) -> int:
+    """A place's identity as the same 64-bit number in every process (``hash()`` is salted per process)."""
+    return xxhash.xxh64_intdigest(f"{rule}\x00{where}\x00{context}".encode("utf-8", "surrogatepass"))
+
+
+def value_digest(value: str) -> int:
+    """A value as the same non-zero 64-bit number in every process (0 means "varies" on the wire)."""
+    return xxhash.xxh64_intdigest(value.encode("utf-8", "surrogatepass")) or 1
 
 
 def suggest_pattern(value: str) -> str:
@@ -131,13 +152,63 @@ class VarianceLearner:
         self._lock = threading.Lock()
         self.warmup_misses = 0
         self.clock = time.monotonic
+        # places other gateway processes saw vary: digest -> when last announced or used
+        self._peer_varies: OrderedDict[int, float] = OrderedDict()
+        # places peers have seen but not (yet) vary: digest -> the value's digest there
+        self._peer_values: OrderedDict[int, int] = OrderedDict()
+        # hears (place digest, first value's digest) for a new place, (place digest, 0) once it varies
+        self.listener: Callable[[int, int], None] | None = None
 
     def varies(self, rule: str, where: str, context: str, value: str) -> bool:
         """Would this span be moved now (its place has changed, or changes with this value)?  Pure."""
         place = self._places.get((rule, where, context))
         if place is None or self.clock() - place.last_seen > self.expire_s:
+            return self._peers_saw_vary(rule, where, context, value)
+        if place.changes > 0 or place.value_hash != hash(value):
+            return True
+        return self._peers_saw_vary(rule, where, context, value)
+
+    def _peers_saw_vary(self, rule: str, where: str, context: str, value: str) -> bool:
+        """Did peers see this place vary, or see another value there?"""
+        if not self._peer_varies and not self._peer_values:  # one gateway process: nothing to compute
             return False
-        return place.changes > 0 or place.value_hash != hash(value)
+        place = place_digest(rule, where, context)
+        at = self._peer_varies.get(place)
+        if at is not None and self.clock() - at <= self.expire_s:
+            return True
+        theirs = self._peer_values.get(place)
+        return theirs is not None and theirs != value_digest(value)
+
+    def learn_peer(self, place: int, value: int = 0) -> None:
+        """A peer saw the place with digest ``place`` vary (``value`` 0) or saw it first with the
+        value whose digest is ``value``: bounded, expiring."""
+        with self._lock:
+            if value:
+                seen = self._peer_values.get(place)
+                if seen is None or seen == value:
+                    self._peer_values[place] = value
+                    self._peer_values.move_to_end(place)
+                    while len(self._peer_values) > self.max_places:
+                        self._peer_values.popitem(last=False)
+                    return
+                del self._peer_values[place]  # two peers saw two values there: it varies
+            peers = self._peer_varies
+            peers[place] = self.clock()
+            peers.move_to_end(place)
+            while len(peers) > self.max_places:
+                peers.popitem(last=False)
+
+    def varying_digests(self, limit: int) -> list[int]:
+        """Up to ``limit`` places known to vary (here or by peers), most recently seen first."""
+        now = self.clock()
+        with self._lock:
+            mine = [
+                place_digest(*key)
+                for key, place in reversed(self._places.items())
+                if place.changes and now - place.last_seen <= self.expire_s
+            ]
+            theirs = [d for d, at in reversed(self._peer_varies.items()) if now - at <= self.expire_s]
+        return list(dict.fromkeys([*mine, *theirs]))[:limit]
 
     def record(self, rule: str, where: str, context: str, value: str) -> bool:
         """Record one sighting; returns whether the place varies (move the span)."""
@@ -149,20 +220,30 @@ class VarianceLearner:
             if place is not None and now - place.last_seen > self.expire_s:
                 del self._places[key]
                 place = None
+            announce: int | None = None  # the value digest to announce (0: varies)
             if place is None:
-                self._places[key] = Place(rule, where, digest(context), value_hash, self._example(value), 1, 0, now)
+                peers_saw = self._peers_saw_vary(rule, where, context, value)  # then it moves at once
+                place = Place(rule, where, digest(context), value_hash, self._example(value), 1, int(peers_saw), now)
+                self._places[key] = place
                 self._evict(now)
-                return False
-            self._places.move_to_end(key)
-            place.seen += 1
-            place.last_seen = now
-            if value_hash != place.value_hash:
-                if place.changes == 0:
-                    self.warmup_misses += place.seen - 1  # sightings kept in place before we knew
-                place.changes += 1
-                place.value_hash = value_hash
-                place.example = self._example(value)
-            return place.changes > 0
+                if self.listener is not None:
+                    announce = 0 if peers_saw else value_digest(value)
+            else:
+                self._places.move_to_end(key)
+                place.seen += 1
+                place.last_seen = now
+                if value_hash != place.value_hash:
+                    if place.changes == 0:
+                        self.warmup_misses += place.seen - 1  # sightings kept in place before we knew
+                        announce = 0
+                    place.changes += 1
+                    place.value_hash = value_hash
+                    place.example = self._example(value)
+                elif place.changes == 0 and self._peers_saw_vary(rule, where, context, value):
+                    place.changes = 1  # a peer saw it change: as if this process had
+        if announce is not None and self.listener is not None:
+            self.listener(place_digest(rule, where, context), announce)
+        return place.changes > 0
 
     def _example(self, value: str) -> str:
         return value[:64] if self.raw_examples else shape(value)

@@ -20,12 +20,18 @@ spreads over the fleet; an idle holder keeps one-at-a-time traffic (nothing to g
 Starts decay geometrically (``window`` recent starts weigh ~1/e), lazily: each start adds a
 growing increment instead of multiplying every count, so recording and reading are O(1).
 Heads are kept in an LRU of bounded size.
+
+Several gateway processes share their starts (``gateway.state.affinity_sync``): each one's
+local starts go to its ``listener`` and its peers' come back through ``record_peer``, so every
+process judges a head by the fleet's starts, not by the third of them it placed itself; a
+process that joins takes its peers' counts from their catch-up snapshot (``export``/``merge``).
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 
 _RESCALE_AT = 1e100  # the growing increment is renormalised long before floats overflow
 
@@ -38,7 +44,7 @@ class HeadDemand:
     rarer than it is among the conversations that could pile up.
     """
 
-    __slots__ = ("_epoch", "_growth", "_heads", "_increment", "_max_heads", "_total")
+    __slots__ = ("_epoch", "_growth", "_heads", "_increment", "_max_heads", "_total", "listener")
 
     def __init__(self, window: int, max_heads: int = 8192) -> None:
         self._growth = math.exp(1.0 / max(1, window))
@@ -47,6 +53,7 @@ class HeadDemand:
         self._increment = 1.0
         self._total = 0.0
         self._epoch = 0  # bumps on renormalisation: an older undo token no longer applies
+        self.listener: Callable[[int], None] | None = None  # hears each local start (shared state)
 
     def recent_starts(self) -> float:
         """Recent starts in the pool (decayed: the newest weighs 1)."""
@@ -70,6 +77,13 @@ class HeadDemand:
 
     def record(self, head: int) -> tuple[int, float, int]:
         """Count a start behind ``head``; returns the undo token."""
+        token = self.record_peer(head)
+        if self.listener is not None:
+            self.listener(head)
+        return token
+
+    def record_peer(self, head: int) -> tuple[int, float, int]:
+        """Count a start another gateway process placed (not passed on to ``listener``)."""
         self._increment *= self._growth
         if self._increment > _RESCALE_AT:
             unit = self._increment
@@ -93,6 +107,22 @@ class HeadDemand:
         self._total = max(0.0, self._total - inc)
         if head in self._heads:
             self._heads[head] = max(0.0, self._heads[head] - inc)
+
+    def export(self, top: int) -> tuple[float, list[tuple[int, float]]]:
+        """Recent starts and the ``top`` most recently started heads' counts (decayed, the newest
+        start weighing 1), oldest first: what ``merge`` takes."""
+        unit = self._increment
+        heads = list(self._heads.items())[-top:] if top > 0 else []
+        return self._total / unit, [(head, count / unit) for head, count in heads]
+
+    def merge(self, total: float, heads: Iterable[tuple[int, float]]) -> None:
+        """Add a peer's ``export`` to this process's counts (a process that has just joined)."""
+        unit = self._increment
+        self._total += max(0.0, total) * unit
+        for head, count in heads:
+            self._heads[head] = self._heads.pop(head, 0.0) + max(0.0, count) * unit
+        while len(self._heads) > self._max_heads:
+            self._heads.popitem(last=False)
 
     def snapshot(self, top: int = 8) -> dict[str, object]:
         """Recent starts and the busiest heads' shares (for ``/admin/stats``; keys in hex)."""

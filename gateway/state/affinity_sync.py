@@ -20,9 +20,16 @@ Wire format (one pub/sub message per batch, JSON)::
     {"v": 1, "pod": "<id>", "records": [[route, replica, prompt_tokens or 0, "<keys>"], ...]}
 
 where ``<keys>`` is the base64 of the stored block keys as little-endian u64, deepest first.
-The last message of a catch-up snapshot (:mod:`gateway.state.catchup`) also carries
-``"catch_up_end": true`` (with no records when the sender had none): a process that has just
-joined is ready once it hears one (``CatchUp.readiness``).
+A batch may also carry the conversation starts placed behind shared heads since the last one,
+``"starts": [[route, head_key], ...]`` (:mod:`gateway.routing.starts`: every process then counts
+the fleet's starts), and the normalization places new to the sender or newly seen to vary,
+``"varies": [[route, place_digest, value_digest or 0 (varies)], ...]`` (:mod:`gateway.prefix.learn`:
+a template's warm-up is paid once per fleet).  The last message of a catch-up snapshot
+(:mod:`gateway.state.catchup`) also carries
+``"catch_up_end": true`` (with no records when the sender had none), the sender's whole list of
+varying places and its start counts, ``"demand": {route: [recent_starts, [[head_key, count],
+...]]}``: a process that has just joined takes the first it hears and is ready
+(``CatchUp.readiness``).  Older versions ignore these fields.
 The channel ``<channel>:load`` carries each process's load reports
 (:mod:`gateway.state.peer_load`),
 ``{"v": 1, "pod": "<id>", "load": {"<replica>": [in_flight, queued_prefill_tokens], ...}}``,
@@ -51,7 +58,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from gateway.prefix.learn import VarianceLearner
 from gateway.routing.affinity import AffinityIndex
+from gateway.routing.starts import HeadDemand
 from gateway.state.peer_load import PeerLoad, Report, load_rows, parse_load
 from gateway.state.signing import Signer
 from gateway.tasks import cancel_and_wait
@@ -69,6 +78,13 @@ _BACKOFF_START_S = 0.5
 _BACKOFF_MAX_S = 10.0
 
 Record = tuple[str, str, list[int], int | None]  # route, replica, stored keys (deepest first), prompt tokens
+Start = tuple[str, int]  # route, shared head key
+Sighting = tuple[str, int, int]  # route, normalization place digest, its value's digest (0: varies)
+Demand = dict[str, tuple[float, list[tuple[int, float]]]]  # route -> HeadDemand.export()
+MAX_DEMAND_HEADS = 1024  # per route in a catch-up snapshot
+MAX_VARYING_PLACES = 4096  # per route in a catch-up snapshot
+MAX_VARIES_PER_MESSAGE = 65_536
+_U64 = 1 << 64
 
 
 @dataclass
@@ -84,21 +100,85 @@ class SyncStats:
     rejected: int = 0  # messages dropped for a missing, wrong or stale signature (state.secret_env)
     peers: int = 0  # other gateway processes whose load reports are current
     snapshots_heard: int = 0  # catch-up snapshots that ended (a peer's answer to a newcomer)
+    starts_applied: int = 0  # peers' conversation starts behind shared heads, counted here too
+    varies_applied: int = 0  # normalization places peers saw vary, learned here too
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
-def encode(pod: str, records: Sequence[Record], *, catch_up_end: bool = False) -> bytes:
+def encode(
+    pod: str,
+    records: Sequence[Record],
+    *,
+    starts: Sequence[Start] = (),
+    varies: Sequence[Sighting] = (),
+    catch_up_end: bool = False,
+    demand: Demand | None = None,
+) -> bytes:
     """One batch as a pub/sub payload (see the module docstring)."""
     rows = [
         [route, replica, prompt_tokens or 0, base64.b64encode(struct.pack(f"<{len(keys)}Q", *keys)).decode()]
         for route, replica, keys, prompt_tokens in records
     ]
     message: dict[str, Any] = {"v": WIRE_VERSION, "pod": pod, "records": rows}
+    if starts:
+        message["starts"] = [[route, head] for route, head in starts]
+    if varies:
+        message["varies"] = [list(row) for row in varies]
     if catch_up_end:
         message["catch_up_end"] = True
+        if demand:
+            message["demand"] = {
+                route: [round(total, 3), [[head, round(count, 3)] for head, count in heads]]
+                for route, (total, heads) in demand.items()
+            }
     return json.dumps(message, separators=(",", ":")).encode()
+
+
+def _is_u64(value: Any) -> bool:
+    return type(value) is int and 0 <= value < _U64
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) in (int, float) and 0 <= value < 1e12
+
+
+def decode_starts(message: Mapping[str, Any]) -> list[Start]:
+    rows = message.get("starts", [])
+    if not isinstance(rows, list) or len(rows) > MAX_RECORDS_PER_MESSAGE:
+        raise ValueError("bad starts")
+    if not all(isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and _is_u64(r[1]) for r in rows):
+        raise ValueError("a start must be [route, head key (u64)]")
+    return [(route, key) for route, key in rows]
+
+
+def decode_varies(message: Mapping[str, Any]) -> list[Sighting]:
+    rows = message.get("varies", [])
+    if not isinstance(rows, list) or len(rows) > MAX_VARIES_PER_MESSAGE:
+        raise ValueError("bad varies")
+    if not all(
+        isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and _is_u64(r[1]) and _is_u64(r[2]) for r in rows
+    ):
+        raise ValueError("a row of varies must be [route, place digest, value digest or 0]")
+    return [(route, place, value) for route, place, value in rows]
+
+
+def decode_demand(message: Mapping[str, Any]) -> Demand:
+    routes = message.get("demand", {})
+    if not isinstance(routes, dict) or len(routes) > 1024:
+        raise ValueError("bad demand")
+    out: Demand = {}
+    for route, row in routes.items():
+        if not (isinstance(row, list) and len(row) == 2 and _is_count(row[0]) and isinstance(row[1], list)):
+            raise ValueError("a route's demand must be [recent_starts, [[head, count], ...]]")
+        heads = row[1]
+        if len(heads) > MAX_DEMAND_HEADS or not all(
+            isinstance(h, list) and len(h) == 2 and _is_u64(h[0]) and _is_count(h[1]) for h in heads
+        ):
+            raise ValueError("bad demand heads")
+        out[route] = (float(row[0]), [(head, float(count)) for head, count in heads])
+    return out
 
 
 def encode_load(pod: str, report: Report) -> bytes:
@@ -164,6 +244,8 @@ class AffinitySync:
         peer_load: PeerLoad | None = None,
         load_interval_s: float = 0.1,
         signer: Signer | None = None,
+        demands: Mapping[str, HeadDemand] | None = None,
+        learners: Mapping[str, VarianceLearner] | None = None,
     ) -> None:
         self.redis_url = redis_url
         self.channel = channel
@@ -172,7 +254,12 @@ class AffinitySync:
         self.pod_id = pod_id or uuid.uuid4().hex[:16]
         self.stats = SyncStats()
         self._indexes = dict(indexes)
+        self._demands = dict(demands or {})
+        self._learners = dict(learners or {})
         self._pending: deque[Record | None] = deque()  # None: the end of a catch-up snapshot
+        self._starts: deque[Start] = deque()
+        self._varies: deque[Sighting] = deque()
+        self._snapshot_demand: Demand | None = None  # sent with the next snapshot end
         self._max_pending = max_pending
         self._interval = batch_interval_s
         self._wake = asyncio.Event()
@@ -190,24 +277,53 @@ class AffinitySync:
     def _attach(self) -> None:
         for route, index in self._indexes.items():
             index.listener = partial(self._enqueue, route)
+        for route, demand in self._demands.items():
+            demand.listener = partial(self._enqueue_start, route)
+        for route, learner in self._learners.items():
+            learner.listener = partial(self._enqueue_varies, route)
 
-    def set_indexes(self, indexes: Mapping[str, AffinityIndex]) -> None:
+    def set_indexes(
+        self,
+        indexes: Mapping[str, AffinityIndex],
+        demands: Mapping[str, HeadDemand] | None = None,
+        learners: Mapping[str, VarianceLearner] | None = None,
+    ) -> None:
         """A config reload rebuilt routes: share the new indexes (and stop hearing the old ones)."""
-        for index in self._indexes.values():
-            index.listener = None
+        self._detach()
         self._indexes = dict(indexes)
+        self._demands = dict(demands or {})
+        self._learners = dict(learners or {})
         if self._tasks:  # started: listen now (before start(), start() attaches)
             self._attach()
+
+    def _detach(self) -> None:
+        for index in self._indexes.values():
+            index.listener = None
+        for demand in self._demands.values():
+            demand.listener = None
+        for learner in self._learners.values():
+            learner.listener = None
+
+    @property
+    def demands(self) -> Mapping[str, HeadDemand]:
+        return self._demands
+
+    @property
+    def learners(self) -> Mapping[str, VarianceLearner]:
+        return self._learners
 
     @property
     def indexes(self) -> Mapping[str, AffinityIndex]:
         return self._indexes
 
-    def offer(self, records: Sequence[Record]) -> None:
+    def offer(self, records: Sequence[Record], demand: Demand | None = None, varies: Sequence[Sighting] = ()) -> None:
         """Queue a catch-up snapshot (``gateway.state.catchup``): records that are not new placements,
-        then its end, which tells a newcomer it may serve (even with no records: nothing to learn)."""
+        then its end with ``demand`` (start counts) and ``varies`` (normalization places known to
+        vary), which tells a newcomer it may serve (even with no records: nothing to learn)."""
         for route, replica, keys, prompt_tokens in records:
             self._enqueue(route, replica, keys, prompt_tokens)
+        self._snapshot_demand = demand
+        self._varies.extend(varies)
         if len(self._pending) >= self._max_pending:
             self._pending.popleft()
             self.stats.dropped += 1
@@ -223,6 +339,18 @@ class AffinitySync:
             self._pending.popleft()
             self.stats.dropped += 1
         self._pending.append((route, replica, stored, prompt_tokens))
+        self._wake.set()
+
+    def _enqueue_varies(self, route: str, place: int, value: int) -> None:
+        if len(self._varies) >= self._max_pending:
+            self._varies.popleft()
+        self._varies.append((route, place, value))
+        self._wake.set()
+
+    def _enqueue_start(self, route: str, head: int) -> None:
+        if len(self._starts) >= self._max_pending:
+            self._starts.popleft()
+        self._starts.append((route, head))
         self._wake.set()
 
     def _seal(self, payload: bytes) -> bytes:
@@ -250,8 +378,10 @@ class AffinitySync:
                     self.peer_load.apply(pod, parse_load(message["load"]), time.monotonic())
                 return 0
             records = decode_records(message)
-            if message.get("catch_up_end") is True:
-                self.stats.snapshots_heard += 1
+            starts = decode_starts(message)
+            varies = decode_varies(message)
+            ends_snapshot = message.get("catch_up_end") is True
+            demand = decode_demand(message) if ends_snapshot else {}
         except Exception as exc:  # ValueError, or anything a hostile payload finds
             self.stats.errors += 1
             log.warning("affinity sync: skipped a malformed message on %s: %s", self.channel, exc)
@@ -265,6 +395,22 @@ class AffinitySync:
             index.record_stored(replica, keys, prompt_tokens)
             applied += 1
         self.stats.applied += applied
+        for route, head in starts:
+            head_demand = self._demands.get(route)
+            if head_demand is not None:
+                head_demand.record_peer(head)
+                self.stats.starts_applied += 1
+        for route, place, value in varies:
+            learner = self._learners.get(route)
+            if learner is not None:
+                learner.learn_peer(place, value)
+                self.stats.varies_applied += 1
+        if ends_snapshot:
+            if not self.stats.snapshots_heard:  # a newcomer's first: the fleet's counts (one peer's suffice)
+                for route, (total, heads) in demand.items():
+                    if route in self._demands:
+                        self._demands[route].merge(total, heads)
+            self.stats.snapshots_heard += 1
         return applied
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -286,8 +432,7 @@ class AffinitySync:
         for task in self._tasks:
             await cancel_and_wait(task)
         self._tasks = []
-        for index in self._indexes.values():
-            index.listener = None
+        self._detach()
         if self.peer_load is not None:
             self.peer_load.forget_all()
         if self._redis is not None:
@@ -347,10 +492,18 @@ class AffinitySync:
             await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(self._interval)  # let a burst of placements share one message
-            while self._pending:
+            while self._pending or self._starts or self._varies:
                 batch, ends_snapshot = self._next_batch()
+                starts = [self._starts.popleft() for _ in range(min(len(self._starts), MAX_RECORDS_PER_MESSAGE))]
+                # a snapshot's end carries every place queued before it (they precede "ready")
+                varies = [self._varies.popleft() for _ in range(min(len(self._varies), MAX_VARIES_PER_MESSAGE))]
+                demand = None
+                if ends_snapshot:
+                    demand, self._snapshot_demand = self._snapshot_demand, None
                 try:
-                    payload = encode(self.pod_id, batch, catch_up_end=ends_snapshot)
+                    payload = encode(
+                        self.pod_id, batch, starts=starts, varies=varies, catch_up_end=ends_snapshot, demand=demand
+                    )
                     await self._redis.publish(self.channel, self._seal(payload))
                 except asyncio.CancelledError:
                     raise

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.routing.affinity import AffinityIndex
+from gateway.state.affinity_sync import MAX_DEMAND_HEADS, MAX_VARYING_PLACES
 
 log = logging.getLogger("prefix_gateway.state")
 
@@ -145,7 +146,14 @@ class CatchUp:
     def _send(self, pod: str) -> None:
         self._scheduled = False
         records = snapshot_records(self.sync.indexes, self.keys_total)
-        self.sync.offer(records)  # empty, it is only the end mark: the newcomer has nothing to wait for
+        demand = {route: d.export(MAX_DEMAND_HEADS) for route, d in getattr(self.sync, "demands", {}).items()}
+        varies = [
+            (route, place, 0)
+            for route, learner in getattr(self.sync, "learners", {}).items()
+            for place in learner.varying_digests(MAX_VARYING_PLACES)
+        ]
+        # empty, it is only the end mark (start counts, varying places): the newcomer has nothing to wait for
+        self.sync.offer(records, {route: e for route, e in demand.items() if e[1]}, varies)
         if not records:  # nothing learned yet (peers meeting at startup): does not count
             return
         self._last = time.monotonic()

@@ -147,3 +147,32 @@ def test_a_dry_run_predicts_a_discovery_without_storing_it() -> None:
     assert dry.counts == {"learned": 2} and norm.discoverer.rules() == []  # type: ignore[union-attr]
     real = norm.apply("chat", chat(unknown(2)))
     assert real.body == dry.body and len(norm.discoverer.rules()) == 2  # type: ignore[union-attr]
+
+
+def test_gateway_processes_share_what_varies_so_the_warm_up_is_paid_once_per_fleet() -> None:
+    """Two processes wired as the shared state wires them (gateway.state.affinity_sync): what one
+    sees (a place and its first value, then that it varies) the other learns, as digests only."""
+    a, b = Normalizer(NormalizeSettings(mode="relocate")), Normalizer(NormalizeSettings(mode="relocate"))
+    heard: list[tuple[int, int]] = []
+
+    def wire(to: Normalizer) -> Any:
+        def listener(place: int, value: int) -> None:
+            heard.append((place, value))
+            to.learner.learn_peer(place, value)
+
+        return listener
+
+    a.learner.listener, b.learner.listener = wire(b), wire(a)
+    assert not a.apply("chat", chat(stamped(0))).relocated  # the fleet's first sighting stays in place
+    # b's first sighting of the place has another value than a saw there: it varies, moved at once
+    first_at_b = b.apply("chat", chat(stamped(1)))
+    assert {c.rule for c in first_at_b.changes} == {"iso_datetime", "prefixed_id"}
+    assert b.learner.warmup_misses == 0
+    # and a process that learns it late (a catch-up snapshot) moves it from its first request
+    c = Normalizer(NormalizeSettings(mode="relocate"))
+    for place in a.learner.varying_digests(100):
+        c.learner.learn_peer(place)
+    assert c.apply("chat", chat(stamped(2))).relocated
+    assert all(isinstance(p, int) and isinstance(v, int) for p, v in heard)  # no prompt text goes out
+    # static look-alikes seen by both with the same values stay static everywhere
+    assert not b.apply("chat", chat(STATIC_SYSTEM)).relocated

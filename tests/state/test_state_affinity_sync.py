@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import random
 import uuid
 from collections.abc import AsyncIterator
@@ -15,8 +16,10 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.prefix.learn import VarianceLearner
 from gateway.routing.affinity import AffinityIndex
-from gateway.state.affinity_sync import AffinitySync, decode, encode
+from gateway.routing.starts import HeadDemand
+from gateway.state.affinity_sync import AffinitySync, decode, decode_demand, decode_starts, encode
 from tests.polling import until
 from tests.state.redis_proxy import FlakyProxy
 
@@ -93,6 +96,64 @@ async def test_a_record_made_by_one_gateway_reaches_the_other(redis_url: str) ->
         await a.stop()
         await b.stop()
     assert a_index.listener is None  # stop() detaches from the index
+
+
+async def test_conversation_starts_behind_shared_heads_are_counted_by_every_gateway(redis_url: str) -> None:
+    """Each process sees a third of the fleet's new conversations; the head-holder count must
+    come from all of them (gateway.routing.starts), so starts travel with the records."""
+    channel = f"test-starts-{uuid.uuid4().hex}"
+    a_demand, b_demand = HeadDemand(256), HeadDemand(256)
+    a_learn, b_learn = VarianceLearner(), VarianceLearner()
+    a = AffinitySync(
+        redis_url,
+        channel,
+        {"chat": index()},
+        batch_interval_s=0.001,
+        demands={"chat": a_demand},
+        learners={"chat": a_learn},
+    )
+    b = AffinitySync(
+        redis_url,
+        channel,
+        {"chat": index()},
+        batch_interval_s=0.001,
+        demands={"chat": b_demand},
+        learners={"chat": b_learn},
+    )
+    await a.start()
+    await b.start()
+    try:
+        await until(lambda: a.stats.connected and b.stats.connected)
+        head, other = 0xFEDC_BA98_7654_3210, 7
+        for _ in range(6):
+            a_demand.record(head)
+        b_demand.record(other)
+        await until(lambda: b.stats.starts_applied == 6 and a.stats.starts_applied == 1)
+        assert b_demand.recent_starts() == pytest.approx(a_demand.recent_starts(), rel=0.05)  # 7 each
+        assert b_demand.share(head, prior=1) == pytest.approx(a_demand.share(head, prior=1), rel=0.05)
+        assert not b._starts and b.stats.published == 0  # peers' starts are not published again
+        # a normalization place a saw (and its value) travels too: b's other value there varies
+        a_learn.record("iso_datetime", "system", "Current time: \x00Z.", "2025-03-04T05:00:00")
+        await until(lambda: b.stats.varies_applied == 1)
+        assert b_learn.varies("iso_datetime", "system", "Current time: \x00Z.", "2025-03-04T05:00:01")
+        assert not b_learn.varies("iso_datetime", "system", "Current time: \x00Z.", "2025-03-04T05:00:00")
+    finally:
+        await a.stop()
+        await b.stop()
+    assert a_demand.listener is None  # stop() detaches from the start counts too
+
+
+def test_starts_and_demand_on_the_wire_are_validated() -> None:
+    good = {"v": 1, "pod": "p", "records": [], "starts": [["chat", 2**64 - 1]]}
+    assert decode_starts(good) == [("chat", 2**64 - 1)]
+    for starts in ([["chat", 2**64]], [["chat", -1]], [["chat"]], "x", [[1, 2]]):
+        with pytest.raises(ValueError):
+            decode_starts({**good, "starts": starts})
+    payload = encode("p", [], catch_up_end=True, demand={"chat": (12.5, [(3, 2.0), (2**63, 0.5)])})
+    assert decode_demand(json.loads(payload)) == {"chat": (12.5, [(3, 2.0), (2**63, 0.5)])}
+    for demand in ({"chat": [1]}, {"chat": [-1, []]}, {"chat": [1, [[1, -2]]]}, {"chat": [1, [[2**64, 1]]]}):
+        with pytest.raises(ValueError):
+            decode_demand({"demand": demand})
 
 
 async def test_without_redis_the_gateway_keeps_routing_and_says_so() -> None:

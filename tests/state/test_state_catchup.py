@@ -6,9 +6,12 @@ import random
 import time
 import uuid
 
+import pytest
+
 from gateway.config import HealthSettings, ReplicaConfig
 from gateway.replicas.pool import Replica
 from gateway.routing.affinity import AffinityIndex
+from gateway.routing.starts import HeadDemand
 from gateway.state.affinity_sync import AffinitySync, SyncStats
 from gateway.state.catchup import ALONE_S, CatchUp, snapshot_records
 from gateway.state.peer_load import PeerLoad
@@ -61,9 +64,14 @@ def fleet() -> dict[str, Replica]:
     }
 
 
-def process(redis_url: str, channel: str, idx: AffinityIndex) -> tuple[AffinitySync, CatchUp]:
+def process(
+    redis_url: str, channel: str, idx: AffinityIndex, demand: HeadDemand | None = None
+) -> tuple[AffinitySync, CatchUp]:
     load = PeerLoad(fleet(), ttl_s=2.0)
-    sync = AffinitySync(redis_url, channel, {"chat": idx}, batch_interval_s=0.001, peer_load=load, load_interval_s=0.05)
+    demands = {"chat": demand} if demand is not None else None
+    sync = AffinitySync(
+        redis_url, channel, {"chat": idx}, batch_interval_s=0.001, peer_load=load, load_interval_s=0.05, demands=demands
+    )
     catch_up = CatchUp(sync, keys_total=10_000, min_interval_s=0.0, delay_s=0.2, ready_wait_s=30)
     load.on_new_peer = catch_up.new_peer
     return sync, catch_up
@@ -72,14 +80,17 @@ def process(redis_url: str, channel: str, idx: AffinityIndex) -> tuple[AffinityS
 async def test_a_process_that_joins_learns_its_peers_recent_affinity(redis_url: str) -> None:
     channel = f"test-catchup-{uuid.uuid4().hex}"
     old_index, new_index = index(), index()
-    old, old_catch_up = process(redis_url, channel, old_index)
+    old_demand, new_demand = HeadDemand(256), HeadDemand(256)
+    old, old_catch_up = process(redis_url, channel, old_index, old_demand)
     await old.start()
     try:
         convs = chains(20, 3)
         for i, keys in enumerate(convs):
             old_index.record(NAMES[i % 3], keys, prompt_tokens=500)
         await until(lambda: old.stats.published == 20, what="records published to nobody")
-        new, new_catch_up = process(redis_url, channel, new_index)  # starts after every record was made
+        for head in [1] * 12 + [2] * 4:  # conversations started behind two shared heads
+            old_demand.record(head)
+        new, new_catch_up = process(redis_url, channel, new_index, new_demand)  # starts after all of that
         await new.start()
         new_catch_up.start(time.monotonic())
         try:
@@ -88,6 +99,9 @@ async def test_a_process_that_joins_learns_its_peers_recent_affinity(redis_url: 
             await until(lambda: new_catch_up.readiness(time.monotonic())[0], what="the newcomer ready")
             assert new_catch_up.readiness(time.monotonic()) == (True, "snapshot received")
             assert all(new_index.match(k, NAMES) == old_index.match(k, NAMES) for k in convs)
+            # and it judges the shared heads by the fleet's recent starts, not by none
+            assert new_demand.recent_starts() == pytest.approx(old_demand.recent_starts(), rel=0.01)
+            assert new_demand.share(1, prior=1) == pytest.approx(old_demand.share(1, prior=1), rel=0.01)
             assert new_index.match(convs[4], NAMES)[NAMES[4 % 3]] == len(convs[4])  # its whole conversation
         finally:
             await new.stop()
@@ -102,7 +116,7 @@ class _Sync:
         self.indexes = {"chat": idx}
         self.offered: list[int] = []
 
-    def offer(self, records: list[object]) -> None:
+    def offer(self, records: list[object], demand: object = None, varies: object = ()) -> None:
         self.offered.append(len(records))
 
 
