@@ -29,7 +29,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gateway.auth import KeyChecker
 from gateway.config import ConfigError, GatewayConfig, RouteConfig, load_config
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from gateway.service import Gateway
 
 log = logging.getLogger("prefix_gateway.reload")
+
+T = TypeVar("T")
 
 # how long a replica removed from the file keeps its connections for running requests
 STATIC_DRAIN_TIMEOUT_S = 600.0
@@ -190,14 +192,19 @@ async def apply_config(gw: Gateway, new: GatewayConfig) -> list[str]:
     return notes
 
 
+def _policy_parts(routes: list[Route], attribute: str, kind: type[T]) -> dict[str, T]:
+    """Each route's policy ``attribute``, for the policies whose one is a ``kind``."""
+    parts = {}
+    for route in routes:
+        part = getattr(route.runner.policy, attribute, None)
+        if isinstance(part, kind):
+            parts[route.name] = part
+    return parts
+
+
 def prefix_indexes(routes: list[Route]) -> dict[str, AffinityIndex]:
     """Each route's affinity index, for the policies that have one (shared through Redis)."""
-    indexes = {}
-    for route in routes:
-        index = getattr(route.runner.policy, "index", None)
-        if isinstance(index, AffinityIndex):
-            indexes[route.name] = index
-    return indexes
+    return _policy_parts(routes, "index", AffinityIndex)
 
 
 def prefix_learners(routes: list[Route]) -> dict[str, VarianceLearner]:
@@ -207,12 +214,7 @@ def prefix_learners(routes: list[Route]) -> dict[str, VarianceLearner]:
 
 def prefix_demands(routes: list[Route]) -> dict[str, HeadDemand]:
     """Each route's shared-head start counts, for the policies that keep them (shared through Redis)."""
-    demands = {}
-    for route in routes:
-        demand = getattr(route.runner.policy, "demand", None)
-        if isinstance(demand, HeadDemand):
-            demands[route.name] = demand
-    return demands
+    return _policy_parts(routes, "demand", HeadDemand)
 
 
 def _update_route_metrics(gw: Gateway, old_routes: list[Route]) -> None:

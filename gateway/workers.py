@@ -162,8 +162,7 @@ class Supervisor:
                     waited_s,
                 )
                 self.killed += 1
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
+                self._signal(process, signal.SIGKILL)
         asyncio.get_running_loop().call_later(KILL_MARGIN_S, self._give_up)
 
     def _give_up(self) -> None:

@@ -135,6 +135,7 @@ class Place:
     seen: int = 1
     changes: int = 0
     last_seen: float = 0.0
+    place_id: int = 0  # place_digest(): what peers know it by, computed once
 
     @property
     def varies(self) -> bool:
@@ -163,16 +164,17 @@ class VarianceLearner:
         """Would this span be moved now (its place has changed, or changes with this value)?  Pure."""
         place = self._places.get((rule, where, context))
         if place is None or self.clock() - place.last_seen > self.expire_s:
-            return self._peers_saw_vary(rule, where, context, value)
+            return self._peers_heard() and self._peers_saw_vary(place_digest(rule, where, context), value)
         if place.changes > 0 or place.value_hash != hash(value):
             return True
-        return self._peers_saw_vary(rule, where, context, value)
+        return self._peers_heard() and self._peers_saw_vary(place.place_id, value)
 
-    def _peers_saw_vary(self, rule: str, where: str, context: str, value: str) -> bool:
-        """Did peers see this place vary, or see another value there?"""
-        if not self._peer_varies and not self._peer_values:  # one gateway process: nothing to compute
-            return False
-        place = place_digest(rule, where, context)
+    def _peers_heard(self) -> bool:
+        """Has any peer announced a place (else, one gateway process: no digest to compute)?"""
+        return bool(self._peer_varies or self._peer_values)
+
+    def _peers_saw_vary(self, place: int, value: str) -> bool:
+        """Did peers see the place with digest ``place`` vary, or see another value there?"""
         at = self._peer_varies.get(place)
         if at is not None and self.clock() - at <= self.expire_s:
             return True
@@ -203,8 +205,8 @@ class VarianceLearner:
         now = self.clock()
         with self._lock:
             mine = [
-                place_digest(*key)
-                for key, place in reversed(self._places.items())
+                place.place_id
+                for place in reversed(self._places.values())
                 if place.changes and now - place.last_seen <= self.expire_s
             ]
             theirs = [d for d, at in reversed(self._peer_varies.items()) if now - at <= self.expire_s]
@@ -222,8 +224,10 @@ class VarianceLearner:
                 place = None
             announce: int | None = None  # the value digest to announce (0: varies)
             if place is None:
-                peers_saw = self._peers_saw_vary(rule, where, context, value)  # then it moves at once
-                place = Place(rule, where, digest(context), value_hash, self._example(value), 1, int(peers_saw), now)
+                place_id = place_digest(rule, where, context)
+                peers_saw = self._peers_heard() and self._peers_saw_vary(place_id, value)  # then it moves at once
+                example = self._example(value)
+                place = Place(rule, where, digest(context), value_hash, example, 1, int(peers_saw), now, place_id)
                 self._places[key] = place
                 self._evict(now)
                 if self.listener is not None:
@@ -239,10 +243,10 @@ class VarianceLearner:
                     place.changes += 1
                     place.value_hash = value_hash
                     place.example = self._example(value)
-                elif place.changes == 0 and self._peers_saw_vary(rule, where, context, value):
+                elif place.changes == 0 and self._peers_heard() and self._peers_saw_vary(place.place_id, value):
                     place.changes = 1  # a peer saw it change: as if this process had
         if announce is not None and self.listener is not None:
-            self.listener(place_digest(rule, where, context), announce)
+            self.listener(place.place_id, announce)
         return place.changes > 0
 
     def _example(self, value: str) -> str:

@@ -144,24 +144,25 @@ def _is_count(value: Any) -> bool:
     return type(value) in (int, float) and 0 <= value < 1e12
 
 
+def _route_u64_rows(message: Mapping[str, Any], field: str, width: int, limit: int) -> list[tuple[Any, ...]]:
+    """``message[field]``: at most ``limit`` rows ``[route, u64, ...]`` of ``width`` items; ``ValueError`` else."""
+    rows = message.get(field, [])
+    if not isinstance(rows, list) or len(rows) > limit:
+        raise ValueError(f"bad {field}")
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == width and isinstance(row[0], str) and all(map(_is_u64, row[1:]))):
+            raise ValueError(f"a row of {field} must be [route, {width - 1} u64 values]")
+    return [tuple(row) for row in rows]
+
+
 def decode_starts(message: Mapping[str, Any]) -> list[Start]:
-    rows = message.get("starts", [])
-    if not isinstance(rows, list) or len(rows) > MAX_RECORDS_PER_MESSAGE:
-        raise ValueError("bad starts")
-    if not all(isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and _is_u64(r[1]) for r in rows):
-        raise ValueError("a start must be [route, head key (u64)]")
-    return [(route, key) for route, key in rows]
+    """``[[route, head key], ...]``."""
+    return _route_u64_rows(message, "starts", 2, MAX_RECORDS_PER_MESSAGE)  # type: ignore[return-value]
 
 
 def decode_varies(message: Mapping[str, Any]) -> list[Sighting]:
-    rows = message.get("varies", [])
-    if not isinstance(rows, list) or len(rows) > MAX_VARIES_PER_MESSAGE:
-        raise ValueError("bad varies")
-    if not all(
-        isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and _is_u64(r[1]) and _is_u64(r[2]) for r in rows
-    ):
-        raise ValueError("a row of varies must be [route, place digest, value digest or 0]")
-    return [(route, place, value) for route, place, value in rows]
+    """``[[route, place digest, value digest or 0], ...]``."""
+    return _route_u64_rows(message, "varies", 3, MAX_VARIES_PER_MESSAGE)  # type: ignore[return-value]
 
 
 def decode_demand(message: Mapping[str, Any]) -> Demand:
@@ -324,33 +325,28 @@ class AffinitySync:
             self._enqueue(route, replica, keys, prompt_tokens)
         self._snapshot_demand = demand
         self._varies.extend(varies)
-        if len(self._pending) >= self._max_pending:
-            self._pending.popleft()
-            self.stats.dropped += 1
-        self._pending.append(None)
-        self._wake.set()
+        self._push(self._pending, None)
 
     # -- the request path: O(1), never waits ----------------------------------------------
     def _enqueue(self, route: str, replica: str, stored: list[int], prompt_tokens: int | None) -> None:
         if len(stored) > MAX_KEYS_PER_RECORD:  # peers would reject the batch: keep it local
             self.stats.dropped += 1
             return
-        if len(self._pending) >= self._max_pending:
-            self._pending.popleft()
-            self.stats.dropped += 1
-        self._pending.append((route, replica, stored, prompt_tokens))
-        self._wake.set()
+        self._push(self._pending, (route, replica, stored, prompt_tokens))
 
     def _enqueue_varies(self, route: str, place: int, value: int) -> None:
-        if len(self._varies) >= self._max_pending:
-            self._varies.popleft()
-        self._varies.append((route, place, value))
-        self._wake.set()
+        self._push(self._varies, (route, place, value))
 
     def _enqueue_start(self, route: str, head: int) -> None:
-        if len(self._starts) >= self._max_pending:
-            self._starts.popleft()
-        self._starts.append((route, head))
+        self._push(self._starts, (route, head))
+
+    def _push(self, queue: deque[Any], item: Any) -> None:
+        """Queue ``item`` for the publisher; a full queue drops its oldest (counted for records)."""
+        if len(queue) >= self._max_pending:
+            queue.popleft()
+            if queue is self._pending:
+                self.stats.dropped += 1
+        queue.append(item)
         self._wake.set()
 
     def _seal(self, payload: bytes) -> bytes:

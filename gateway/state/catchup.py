@@ -146,10 +146,10 @@ class CatchUp:
     def _send(self, pod: str) -> None:
         self._scheduled = False
         records = snapshot_records(self.sync.indexes, self.keys_total)
-        demand = {route: d.export(MAX_DEMAND_HEADS) for route, d in getattr(self.sync, "demands", {}).items()}
+        demand = {route: d.export(MAX_DEMAND_HEADS) for route, d in self.sync.demands.items()}
         varies = [
             (route, place, 0)
-            for route, learner in getattr(self.sync, "learners", {}).items()
+            for route, learner in self.sync.learners.items()
             for place in learner.varying_digests(MAX_VARYING_PLACES)
         ]
         # empty, it is only the end mark (start counts, varying places): the newcomer has nothing to wait for

@@ -104,21 +104,11 @@ async def test_conversation_starts_behind_shared_heads_are_counted_by_every_gate
     channel = f"test-starts-{uuid.uuid4().hex}"
     a_demand, b_demand = HeadDemand(256), HeadDemand(256)
     a_learn, b_learn = VarianceLearner(), VarianceLearner()
-    a = AffinitySync(
-        redis_url,
-        channel,
-        {"chat": index()},
-        batch_interval_s=0.001,
-        demands={"chat": a_demand},
-        learners={"chat": a_learn},
-    )
-    b = AffinitySync(
-        redis_url,
-        channel,
-        {"chat": index()},
-        batch_interval_s=0.001,
-        demands={"chat": b_demand},
-        learners={"chat": b_learn},
+    a, b = (
+        AffinitySync(
+            redis_url, channel, {"chat": index()}, batch_interval_s=0.001, demands={"chat": d}, learners={"chat": lr}
+        )
+        for d, lr in ((a_demand, a_learn), (b_demand, b_learn))
     )
     await a.start()
     await b.start()

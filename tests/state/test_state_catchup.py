@@ -114,6 +114,8 @@ class _Sync:
 
     def __init__(self, idx: AffinityIndex) -> None:
         self.indexes = {"chat": idx}
+        self.demands: dict[str, object] = {}
+        self.learners: dict[str, object] = {}
         self.offered: list[int] = []
 
     def offer(self, records: list[object], demand: object = None, varies: object = ()) -> None:
