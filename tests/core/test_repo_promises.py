@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,42 @@ def test_readme_has_both_commands_and_ci_runs_the_test_command() -> None:
     assert TEST_COMMAND in readme
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert TEST_COMMAND in ci_lines
+
+
+# Run without the packages only the extras bring: what the start command needs must be a core
+# dependency (`pip install .` installs nothing else).
+_START_WITHOUT_EXTRAS = """
+import re, sys, tomllib
+project = tomllib.loads(open("pyproject.toml", "rb").read().decode())["project"]
+name = lambda spec: re.split(r"[<>=!~;\\[ ]", spec, maxsplit=1)[0].lower().replace("-", "_")
+core = {name(d) for d in project["dependencies"]}
+extras = {name(d) for deps in project["optional-dependencies"].values() for d in deps} - core
+
+class Blocked:
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in extras:
+            raise ImportError(f"{fullname} comes with an extra only, not with `pip install .`")
+
+sys.meta_path.insert(0, Blocked())
+from gateway.cli import demo_config
+from gateway.config import default_config_path, load_config
+from gateway.service import Gateway
+from gateway.sim.app import create_app
+
+sim = create_app()  # the demo's replicas: their tokenizer and chat template
+print(len(sim.replica.prompts.chat([{"role": "user", "content": "hi"}])))
+base = load_config(default_config_path())
+urls = [f"http://127.0.0.1:{9 + i}" for i in range(len(base.replicas))]
+gateway = Gateway(demo_config(base, urls, 0, "demo"))
+gateway._warm_pipelines()
+"""
+
+
+def test_the_start_command_needs_only_the_core_dependencies() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _START_WITHOUT_EXTRAS], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_dockerfile_passes_hadolint() -> None:
