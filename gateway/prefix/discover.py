@@ -8,10 +8,13 @@ not keep, so learning takes three requests and stores only hashes and one bounde
 
 1. request k: hashes of the text's 64-character chunks (no text);
 2. request k+1: its chunks first differ from k's at chunk ``a``: keep an *excerpt* of request
-   k+1 around that chunk (at most 160 characters, in memory only);
+   k+1 around that chunk (48 characters before it to 256 after, in memory only);
 3. request k+2: where its text first differs from the excerpt, the value around that spot
    (digits, letters, ``_-`` and separators between digits, CJK date units) is a span; the
-   walk resumes after it, so a few values close together are learned at once.
+   walk resumes after it, so a few values close together are learned at once.  The rest of
+   the excerpt must agree: a word that differs, or more than a few values, means another
+   template (``tenant-00`` / ``tenant-01`` atop two tenants' different prompts), and nothing
+   is learned.
 
 The span becomes a *discovered rule*: the (up to 16) characters before it, literally, then a
 pattern of the value's shape (:func:`gateway.prefix.learn.suggest_pattern`).  It is applied
@@ -36,7 +39,8 @@ from gateway.prefix.learn import digest, shape, suggest_pattern
 from gateway.prefix.volatile import Span
 
 CHUNK = 64
-_MARGIN = 48
+_MARGIN = 48  # excerpt characters before the first differing chunk
+_AFTER = 256  # and after it: the texts must agree there but for values (same template)
 _MAX_VALUE = 96
 _CONTEXT = 16
 _MIN_CONTEXT = 4
@@ -78,6 +82,11 @@ def expand_value(text: str, pos: int) -> tuple[int, int]:
         else:
             break
     return start, end
+
+
+def _is_value(text: str) -> bool:
+    """Looks like a value, not a word: at most ``_MAX_VALUE`` characters, a digit, no mask."""
+    return 0 < len(text) <= _MAX_VALUE and MASK not in text and any(c.isdigit() for c in text)
 
 
 @dataclass(slots=True)
@@ -197,7 +206,7 @@ class SpanDiscoverer:
             else:
                 slot.kept += 1
             lo = max(0, at - _MARGIN)
-            slot.excerpt = "" if found else stable[lo : at + CHUNK + _MARGIN]
+            slot.excerpt = "" if found else stable[lo : at + CHUNK + _AFTER]
             slot.excerpt_at = lo
             slot.length, slot.text_hash, slot.chunks, slot.last_seen = len(stable), text_hash, chunks, now
             return found
@@ -217,29 +226,30 @@ class SpanDiscoverer:
         n = len(stable)
         found: list[DiscoveredRule] = []
         previous_end = 0
-        for _ in range(_MAX_PER_EXCERPT):
+        for values in range(_MAX_PER_EXCERPT + 1):
             while ie < len(excerpt) and ic < n and excerpt[ie] == stable[ic]:
                 ie += 1
                 ic += 1
             if ie >= len(excerpt) or ic >= n:
-                break
+                return found  # every difference in the excerpt was a value
             start, end = expand_value(stable, ic)
             _ex_start, ex_end = expand_value(excerpt, ie)
-            if end <= start or (ex_end <= ie and end <= ic):
-                break
+            if values == _MAX_PER_EXCERPT or end <= start or (ex_end <= ie and end <= ic):
+                return []  # the texts part ways outside a value: another template, not a volatile one
+            value = stable[start:end]
+            if not _is_value(value) or not _is_value(excerpt[_ex_start:ex_end]):
+                return []  # a word differs (another tenant's text): nothing here is a value
             rule = self._candidate(where, stable, start, end, previous_end, now)
             if rule is not None and all(r.left != rule.left for r in found):
                 found.append(rule)
             previous_end = end
             ie, ic = max(ex_end, ie + 1), max(end, ic + 1)
-        return found
+        return []
 
     def _candidate(
         self, where: str, stable: str, start: int, end: int, previous_end: int, now: float
     ) -> DiscoveredRule | None:
         value = stable[start:end]
-        if end - start > _MAX_VALUE or MASK in value or not any(c.isdigit() for c in value):
-            return None
         left = stable[max(previous_end, start - _CONTEXT) : start]
         left = left[left.rfind(MASK) + 1 :]
         at_start = len(left) == start  # the value sits near the start of the text: anchor there

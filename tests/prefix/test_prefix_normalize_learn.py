@@ -131,6 +131,18 @@ def test_discovery_ignores_words_and_bounds_itself() -> None:
     assert len(norm.discoverer.rules()) == 1  # type: ignore[union-attr]
 
 
+def test_discovery_ignores_per_tenant_ids_followed_by_other_text() -> None:
+    """``tenant-00`` vs ``tenant-01`` at the same spot of two tenants' system prompts has digits
+    and the same text before it, but what follows differs: two templates, not a volatile value
+    (found in the agent workloads, where it was relocated out of every tenant's head)."""
+    norm = Normalizer(NormalizeSettings(mode="relocate", detectors=[]))
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot"]
+    for i in range(12):
+        t = i % 3
+        norm.apply("chat", chat(f"You are the agent of tenant-{t:02d}. Follow these. " + f"{words[t]} rules " * 40))
+    assert norm.discoverer.rules() == []  # type: ignore[union-attr]
+
+
 def test_discovered_spans_are_not_moved_inside_json() -> None:
     norm = Normalizer(NormalizeSettings(mode="relocate", detectors=[]))
     results = [norm.apply("chat", chat('cfg {"build": "B' + f"{i:04d}x" + '", "a": 1} ' + "x " * 60)) for i in range(5)]
