@@ -63,11 +63,12 @@ def test_new_conversations_behind_one_busy_head_spread_while_each_stays_home() -
         assert d.replica == first[i]
 
 
-def test_a_tenant_among_several_keeps_one_holder() -> None:
-    """Four tenants' heads, new conversations in turn: each head draws a fair share of
-    starts, so none is copied (the fleet's KV holds histories, not four copies of heads)."""
-    p = policy()
-    heads = [chain(400, 10 + t) for t in range(4)]
+def _four_tenants(head_blocks: int, **settings: object) -> tuple[dict[int, set[str]], dict[str, float]]:
+    """Four tenants' heads, new conversations of 8 blocks in turn (the first two heads' first
+    holders coincide: a tie in ring order while every replica was idle); where each tenant
+    started and each replica's recent prefill work."""
+    p = policy(**settings)
+    heads = [chain(head_blocks, 10 + t) for t in range(4)]
     loads: Counter[str] = Counter()
     placed: dict[int, set[str]] = {t: set() for t in range(4)}
     for i in range(64):
@@ -77,7 +78,33 @@ def test_a_tenant_among_several_keeps_one_holder() -> None:
         loads[d.replica] += 1
         if i % 3 == 0:  # some finish
             loads[max(loads, key=loads.__getitem__)] -= 1
+    return placed, p.work.snapshot()
+
+
+def test_a_tenant_among_several_keeps_one_holder() -> None:
+    """Each head draws a fair share of starts, so head demand copies none (the fleet's KV
+    holds histories, not four copies of heads), even when two heads share a replica; the
+    work balance then copies one 6,400-token head once, to the replica no tenant landed on
+    (it did nothing while the other held two heads), and no head twice."""
+    placed, work = _four_tenants(400, start_work_factor=None)
     assert all(len(replicas) == 1 for replicas in placed.values()), placed
+    assert max(work.values()) > 1.5 * sum(work.values()) / len(NAMES)  # the replica with two tenants
+    placed, _ = _four_tenants(400)
+    assert set().union(*placed.values()) == set(NAMES), placed
+    assert sorted(len(replicas) for replicas in placed.values()) == [1, 1, 1, 2], placed
+
+
+def test_tenants_sharing_a_replica_are_split_for_prefill_work_balance() -> None:
+    """Two tenants on one replica and one replica with none: by default the busiest replica's
+    tenants start new conversations on the least-worked replica (gateway.routing.work), so
+    every replica works and the recent prefill work stays within 1.25x the mean; off, the
+    replica with two tenants does ~2x the mean."""
+    _, unbalanced = _four_tenants(40, start_work_factor=None)
+    assert max(unbalanced.values()) > 1.5 * sum(unbalanced.values()) / len(NAMES), unbalanced
+    placed, work = _four_tenants(40)  # 640-token heads: the imbalance soon outweighs a copy
+    assert set().union(*placed.values()) == set(NAMES), placed
+    assert max(work.values()) <= 1.25 * sum(work.values()) / len(NAMES), work
+    assert sum(len(replicas) for replicas in placed.values()) <= 7, placed  # a few copies, not every head everywhere
 
 
 def test_an_idle_holder_keeps_one_at_a_time_requests() -> None:

@@ -30,6 +30,10 @@ uncached tokens.  The decision, in order:
      needs (``head_load_factor``, :mod:`gateway.routing.starts`).  While it has fewer and
      every holder is busy, the request starts on another replica (the ring branch: least
      busy), which computes the head; else the score below (the head's holders win).
+   - **balance**: such a start whose head's holder has done more than ``start_work_factor``
+     (1.25) x the mean recent prefill work, and more than the mean + the head's length, goes
+     to the least-worked holder under that, else to the least-worked replica, which computes
+     the head (:mod:`gateway.routing.work`): tenants do not divide evenly over replicas.
    - **shared** (opt-in, ``shared_prefix_slack``): such a request's best holder keeps it
      while it is the least busy (+ ``shared_prefix_slack`` requests; in-flight plus queued
      prefill); else the least busy replica takes it and caches the prefix too: a hot head is
@@ -66,6 +70,7 @@ shows.  No HTTP, metrics or logging here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -75,9 +80,10 @@ from pydantic import Field
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import Decision, PolicySettings, ReplicaView, RequestView
 from gateway.routing.load import FleetLoad, fleet_load
-from gateway.routing.policies.prefix_fleet import Cheapest, Cost, DecisionFleet, Group
+from gateway.routing.policies.prefix_fleet import LIST_AT_MOST, Cheapest, Cost, DecisionFleet, Group
 from gateway.routing.ring import HashRing
 from gateway.routing.starts import HeadDemand
+from gateway.routing.work import RecentWork
 
 REASONS = ("affinity", "ring", "spill", "fallback")
 
@@ -191,6 +197,18 @@ class PrefixPolicySettings(PolicySettings):
         description="a head's share is taken over at least this many recent starts (default: 2 x replicas), so a "
         "fresh pool does not copy heads on its first few requests",
     )
+    start_work_factor: float | None = Field(
+        1.25,
+        ge=1.0,
+        description="a new conversation behind a shared head whose holder has recently done more than this x the "
+        "mean prefill work (uncached prompt tokens the policy sent, per unit of weight) and more than the mean + "
+        "the head's length starts on its least-worked holder under that, else on the least-worked replica, which "
+        "computes the head and shares the tenant from then on (tenants do not divide evenly over replicas: six on "
+        "four leaves one replica with 1.33x the mean; docs/prefix-routing.md has what it costs and buys). null: off",
+    )
+    start_work_window: int = Field(
+        1024, ge=1, description="recent prefill work: a request's tokens weigh 1/e after this many more requests"
+    )
     use_session_key: bool = Field(True, description="use the route's session header value as the ring key if present")
 
 
@@ -212,6 +230,8 @@ class PrefixPolicy:
         )
         self._capacity_block_size = 0
         self.demand = HeadDemand(settings.head_window_starts)
+        self.work = RecentWork(settings.start_work_window)
+        self._weight_sum = 0.0
         self._turn = 0
         self._admitted: FleetLoad | None = None  # the live load whose names are all on the ring
         self._bits_cache: tuple[FleetLoad, int, int, list[int]] | None = None
@@ -223,7 +243,9 @@ class PrefixPolicy:
         weights = {m.name: float(m.weight) for m in members}
         if weights != self._weights:
             self._weights = weights
+            self._weight_sum = sum(weights.values())
             self.ring = HashRing(weights, self.settings.virtual_nodes)
+            self.work.keep_only(set(weights))
         self.index.set_members(weights)
         self._admitted = None
 
@@ -237,6 +259,7 @@ class PrefixPolicy:
         if missing:
             weights_now = {**self._weights, **missing}
             self._weights = weights_now
+            self._weight_sum = sum(weights_now.values())
             self.ring = HashRing(weights_now, self.settings.virtual_nodes)
             self.index.set_members(weights_now)
         self._admitted = load
@@ -314,6 +337,7 @@ class PrefixPolicy:
         forked = bool(best_any) and self.index.is_fork(keys[best_any - 1])
         factor = settings.head_load_factor
         start: int | None = None  # the shared head behind a new conversation
+        balance: str | None = None  # where it starts instead, for prefill-work balance
         if factor is not None and home is None and forked:
             start = keys[best_any - 1]
             holders = [group for group in groups if group.depth == best_any]
@@ -324,6 +348,10 @@ class PrefixPolicy:
                 if elsewhere or any_free:
                     under = elsewhere
                     has_match = bool(under)
+            elif settings.start_work_factor is not None and self.demand.recent_starts() + 1 >= prior:
+                own_key = ring_key if key_source == "session" else keys[-1]
+                head_tokens = holders[0].tokens if holders else 0
+                balance = self._least_worked(fleet, holders, head_tokens, settings.start_work_factor, own_key)
         # Ties break on this request's own identity — its session, or its deepest key (which
         # covers the whole prompt) — never on a shared head's key: conversations behind one
         # long system prompt spread instead of following that prompt's key to one replica.
@@ -346,6 +374,11 @@ class PrefixPolicy:
             # bound).  Stay: the bound, not a score, guards against hot spots.
             branch = "home"
             pick = home
+        elif balance is not None:
+            # A new conversation whose head's holders have all done much more than their share
+            # of recent prefill work: start it where the least was done (see gateway.routing.work).
+            branch = "balance"
+            pick = balance
         elif has_match and shared_slack is not None and forked:
             branch = "shared"
             pick = self._place_shared(request, fleet, under, others, tie_key, shared_slack)
@@ -379,6 +412,7 @@ class PrefixPolicy:
         if prompt_tokens:
             # vLLM always recomputes a prompt's last token, so a full hit stops one block short.
             predicted = min(predicted, (prompt_tokens - 1) // block_size * block_size)
+        worked = self.work.record(pick, (prompt_tokens or 0) - max(0, predicted)) if commit else None
         detail: dict[str, Any] = {
             "predicted_cached_tokens": max(0, predicted),
             "matched_blocks": picked.depth,
@@ -392,10 +426,12 @@ class PrefixPolicy:
             detail["recorded_keys"] = added  # taken back by forget_attempt if the attempt fails
         if started is not None:
             detail["started"] = started  # likewise
+        if worked is not None:
+            detail["work"] = worked  # likewise
         if not commit:
             # The explain-only part (hex key, per-candidate table over every replica) costs a
             # pass over the fleet, a ring walk and string formatting: real requests skip it.
-            detail["branch"] = branch  # home | shared | score | ring
+            detail["branch"] = branch  # home | balance | shared | score | ring
             detail["key"] = f"{ring_key:016x}"
             detail["load_factor"] = settings.load_factor
             detail["total_in_flight"] = load.total_in_flight
@@ -416,6 +452,9 @@ class PrefixPolicy:
         started = decision.detail.get("started")
         if started is not None:
             self.demand.undo(started)
+        worked = decision.detail.get("work")
+        if worked is not None:
+            self.work.undo(worked)
 
     def snapshot(self) -> dict[str, Any]:
         """State for ``/admin/stats``: ring membership and affinity-index occupancy."""
@@ -428,6 +467,7 @@ class PrefixPolicy:
                 "per_replica": {name: self.index.entries(name) for name in self._weights},
             },
             "starts": self.demand.snapshot(),
+            "recent_prefill_work": self.work.snapshot(),
         }
 
     # -- helpers -----------------------------------------------------------------------
@@ -482,6 +522,57 @@ class PrefixPolicy:
             if len(homes) > 1:
                 return None
         return fleet.load.names[homes[0]] if homes else None
+
+    def _least_worked(
+        self, fleet: DecisionFleet, holders: list[Group], head_tokens: int, factor: float, tie_key: int
+    ) -> str | None:
+        """Where a new conversation behind a shared head starts for prefill-work balance.
+
+        The limit is ``factor`` x the mean recent work per unit of weight, and at least the
+        mean + the head's ``head_tokens``: a copy of the head is paid only for an imbalance
+        larger than itself (a 10k-token head is not copied to even out a few short turns).
+        While some holder is over it and every holder is busy: the least-worked admitted holder
+        under the limit, else the admitted non-holder that did the least, provided it did less
+        than every holder (it computes the head and becomes a holder).  Ties by the request's
+        own key.  None: start as usual (the score among the holders).
+
+        Only a head on a few replicas is weighed (listing them is cheap, and copying a head
+        that most of the fleet holds balances nothing); the pass over the fleet to find the
+        least-worked replica runs only once the holders are over the limit.
+        """
+        load = fleet.load
+        if load.n < 2 or self._weight_sum <= 0 or sum(group.size for group in holders) > LIST_AT_MOST:
+            return None
+        work, names, weights = self.work, load.names, load.weights
+        mean = work.total() / self._weight_sum  # per unit of weight
+        limit = max(factor * mean, mean + head_tokens / fleet.mean_weight)
+
+        def per_weight(slot: int) -> float:
+            w = weights[slot]
+            return work.of(names[slot]) / w if w > 0 else math.inf
+
+        held: dict[int, Group] = {}
+        for group in holders:
+            held.update((slot, group) for slot in fleet.members(group))
+        over = any(per_weight(slot) > limit for slot in held)
+        if len(held) == load.n or not over or any(map(fleet.idle_member, holders)):
+            # (a head every replica holds: the load terms place its starts; an idle holder keeps
+            # one-at-a-time traffic: nothing waits there)
+            return None
+        # Some holder is over the limit: the tenant's next start goes to its least-worked
+        # holder if one is under it, else to the least-worked replica elsewhere.
+        within = [(per_weight(slot), slot) for slot, group in held.items() if fleet.admitted(slot, group)]
+        within = [(value, slot) for value, slot in within if value <= limit]
+        if not within:
+            nobody = Group(0, 0, 0)
+            elsewhere = [(per_weight(s), s) for s in range(load.n) if s not in held and fleet.admitted(s, nobody)]
+            floor = min(per_weight(slot) for slot in held)
+            within = [(value, slot) for value, slot in elsewhere if value < floor]
+            if not within:
+                return None
+        least = min(value for value, _ in within)
+        tied = [names[slot] for value, slot in within if value <= least * (1 + 1e-9)]
+        return tied[0] if len(tied) == 1 else self.ring.first(tie_key, tied)
 
     def _first_eligible(self, key: int, load: FleetLoad) -> str:
         """The first eligible replica in ring order from ``key`` (a short walk: most are)."""
