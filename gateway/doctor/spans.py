@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 
+from gateway.prefix.learn import shape
+
 # ASCII words and digit runs stay whole (an id is one token); any other letter is a token of
 # its own, so a value glued to CJK text (``现在时间17:30``) is still told apart from it.
 _TOKEN = re.compile(r"[A-Za-z0-9_]+|\d+|\w|\s+|[^\w\s]")
@@ -47,11 +49,7 @@ class LearnedSpan:
     @property
     def example_shape(self) -> str:
         """The first value with letters → ``a``/``A`` and digits → ``9``: its shape, not its text."""
-        return shape_of(self.values[0]) if self.values else ""
-
-
-def shape_of(value: str) -> str:
-    return re.sub(r"[a-z]", "a", re.sub(r"[A-Z]", "A", re.sub(r"\d", "9", value)))
+        return shape(self.values[0]) if self.values else ""
 
 
 def _offsets(tokens: Sequence[str]) -> list[int]:
