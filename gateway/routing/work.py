@@ -8,10 +8,12 @@ busiest replica ends the run with ~1.3x the mean prefill work however well each 
 is balanced in the moment (in-flight counts even out within seconds; tenants don't).
 
 So the ``prefix`` policy counts the uncached prompt tokens it sends each replica (its own
-prediction, decayed over ``window`` requests), and a new conversation behind a shared head
-whose every holder has done more than ``factor`` x the mean starts on the replica that did
-the least: it computes the head once and becomes a second holder, and the tenant is shared
-between the two from then on (the ordinary load terms split its later starts).
+prediction, decayed over ``window`` requests).  A new conversation behind a shared head
+whose holder has done more than ``start_work_factor`` x the mean (and more than the mean +
+the head's length: a copy must be worth its cost) starts on the least-worked holder under
+that limit, or, when every holder is over it, on the replica that did the least: that one
+computes the head once, becomes a holder, and the tenant is shared from then on.  The
+decision is ``PrefixPolicy._least_worked``; this module only keeps the counts.
 
 Decay is lazy, as in :mod:`gateway.routing.starts`: each record adds a growing increment
 instead of multiplying every count, so recording and reading are O(1).
