@@ -6,6 +6,7 @@ import math
 from collections import Counter
 
 from gateway.routing.starts import HeadDemand
+from gateway.routing.work import RecentWork
 from tests.prefix.policy_helpers import NAMES, chain, policy, req, views
 
 
@@ -61,6 +62,21 @@ def test_new_conversations_behind_one_busy_head_spread_while_each_stays_home() -
     for i in range(16):  # turn 2 of each: its own history, home
         d = p.choose(req(head + chain(8, 100 + i) + chain(12, 200 + i)), views(loads))
         assert d.replica == first[i]
+
+
+def test_recent_work_decays_undoes_and_forgets_departed_replicas() -> None:
+    w = RecentWork(window=10)
+    for _ in range(100):
+        w.record("a", 100)
+    token = w.record("b", 1000)
+    assert math.isclose(w.of("b"), 1000) and w.of("a") < 1000  # a's old work has decayed
+    w.undo(token)  # the attempt failed before the replica answered
+    assert w.of("b") == 0 and math.isclose(w.total(), w.of("a"))
+    w.keep_only({"b"})  # "a" left the pool: its work no longer counts in the mean
+    assert w.total() == 0 and w.snapshot() == {"b": 0.0}
+    for _ in range(5000):  # renormalises many times without drifting
+        w.record("b", 1)
+    assert math.isclose(w.total(), 1 / (1 - math.exp(-1 / 10)), rel_tol=1e-6)
 
 
 def _four_tenants(head_blocks: int, **settings: object) -> tuple[dict[int, set[str]], dict[str, float]]:
