@@ -17,9 +17,8 @@ holder is busy, a new conversation starts on another replica, which computes the
 holds it from then on.  A tenant among several keeps one holder; a single tenant's burst
 spreads over the fleet; an idle holder keeps one-at-a-time traffic (nothing to gain).
 
-Starts decay geometrically (``window`` recent starts weigh ~1/e), lazily: each start adds a
-growing increment instead of multiplying every count, so recording and reading are O(1).
-Heads are kept in an LRU of bounded size.
+Starts decay geometrically (``window`` recent starts weigh ~1/e), lazily, in O(1)
+(:mod:`gateway.routing.decay`).  Heads are kept in an LRU of bounded size.
 
 Several gateway processes share their starts (``gateway.state.affinity_sync``): each one's
 local starts go to its ``listener`` and its peers' come back through ``record_peer``, so every
@@ -30,34 +29,30 @@ process that joins takes its peers' counts from their catch-up snapshot (``expor
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-_RESCALE_AT = 1e100  # the growing increment is renormalised long before floats overflow
+from gateway.routing.decay import DecayedCounts, Token
 
 
-class HeadDemand:
-    """Recent new conversations behind shared heads, in total and per head (decayed).
+class HeadDemand(DecayedCounts):
+    """Recent new conversations behind shared heads, in total and per head (decayed; heads in
+    an LRU of ``max_heads``).
 
     Only requests starting behind a shared head count: a request sharing nothing has no head
     to copy (it goes to the least busy replica), and counting it would make every head look
     rarer than it is among the conversations that could pile up.
     """
 
-    __slots__ = ("_epoch", "_growth", "_heads", "_increment", "_max_heads", "_total", "listener")
+    __slots__ = ("_max_heads", "listener")
 
     def __init__(self, window: int, max_heads: int = 8192) -> None:
-        self._growth = math.exp(1.0 / max(1, window))
-        self._heads: OrderedDict[int, float] = OrderedDict()
+        super().__init__(window)
         self._max_heads = max_heads
-        self._increment = 1.0
-        self._total = 0.0
-        self._epoch = 0  # bumps on renormalisation: an older undo token no longer applies
         self.listener: Callable[[int], None] | None = None  # hears each local start (shared state)
 
     def recent_starts(self) -> float:
         """Recent starts in the pool (decayed: the newest weighs 1)."""
-        return self._total / self._increment
+        return self.total()
 
     def share(self, head: int, prior: float) -> float:
         """``head``'s share of recent starts, counting the one being placed.
@@ -65,8 +60,7 @@ class HeadDemand:
         ``prior``: the share is taken over at least this many starts, so a fresh pool (two
         of its first three starts behind one head) does not copy heads on noise.
         """
-        unit = self._increment
-        return (self._heads.get(head, 0.0) / unit + 1.0) / max(self._total / unit + 1.0, prior)
+        return (self.count(head) + 1.0) / max(self.total() + 1.0, prior)
 
     def holders_needed(self, head: int, replicas: int, factor: float, prior: float) -> int:
         """How many replicas ``head`` needs: its share of starts in replicas, ``share x
@@ -75,44 +69,25 @@ class HeadDemand:
         single tenant's burst (share near 1) gets all 4."""
         return max(1, math.floor(self.share(head, prior) * replicas / factor + 0.5))
 
-    def record(self, head: int) -> tuple[int, float, int]:
+    def record(self, head: int) -> Token:
         """Count a start behind ``head``; returns the undo token."""
         token = self.record_peer(head)
         if self.listener is not None:
             self.listener(head)
         return token
 
-    def record_peer(self, head: int) -> tuple[int, float, int]:
+    def record_peer(self, head: int) -> Token:
         """Count a start another gateway process placed (not passed on to ``listener``)."""
-        self._increment *= self._growth
-        if self._increment > _RESCALE_AT:
-            unit = self._increment
-            self._heads = OrderedDict((k, v / unit) for k, v in self._heads.items())
-            self._total /= unit
-            self._increment = 1.0
-            self._epoch += 1
-        inc = self._increment
-        self._total += inc
-        heads = self._heads
-        heads[head] = heads.pop(head, 0.0) + inc  # most recently started last
-        if len(heads) > self._max_heads:
-            heads.popitem(last=False)
-        return self._epoch, inc, head
-
-    def undo(self, token: tuple[int, float, int]) -> None:
-        """Take back a start whose attempt failed before the replica answered."""
-        epoch, inc, head = token
-        if epoch != self._epoch:
-            return
-        self._total = max(0.0, self._total - inc)
-        if head in self._heads:
-            self._heads[head] = max(0.0, self._heads[head] - inc)
+        token = self._add(head, 1.0)
+        if len(self._counts) > self._max_heads:
+            self._counts.popitem(last=False)
+        return token
 
     def export(self, top: int) -> tuple[float, list[tuple[int, float]]]:
         """Recent starts and the ``top`` most recently started heads' counts (decayed, the newest
         start weighing 1), oldest first: what ``merge`` takes."""
         unit = self._increment
-        heads = list(self._heads.items())[-top:] if top > 0 else []
+        heads = list(self._counts.items())[-top:] if top > 0 else []
         return self._total / unit, [(head, count / unit) for head, count in heads]
 
     def merge(self, total: float, heads: Iterable[tuple[int, float]]) -> None:
@@ -120,13 +95,13 @@ class HeadDemand:
         unit = self._increment
         self._total += max(0.0, total) * unit
         for head, count in heads:
-            self._heads[head] = self._heads.pop(head, 0.0) + max(0.0, count) * unit
-        while len(self._heads) > self._max_heads:
-            self._heads.popitem(last=False)
+            self._counts[head] = self._counts.pop(head, 0.0) + max(0.0, count) * unit
+        while len(self._counts) > self._max_heads:
+            self._counts.popitem(last=False)
 
     def snapshot(self, top: int = 8) -> dict[str, object]:
         """Recent starts and the busiest heads' shares (for ``/admin/stats``; keys in hex)."""
-        busiest = sorted(self._heads.items(), key=lambda kv: kv[1], reverse=True)[:top]
+        busiest = sorted(self._counts.items(), key=lambda kv: kv[1], reverse=True)[:top]
         return {
             "recent_starts": round(self.recent_starts(), 1),
             "busiest_heads": {f"{k:016x}": round(v / self._total, 3) for k, v in busiest if self._total},

@@ -15,63 +15,35 @@ that limit, or, when every holder is over it, on the replica that did the least:
 computes the head once, becomes a holder, and the tenant is shared from then on.  The
 decision is ``PrefixPolicy._least_worked``; this module only keeps the counts.
 
-Decay is lazy, as in :mod:`gateway.routing.starts`: each record adds a growing increment
-instead of multiplying every count, so recording and reading are O(1).
+Decay is lazy, in O(1) per request (:mod:`gateway.routing.decay`).
 """
 
 from __future__ import annotations
 
-import math
-
-_RESCALE_AT = 1e100  # the growing increment is renormalised long before floats overflow
+from gateway.routing.decay import DecayedCounts, Token
 
 
-class RecentWork:
+class RecentWork(DecayedCounts):
     """Decayed uncached prompt tokens sent to each replica (the newest request weighs 1)."""
 
-    __slots__ = ("_epoch", "_growth", "_increment", "_per_replica", "_total")
+    __slots__ = ()
 
-    def __init__(self, window: int) -> None:
-        self._growth = math.exp(1.0 / max(1, window))
-        self._increment = 1.0
-        self._per_replica: dict[str, float] = {}
-        self._total = 0.0
-        self._epoch = 0  # bumps on renormalisation: an older undo token no longer applies
-
-    def of(self, name: str) -> float:
-        return self._per_replica.get(name, 0.0) / self._increment
-
-    def total(self) -> float:
-        return self._total / self._increment
-
-    def record(self, name: str, tokens: float) -> tuple[int, str, float]:
+    def record(self, name: str, tokens: float) -> Token:
         """Count ``tokens`` of prefill sent to ``name``; returns the undo token."""
-        self._increment *= self._growth
-        if self._increment > _RESCALE_AT:
-            unit = self._increment
-            self._per_replica = {k: v / unit for k, v in self._per_replica.items()}
-            self._total /= unit
-            self._increment = 1.0
-            self._epoch += 1
-        amount = max(0.0, tokens) * self._increment
-        self._per_replica[name] = self._per_replica.get(name, 0.0) + amount
-        self._total += amount
-        return self._epoch, name, amount
+        return self._add(name, max(0.0, tokens))
 
-    def undo(self, token: tuple[int, str, float]) -> None:
-        """Take back a record whose attempt failed before the replica answered."""
-        epoch, name, amount = token
-        if epoch != self._epoch or name not in self._per_replica:
-            return
-        self._per_replica[name] = max(0.0, self._per_replica[name] - amount)
-        self._total = max(0.0, self._total - amount)
+    def undo(self, token: Token) -> None:
+        """Take back a record whose attempt failed before the replica answered (not for a
+        replica that has left since: its work is already out of the total)."""
+        if token[1] in self._counts:
+            super().undo(token)
 
     def keep_only(self, names: set[str]) -> None:
         """Forget replicas that left the pool (their work no longer counts in the mean)."""
-        for name in [n for n in self._per_replica if n not in names]:
-            self._total = max(0.0, self._total - self._per_replica.pop(name))
+        for name in [n for n in self._counts if n not in names]:
+            self._total = max(0.0, self._total - self._counts.pop(name))
 
     def snapshot(self) -> dict[str, float]:
         """Each replica's recent work in tokens (for ``/admin/stats``)."""
         unit = self._increment
-        return {name: round(v / unit, 1) for name, v in sorted(self._per_replica.items())}
+        return {str(name): round(v / unit, 1) for name, v in sorted(self._counts.items(), key=lambda kv: str(kv[0]))}

@@ -69,9 +69,9 @@ def test_recent_work_decays_undoes_and_forgets_departed_replicas() -> None:
     for _ in range(100):
         w.record("a", 100)
     token = w.record("b", 1000)
-    assert math.isclose(w.of("b"), 1000) and w.of("a") < 1000  # a's old work has decayed
+    assert math.isclose(w.count("b"), 1000) and w.count("a") < 1000  # a's old work has decayed
     w.undo(token)  # the attempt failed before the replica answered
-    assert w.of("b") == 0 and math.isclose(w.total(), w.of("a"))
+    assert w.count("b") == 0 and math.isclose(w.total(), w.count("a"))
     w.keep_only({"b"})  # "a" left the pool: its work no longer counts in the mean
     assert w.total() == 0 and w.snapshot() == {"b": 0.0}
     for _ in range(5000):  # renormalises many times without drifting

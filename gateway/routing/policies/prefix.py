@@ -549,13 +549,13 @@ class PrefixPolicy:
 
         def per_weight(slot: int) -> float:
             w = weights[slot]
-            return work.of(names[slot]) / w if w > 0 else math.inf
+            return work.count(names[slot]) / w if w > 0 else math.inf
 
         held: dict[int, Group] = {}
         for group in holders:
             held.update((slot, group) for slot in fleet.members(group))
-        over = any(per_weight(slot) > limit for slot in held)
-        if len(held) == load.n or not over or any(map(fleet.idle_member, holders)):
+        over = len(held) < load.n and any(per_weight(slot) > limit for slot in held)
+        if not over or any(map(fleet.idle_member, holders)):
             # (a head every replica holds: the load terms place its starts; an idle holder keeps
             # one-at-a-time traffic: nothing waits there)
             return None
