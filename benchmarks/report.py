@@ -160,7 +160,10 @@ def evaluate(workload: str, levels: Mapping[str, Mapping[str, Any]], control: bo
                         out.append(na(name, f"{PEER} not run"))
                     else:
                         ok = r <= TTFT_VS_PEER_MODERATE
-                        out.append(verdict(name, r, TTFT_VS_PEER_MODERATE, ok, f"{r:.2f}x of {PEER}"))
+                        # context: a target below the pooled oracle's own ratio is out of any router's reach
+                        bound = paired(oracle, peer, ["ttft_ms", q])
+                        pooled = f" (pooled oracle: {bound:.2f}x)" if bound is not None else ""
+                        out.append(verdict(name, r, TTFT_VS_PEER_MODERATE, ok, f"{r:.2f}x of {PEER}{pooled}"))
             elif level == "saturated":
                 name = f"TTFT p90 <= {P90_VS_ORACLE_SATURATED}x oracle"
                 r = paired(cand, oracle, ["ttft_ms", "p90"])
@@ -168,7 +171,9 @@ def evaluate(workload: str, levels: Mapping[str, Mapping[str, Any]], control: bo
                     out.append(na(name, "oracle not measured"))
                 else:
                     ok = r <= P90_VS_ORACLE_SATURATED
-                    out.append(verdict(name, r, P90_VS_ORACLE_SATURATED, ok, f"{r:.2f}x of the oracle"))
+                    theirs = paired(peer, oracle, ["ttft_ms", "p90"]) if peer else None
+                    context = f" ({PEER}: {theirs:.2f}x)" if theirs is not None else ""
+                    out.append(verdict(name, r, P90_VS_ORACLE_SATURATED, ok, f"{r:.2f}x of the oracle{context}"))
         else:
             ll = runs.get(LOAD_AWARE)
             for q in ("p50", "p90"):

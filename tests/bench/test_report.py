@@ -65,6 +65,9 @@ def test_verdicts_apply_each_target_of_issue_8_where_it_belongs():
     assert verdicts[("moderate", "TTFT p90 <= 0.8x sglang")].passed is False  # 90 / 100
     assert verdicts[("saturated", "TTFT p90 <= 1.3x oracle")].passed is True  # 900 / 800
     assert verdicts[("saturated", "TTFT p90 <= 1.3x oracle")].value == 900 / 800
+    # context: what the pooled oracle reaches against the peer, and the peer against the oracle
+    assert "(pooled oracle: 0.60x)" in verdicts[("moderate", "TTFT p90 <= 0.8x sglang")].detail  # 60 / 100
+    assert "(sglang: 1.25x)" in verdicts[("saturated", "TTFT p90 <= 1.3x oracle")].detail  # 1000 / 800
     assert verdicts[("moderate", "prefill-work max/mean <= 1.25")].passed is True
     assert verdicts[("saturated", "prefill-work max/mean <= 1.25")].passed is False
     # round-robin and the in-flight bound are context, not targets
