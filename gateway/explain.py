@@ -276,10 +276,18 @@ def why(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> str:
         if detail.get("key_source") == "session"
         else f"the chain key of block {detail.get('key_depth_blocks')}"
     )
+    ranked = sorted(candidates.values(), key=lambda c: c.get("ring_rank", 0))
+    home = ranked[0]["replica"] if ranked else "the ring's home"
     if decision.reason == "ring":
+        if home in (pick, "the ring's home"):
+            return (
+                f"no replica recently served a prefix of this request; {pick} is the home of {key_text} on the "
+                f"consistent-hash ring and is under its load bound ({load})"
+            )
         return (
-            f"no replica recently served a prefix of this request; {pick} is the home of {key_text} on the "
-            f"consistent-hash ring and is under its load bound ({load})"
+            f"no replica recently served a prefix of this request, so none is lost by placing it by load: {pick} "
+            f"has the least work ahead of it (in flight and queued prefill; {load}); {home}, the home of "
+            f"{key_text} on the ring, is busier"
         )
     # spill: from the affinity branch (scores were computed) or from the ring walk
     if any("score" in c for c in candidates.values()):
@@ -290,8 +298,6 @@ def why(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> str:
             f"{holder} holds a longer cached prefix ({best} tokens) but is over its load bound or busier; {pick} "
             f"has the best score of the rest ({cached_text}, {load})"
         )
-    ranked = sorted(candidates.values(), key=lambda c: c.get("ring_rank", 0))
-    home = ranked[0]["replica"] if ranked else "the ring's home"
     return (
         f"{home}, the home of {key_text} on the ring, is over its load bound or busier (in flight and queued "
         f"prefill) than the least busy replica; {pick} is the next acceptable replica on the ring ({load})"

@@ -8,11 +8,13 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from types import SimpleNamespace
 
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.explain import why
 from gateway.prefix.pipeline import PrefixPipeline
 from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.policies.prefix import REASONS, PrefixPolicy, PrefixPolicySettings
@@ -185,6 +187,27 @@ def test_without_affinity_the_choice_is_least_loaded(loads: list[int], seed: int
     d = p.choose(req(chain(20, seed)), views(dict(zip(NAMES, loads, strict=True))))
     assert loads[NAMES.index(d.replica)] == min(loads)
     assert d.reason in ("ring", "spill") and d.detail["predicted_cached_tokens"] == 0
+
+
+def test_a_prompt_cached_nowhere_placed_by_load_is_ring_not_spill() -> None:
+    """Nothing of the prompt is cached: the least busy replica is the intended placement, so
+    the reason is ``ring`` even where its ring home was busier (a ``spill`` means cache lost,
+    which the doctor and the dashboards read as such)."""
+    keys = chain(20, 3)
+    home = policy().ring.owner(keys[256 // 16 - 1])
+    loads = dict.fromkeys(NAMES, 0) | {home: 3}
+    p = policy()
+    d = p.peek(req(keys), views(loads))
+    assert d.replica != home and d.reason == "ring" and d.detail["predicted_cached_tokens"] == 0
+    assert d.detail["branch"] == "ring"
+    plan = SimpleNamespace(decision=d, route=SimpleNamespace(policy="prefix"), request=SimpleNamespace(block_size=16))
+    sentence = why(plan, {c["replica"]: c for c in d.detail["candidates"]})  # what /admin/explain says
+    assert "least work ahead of it" in sentence and f"{home}, the home of" in sentence and "busier" in sentence
+    # some of the prompt cached on the busy home: leaving it is a spill
+    p.index.record(home, keys[:10])
+    loads = dict.fromkeys(NAMES, 0) | {home: 9}
+    d = p.choose(req(keys), views(loads))
+    assert d.replica != home and d.reason == "spill" and d.detail["best_matched_blocks"] >= 8
 
 
 def test_pure_chwbl_follows_the_ring_home_under_the_bound() -> None:

@@ -54,7 +54,10 @@ uncached tokens.  The decision, in order:
    nothing goes to the replica with the least work ahead of it (only ties follow the ring,
    so idle fleets still agree across gateway processes); a larger
    slack, or ``null`` (pure CHWBL), trades load balance for placement that several gateway
-   processes agree on without sharing state.  Reason ``ring`` (the key's home) or ``spill``.
+   processes agree on without sharing state.  Reason ``ring`` when nothing of the prompt is
+   cached anywhere (the pick is where load puts it: no cache is lost, so it is no spill); with
+   pure CHWBL ``ring`` is the key's home and leaving it, over its bound, is a ``spill``; and
+   ``spill`` whenever some of the prompt sat on replicas that could not take it.
 4. **Fallback.**  No keys at all (prompt shorter than one block, embeddings): least loaded.
 
 Every choice is recorded in the affinity index *at decision time* (a burst of requests with a
@@ -392,14 +395,16 @@ class PrefixPolicy:
         if branch != "ring":
             reason = "affinity" if picked.tokens == groups[0].tokens else "spill"
         elif best_any:
-            reason = "spill"
+            reason = "spill"  # some of the prompt is cached, on replicas that could not take it
+        elif settings.ring_slack is not None:
+            # Nothing of the prompt is cached anywhere: the least busy replica is the intended
+            # placement, not an overflow (no cache is lost), whichever the ring names for ties.
+            reason = "ring"
         else:
+            # pure CHWBL: the key's ring home is the placement; leaving it (over its bound) spills
             everyone = load.n == len(self._weights)
-            reason = (
-                "ring"
-                if pick == (self.ring.owner(ring_key) if everyone else self._first_eligible(ring_key, load))
-                else "spill"
-            )
+            home_pick = self.ring.owner(ring_key) if everyone else self._first_eligible(ring_key, load)
+            reason = "ring" if pick == home_pick else "spill"
 
         added: list[int] = []
         started: tuple[int, float, int] | None = None
