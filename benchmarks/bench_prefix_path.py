@@ -318,12 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     n = 100 if args.quick else args.n
+    repeat = max(1, args.repeat)
     fleets = args.replicas or [4]
     scenarios = args.scenario or list(WORKLOADS)
 
     get_tokenizer()  # load the vocabulary outside the timings
     runs: list[list[dict[str, Any]]] = []
-    for _ in range(max(1, args.repeat)):  # interleaved: a busy moment hits one run of every scenario
+    for _ in range(repeat):  # interleaved: a busy moment hits one run of every scenario
         this = [run_scenario(name, n, args.window, args.seed, size) for size in fleets for name in scenarios]
         if not args.scenario:
             this.append(run_uncached_baseline(n, args.window, args.seed))
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'scenario':20s} {'repl':>4s} {'tokens':>6s} {'stage':14s} {'cpu p50':>8s} {'cpu p90':>8s} "
         f"{'cpu p99':>8s} {'cpu max':>8s} {'wall p99':>9s}"
     )
-    each = f", each statistic the median of {args.repeat} runs" if args.repeat > 1 else ""
+    each = f", each statistic the median of {repeat} runs" if repeat > 1 else ""
     print(header + f"   (ms{each})")
     print("-" * len(header))
     for r in results:
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "requests_per_scenario": n,
-        "runs_per_scenario": max(1, args.repeat),
+        "runs_per_scenario": repeat,
         "scenarios": results,
     }
     args.out.write_text(json.dumps(payload, indent=2) + "\n")

@@ -279,7 +279,7 @@ def why(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> str:
     ranked = sorted(candidates.values(), key=lambda c: c.get("ring_rank", 0))
     home = ranked[0]["replica"] if ranked else "the ring's home"
     if decision.reason == "ring":
-        if home in (pick, "the ring's home"):
+        if not ranked or home == pick:
             return (
                 f"no replica recently served a prefix of this request; {pick} is the home of {key_text} on the "
                 f"consistent-hash ring and is under its load bound ({load})"

@@ -79,9 +79,13 @@ class HeadDemand(DecayedCounts):
     def record_peer(self, head: int) -> Token:
         """Count a start another gateway process placed (not passed on to ``listener``)."""
         token = self._add(head, 1.0)
-        if len(self._counts) > self._max_heads:
-            self._counts.popitem(last=False)
+        self._bound()
         return token
+
+    def _bound(self) -> None:
+        """Keep the ``max_heads`` most recently started heads (LRU)."""
+        while len(self._counts) > self._max_heads:
+            self._counts.popitem(last=False)
 
     def export(self, top: int) -> tuple[float, list[tuple[int, float]]]:
         """Recent starts and the ``top`` most recently started heads' counts (decayed, the newest
@@ -96,8 +100,7 @@ class HeadDemand(DecayedCounts):
         self._total += max(0.0, total) * unit
         for head, count in heads:
             self._counts[head] = self._counts.pop(head, 0.0) + max(0.0, count) * unit
-        while len(self._counts) > self._max_heads:
-            self._counts.popitem(last=False)
+        self._bound()
 
     def snapshot(self, top: int = 8) -> dict[str, object]:
         """Recent starts and the busiest heads' shares (for ``/admin/stats``; keys in hex)."""

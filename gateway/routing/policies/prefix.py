@@ -82,6 +82,7 @@ from pydantic import Field
 
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import Decision, PolicySettings, ReplicaView, RequestView
+from gateway.routing.decay import Token
 from gateway.routing.load import FleetLoad, fleet_load
 from gateway.routing.policies.prefix_fleet import LIST_AT_MOST, Cheapest, Cost, DecisionFleet, Group
 from gateway.routing.ring import HashRing
@@ -407,7 +408,7 @@ class PrefixPolicy:
             reason = "ring" if pick == home_pick else "spill"
 
         added: list[int] = []
-        started: tuple[int, float, int] | None = None
+        started: Token | None = None
         if commit:
             added = self.index.record(pick, keys, self._beyond_window(request))
             if start is not None:
