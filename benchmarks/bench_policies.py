@@ -114,6 +114,8 @@ LOADS: dict[str, dict[str, float]] = {
     "agent_toolloop": {"moderate": 0.6, "saturated": 1.25},  # round-robin ~0 %: the header on top
     "mooncake_conversation": {"moderate": 0.65, "saturated": 1.35},
     "mooncake_synthetic": {"moderate": 0.8, "saturated": 1.45},
+    # round-robin hits ~42 % / ~49 % (the system prompt and the popular documents are everywhere)
+    "rag": {"moderate": 1.05, "saturated": 2.45},
     "control": {"moderate": 0.6, "saturated": 1.25},
 }
 MODERATE_RATE_RPS = 55.0  # wall-clock arrival rate of the moderate level (sets each workload's time_scale)
@@ -179,14 +181,21 @@ class GatewayProcess(ManagedProcess):
 def gateway_config(replicas: Sequence[tuple[str, str]], variant: Variant, port: int) -> dict[str, Any]:
     """The whole gateway config of one run: one route, one policy, quiet logs."""
     route: dict[str, Any] = {"name": "bench", "policy": variant.policy, "normalize": {"mode": variant.normalize}}
-    if variant.settings:
-        route["policy_settings"] = dict(variant.settings)
-    return {
+    # "health.x=v" in a variant's settings sets the gateway's health section (e.g. slow-replica
+    # detection); every other key is a policy setting
+    health = {k.removeprefix("health."): v for k, v in variant.settings if k.startswith("health.")}
+    policy_settings = {k: v for k, v in variant.settings if not k.startswith("health.")}
+    if policy_settings:
+        route["policy_settings"] = policy_settings
+    config: dict[str, Any] = {
         "server": {"host": "127.0.0.1", "port": port},
         "logging": {"level": "warning", "access_log": False, "summary_interval_s": 0},
         "replicas": [{"name": name, "url": url} for name, url in replicas],
         "routes": [route],
     }
+    if health:
+        config["health"] = health
+    return config
 
 
 def start_gateway(
@@ -648,7 +657,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=parse_variant,
         default=[],
         metavar="NAME:POLICY[:k=v,...]",
-        help="extra row: a policy with settings, e.g. strict:prefix:bound_extra=0 (repeatable)",
+        help="extra row: a policy with settings, e.g. strict:prefix:bound_extra=0; health.KEY=V sets the "
+        "gateway's health section, e.g. noslow:prefix:health.slow_ttft_factor=0 (repeatable)",
     )
     parser.add_argument(
         "--repeat", type=int, default=1, help="runs per cell; the table and verdicts use their medians (default 1)"

@@ -91,6 +91,7 @@ def builders() -> dict[str, WorkloadBuilder]:
     from benchmarks.workloads.agent_tools import build_agent_long_workload, build_agent_toolloop_workload
     from benchmarks.workloads.control import build_control_workload
     from benchmarks.workloads.mooncake import build_mooncake_conversation, build_mooncake_synthetic
+    from benchmarks.workloads.rag import build_rag_workload
 
     return {
         "agent": build_agent_workload,
@@ -98,11 +99,20 @@ def builders() -> dict[str, WorkloadBuilder]:
         "agent_toolloop": build_agent_toolloop_workload,
         "mooncake_conversation": build_mooncake_conversation,
         "mooncake_synthetic": build_mooncake_synthetic,
+        "rag": build_rag_workload,
         "control": build_control_workload,
     }
 
 
-WORKLOAD_NAMES = ("agent", "agent_long", "agent_toolloop", "mooncake_conversation", "mooncake_synthetic", "control")
+WORKLOAD_NAMES = (
+    "agent",
+    "agent_long",
+    "agent_toolloop",
+    "mooncake_conversation",
+    "mooncake_synthetic",
+    "rag",
+    "control",
+)
 
 
 def build(name: str, size: float = 1.0, seed: int = 0) -> Workload:

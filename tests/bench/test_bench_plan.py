@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.bench_policies import DEFAULT_ROWS, SGLANG, Plan, parse_variant, variants_for
+from benchmarks.bench_policies import DEFAULT_ROWS, SGLANG, Plan, Variant, gateway_config, parse_variant, variants_for
 from benchmarks.workloads import Workload
 
 
@@ -37,3 +37,12 @@ def test_variant_rows_parse_settings_as_yaml_scalars():
         "prefix",
         (("bound_extra", 0), ("load_factor", 1.5)),
     )
+
+
+def test_variant_health_keys_go_to_the_gateways_health_section():
+    name, policy, settings = parse_variant("noslow:prefix:health.slow_ttft_factor=0,bound_extra=2")
+    config = gateway_config([("r0", "http://127.0.0.1:1")], Variant(name, policy, "off", settings), 9)
+    assert config["health"] == {"slow_ttft_factor": 0}
+    assert config["routes"][0]["policy_settings"] == {"bound_extra": 2}
+    plain = gateway_config([("r0", "http://127.0.0.1:1")], Variant("prefix", "prefix", "off"), 9)
+    assert "health" not in plain and "policy_settings" not in plain["routes"][0]

@@ -25,6 +25,7 @@ from benchmarks.workloads.mooncake import (
     ceiling_hit_rate,
     sample_sessions,
 )
+from benchmarks.workloads.rag import RagSpec, build_rag_workload
 from benchmarks.workloads.text import words
 from gateway.chat_template import chat_tokens
 from gateway.tokenizer import get_tokenizer
@@ -225,3 +226,29 @@ def test_agent_toolloop_has_a_fresh_header_tool_steps_and_a_header_less_referenc
             assert call["role"] == "assistant" and call["content"] is None
             assert result == {**result, "role": "tool", "tool_call_id": call["tool_calls"][0]["id"]}
             json.loads(call["tool_calls"][0]["function"]["arguments"])
+
+
+SMALL_RAG = RagSpec(requests=60, documents=12, doc_tokens=(100, 300), system_tokens=80, question_tokens=(5, 20))
+
+
+def test_rag_prompts_are_system_then_a_popular_document_then_a_question():
+    wl = build_rag_workload(seed=2, spec=SMALL_RAG)
+    assert _dump(wl) == _dump(build_rag_workload(seed=2, spec=SMALL_RAG))
+    assert _dump(wl) != _dump(build_rag_workload(seed=3, spec=SMALL_RAG))
+    tok = get_tokenizer("cl100k_base")
+    ids = [tok.encode(r.body["prompt"]) for r in wl.requests]
+    assert all(len(p) == r.prompt_tokens for p, r in zip(ids, wl.requests, strict=True))
+    head = ids[0][:80]
+    assert all(p[:80] == head for p in ids)  # one shared system prompt
+    # Requests whose first document is the same share the system prompt and the whole document
+    # (at least 100 tokens more), then part at the question or a second document.
+    by_doc: dict[str, list[list[int]]] = {}
+    for r, p in zip(wl.requests, ids, strict=True):
+        by_doc.setdefault(r.kind, []).append(p)
+    popular = max(by_doc.values(), key=len)
+    assert len(popular) >= 8  # Zipf: the top document draws many questions
+    columns = enumerate(zip(*popular, strict=False))
+    shared = next((i for i, column in columns if len(set(column)) > 1), min(map(len, popular)))
+    assert 80 + 100 <= shared < min(map(len, popular))
+    assert len({r.session for r in wl.requests}) == len(wl.requests)  # single-turn
+    assert [r.t for r in wl.requests] == sorted(r.t for r in wl.requests)
