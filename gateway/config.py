@@ -175,7 +175,8 @@ class HealthSettings(_Strict):
         3.0,
         ge=0,
         description="a replica whose smoothed time to first byte exceeds this times the fleet's median is "
-        "deprioritized (never ejected); 0 = off",
+        "deprioritized (never ejected); per token of the prefill queued ahead of each request where the gateway "
+        "knows it (queueing is not slowness); 0 = off",
     )
     slow_min_extra_s: float = Field(
         0.5, ge=0, description="...and exceeds the median by at least this much (ignores noise at tiny latencies)"

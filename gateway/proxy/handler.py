@@ -131,6 +131,7 @@ class Exchange:
         self.body: dict[str, Any] | None = None  # the parsed client body (for the sample buffer)
         self.replica: Replica | None = None  # holds an in-flight slot while set
         self._prefill_charge = 0  # prompt tokens charged to the replica's queued prefill (see PolicyRunner.acquire)
+        self._work_tokens: int | None = None  # prefill queued ahead on the replica + this request's (slow rule)
         self.decision: Decision | None = None
         self.response: UpstreamResponse | None = None
         self.usage: Usage | None = None
@@ -224,7 +225,9 @@ class Exchange:
     def _hold(self, plan: Plan, decision: Decision, replica: Replica) -> None:
         self.decision, self.replica = decision, replica
         # the runner owns both halves: acquire here, release in _let_go
+        ahead = replica.pending_prefill_tokens + replica.peer_pending_prefill_tokens
         self._prefill_charge = plan.route.runner.acquire(replica, plan.request, decision)
+        self._work_tokens = ahead + self._prefill_charge if plan.request.prompt_tokens_estimate else None
         # from now on the request has reached a replica: an abort is counted there, not as "none"
         self._note_decision()
 
@@ -459,7 +462,7 @@ class Exchange:
                             t_in = perf_counter()
                             self._prefill_answered()  # the replica is done prefilling, however slow the client
                             if self.replica is not None:
-                                self.replica.record_ttfb(t_in - self.t_upstream)
+                                self.replica.record_ttfb(t_in - self.t_upstream, self._work_tokens)
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                         if first:
                             now = perf_counter()

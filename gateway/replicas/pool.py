@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.config import HealthSettings, ReplicaConfig
 from gateway.replicas.engine import EngineStats
-from gateway.replicas.outlier import TTFB_ALPHA, FailureWindow
+from gateway.replicas.outlier import TTFB_ALPHA, TTFB_WORK_FLOOR_TOKENS, FailureWindow
 from gateway.routing.base import ReplicaView
 from gateway.upstream.client import UpstreamClient
 
@@ -183,6 +183,9 @@ class Replica:
         self.returned_at = 0.0
         self.ttfb_ewma: float | None = None  # smoothed time to first byte of streams (s)
         self.ttfb_samples = 0
+        # ... per token of prefill work queued ahead of the request plus its own (see outlier.refresh_slow)
+        self.ttfb_per_work_ewma: float | None = None
+        self.ttfb_work_samples = 0
         self._slow = False
         self._slow_skips = 0
         self.restarts_detected = dict.fromkeys(COLD_CAUSES, 0)
@@ -333,11 +336,21 @@ class Replica:
         """A real request could not reach the replica (refused, connect timeout, reset): one failure."""
         self.report_failure(reason, now)
 
-    def record_ttfb(self, seconds: float, now: float | None = None) -> None:
-        """Time from sending a stream request to its first byte: the slow-replica signal."""
+    def record_ttfb(self, seconds: float, work_tokens: int | None = None, now: float | None = None) -> None:
+        """Time from sending a stream request to its first byte: the slow-replica signal.
+
+        ``work_tokens``: the prefill the gateway knew queued on the replica when it sent the
+        request, plus the request's own uncached prompt (None: unknown, e.g. no prompt
+        estimate): slowness is then judged per token of work, not on queueing.
+        """
         ewma = self.ttfb_ewma
         self.ttfb_ewma = seconds if ewma is None else ewma + TTFB_ALPHA * (seconds - ewma)
         self.ttfb_samples += 1
+        if work_tokens is not None:
+            per = seconds / (max(0, work_tokens) + TTFB_WORK_FLOOR_TOKENS)
+            old = self.ttfb_per_work_ewma
+            self.ttfb_per_work_ewma = per if old is None else old + TTFB_ALPHA * (per - old)
+            self.ttfb_work_samples += 1
         if self.fleet is not None:
             self.fleet.note_ttfb(time.monotonic() if now is None else now)
 
@@ -345,7 +358,13 @@ class Replica:
         self.slow = slow
         self._slow_skips = 0
         if slow:
-            log.warning("replica %s is slow (time to first byte %.3f s): deprioritized", self.name, self.ttfb_ewma)
+            per_work = self.ttfb_per_work_ewma
+            log.warning(
+                "replica %s is slow (time to first byte %.3f s%s): deprioritized",
+                self.name,
+                self.ttfb_ewma,
+                "" if per_work is None else f", {per_work * 1000:.4f} s per 1k tokens of prefill work",
+            )
         else:
             log.info("replica %s is no longer slow", self.name)
 
@@ -405,6 +424,9 @@ class Replica:
             "cancelled_on_down": self.cancelled_on_down,
             "slow": self.slow,
             "ttfb_ewma_s": None if self.ttfb_ewma is None else round(self.ttfb_ewma, 4),
+            "ttfb_per_1k_work_tokens_s": None
+            if self.ttfb_per_work_ewma is None
+            else round(self.ttfb_per_work_ewma * 1000, 5),
         }
 
     def snapshot(self) -> dict[str, object]:

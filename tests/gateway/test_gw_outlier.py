@@ -182,6 +182,34 @@ def test_a_slow_replica_is_deprioritized_not_ejected_and_still_probed() -> None:
     assert not pool[3].slow
 
 
+def test_a_replica_late_because_more_work_was_queued_on_it_is_not_slow() -> None:
+    """Under load the holder of a hot prefix (a conversation's home) answers seconds later than
+    the others because the gateway queued more prefill there, at the same speed per token:
+    not slow, and its cache stays in use.  The same lateness with the same work is slow."""
+    pool = fleet(4, slow_ttft_factor=3.0, slow_min_extra_s=0.5)
+    for i in range(10):
+        for r in pool[:3]:
+            r.record_ttfb(0.1, 2_000, now=10.0 + i)  # ~3k tokens of work (with the floor) in 0.1 s
+        pool[3].record_ttfb(2.1, 62_000, now=10.0 + i)  # 20x the work ahead, 21x the time
+    assert [r.slow for r in pool] == [False, False, False, False]
+    assert pool[3].ttfb_ewma is not None and pool[3].ttfb_ewma > 2.0  # late, by raw time
+    for i in range(20):  # now as late with no more work than the others: a third of their speed
+        pool[3].record_ttfb(2.1, 2_000, now=30.0 + i)
+    assert [r.slow for r in pool] == [False, False, False, True]
+    assert pool[3].outlier_snapshot()["ttfb_per_1k_work_tokens_s"] > 0.5  # type: ignore[operator]
+
+
+def test_without_work_figures_slow_is_judged_on_raw_time() -> None:
+    """A route without prompt estimates gives samples without work: raw times decide (as
+    before), also when only some replicas have work figures."""
+    pool = fleet(3, slow_ttft_factor=3.0, slow_min_extra_s=0.5)
+    for i in range(10):
+        pool[0].record_ttfb(0.1, 2_000, now=i)
+        pool[1].record_ttfb(0.1, now=i)
+        pool[2].record_ttfb(2.1, 60_000, now=i)
+    assert [r.slow for r in pool] == [False, False, True]
+
+
 def test_small_absolute_differences_are_not_slow() -> None:
     pool = fleet(2, slow_ttft_factor=3.0, slow_min_extra_s=0.5)
     for i in range(10):
