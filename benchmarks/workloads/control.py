@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.workloads import BenchRequest, Workload
-from benchmarks.workloads.text import decode, word_pool
+from benchmarks.workloads import Workload
+from benchmarks.workloads.text import completion_request, random_ids, word_pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,18 +50,8 @@ def build_control_workload(size: float = 1.0, seed: int = 0, spec: ControlSpec |
         # The first word (past the pool's size: the first two) differs between any two requests, so
         # not even the first block is shared.
         head = [pool[i % len(pool)], pool[i // len(pool) % len(pool)]]
-        prompt = head + [pool[k] for k in rng.integers(0, len(pool), size=length - 2).tolist()]
-        requests.append(
-            BenchRequest(
-                t=float(times[i]),
-                endpoint="completions",
-                body={"prompt": decode(prompt)},
-                max_tokens=spec.max_tokens,
-                prompt_tokens=length,
-                session=f"u{i}",
-                kind="unique",
-            )
-        )
+        prompt = head + random_ids(rng, length - 2)
+        requests.append(completion_request(float(times[i]), prompt, spec.max_tokens, f"u{i}", "unique"))
     return Workload(
         name="control",
         description=f"no shared prefixes: {n} unique text prompts, log-normal lengths, median {spec.median_tokens}",

@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from benchmarks.workloads import BenchRequest, Workload
-from benchmarks.workloads.text import decode, word_pool
+from benchmarks.workloads import Workload
+from benchmarks.workloads.text import completion_request, random_ids
 
 WORKLOADS_DIR_ENV = "PREFIX_GATEWAY_WORKLOADS_DIR"
 TRACE_BLOCK = 512  # tokens per hash id in the published traces
@@ -140,9 +140,7 @@ class BlockTokens:
         cached = self._cache.get(hash_id)
         if cached is None:
             seed = xxhash.xxh64_intdigest(f"{self.namespace}:{hash_id}".encode())
-            rng = np.random.default_rng(seed)
-            pool = word_pool()
-            cached = [pool[i] for i in rng.integers(0, len(pool), size=self.block_tokens).tolist()]
+            cached = random_ids(np.random.default_rng(seed), self.block_tokens)
             self._cache[hash_id] = cached
         return cached
 
@@ -171,17 +169,8 @@ def build_mooncake(spec: MooncakeSpec, size: float = 1.0, seed: int = 0, directo
         row = rows[index]
         kept_rows.append(row)
         prompt = blocks.prompt(row["hash_ids"], row["input_length"])
-        requests.append(
-            BenchRequest(
-                t=row["timestamp"] / 1000.0 - t0,
-                endpoint="completions",
-                body={"prompt": decode(prompt)},
-                max_tokens=max(1, min(int(row["output_length"]), spec.max_output_tokens)),
-                prompt_tokens=len(prompt),
-                session=key,
-                kind="trace",
-            )
-        )
+        max_tokens = max(1, min(int(row["output_length"]), spec.max_output_tokens))
+        requests.append(completion_request(row["timestamp"] / 1000.0 - t0, prompt, max_tokens, key, "trace"))
     return Workload(
         name=spec.name,
         description=(

@@ -8,7 +8,7 @@ sits behind a prefix every request shares.  What it checks:
   pile onto its first holder (the head-demand rule gives it every replica);
 - each document is a fork too (many questions follow it): a popular document's requests
   should find a replica holding it, a rare one costs one prefill wherever it lands;
-- the corpus (~1.4 M tokens at full size) exceeds one replica's KV cache and is about the
+- the corpus (~1.3 M tokens) exceeds one replica's KV cache and is about the
   fleet's, so where documents land decides how much of it the fleet keeps: piling popular
   documents on one replica evicts the others there.
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.workloads import BenchRequest, Workload
-from benchmarks.workloads.text import decode, word_pool
+from benchmarks.workloads import Workload
+from benchmarks.workloads.text import completion_request, random_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,14 +45,9 @@ class RagSpec:
 def build_rag_workload(size: float = 1.0, seed: int = 0, spec: RagSpec | None = None) -> Workload:
     spec = spec or RagSpec()
     rng = np.random.default_rng([seed, 0x7A6])
-    pool = word_pool()
-
-    def text(n: int) -> list[int]:
-        return [pool[k] for k in rng.integers(0, len(pool), size=n).tolist()]
-
-    system = text(spec.system_tokens)
+    system = random_ids(rng, spec.system_tokens)
     lengths = rng.integers(spec.doc_tokens[0], spec.doc_tokens[1] + 1, size=spec.documents)
-    docs = [text(int(n)) for n in lengths]
+    docs = [random_ids(rng, int(n)) for n in lengths]
     weights = 1.0 / np.arange(1, spec.documents + 1) ** spec.zipf_s
     weights /= weights.sum()
     n = max(2, round(spec.requests * size))
@@ -62,22 +57,12 @@ def build_rag_workload(size: float = 1.0, seed: int = 0, spec: RagSpec | None = 
     for i in range(n):
         count = 2 if rng.random() < spec.two_docs_share else 1
         picked = rng.choice(spec.documents, size=count, replace=False, p=weights).tolist()
-        question = text(int(rng.integers(spec.question_tokens[0], spec.question_tokens[1] + 1)))
+        question = random_ids(rng, int(rng.integers(spec.question_tokens[0], spec.question_tokens[1] + 1)))
         prompt = list(system)
         for d in picked:
             prompt += docs[d]
         prompt += question
-        requests.append(
-            BenchRequest(
-                t=float(times[i]),
-                endpoint="completions",
-                body={"prompt": decode(prompt)},
-                max_tokens=spec.max_tokens,
-                prompt_tokens=len(prompt),
-                session=f"q{i}",
-                kind=f"doc{picked[0]}",
-            )
-        )
+        requests.append(completion_request(float(times[i]), prompt, spec.max_tokens, f"q{i}", f"doc{picked[0]}"))
     corpus = int(lengths.sum())
     return Workload(
         name="rag",

@@ -13,6 +13,9 @@ import random
 from collections.abc import Sequence
 from functools import cache
 
+import numpy as np
+
+from benchmarks.workloads import BenchRequest
 from gateway.tokenizer import get_tokenizer
 
 # Search only ordinary ids (well clear of the special tokens at the top of the vocabulary).
@@ -57,6 +60,25 @@ def decode(ids: Sequence[int]) -> str:
     """The text of pool ids (each `` word``); it encodes back to exactly ``ids`` under cl100k."""
     table = _text_of_id()
     return "".join(table[i] for i in ids)
+
+
+def random_ids(rng: np.random.Generator, n: int) -> list[int]:
+    """``n`` pool ids drawn uniformly from ``rng`` (``n`` tokens under cl100k)."""
+    pool = word_pool()
+    return [pool[k] for k in rng.integers(0, len(pool), size=n).tolist()]
+
+
+def completion_request(t: float, ids: Sequence[int], max_tokens: int, session: str, kind: str) -> BenchRequest:
+    """A ``/v1/completions`` request whose prompt is the text of pool ``ids`` (exactly that many tokens)."""
+    return BenchRequest(
+        t=t,
+        endpoint="completions",
+        body={"prompt": decode(ids)},
+        max_tokens=max_tokens,
+        prompt_tokens=len(ids),
+        session=session,
+        kind=kind,
+    )
 
 
 def words(rng: random.Random, n: int) -> str:
