@@ -1,0 +1,576 @@
+"""Placement on a virtual clock: the policy benchmark's routing decisions, without the noise.
+
+    python benchmarks/bench_virtual.py [--workload W ...] [--load moderate|saturated]
+        [--variant NAME:POLICY[:key=value,...] ...] [--quick] [--out DIR]
+
+``bench_policies.py`` replays each workload in real time through real processes on a 2-core
+machine, and one cell's hit rate moves by 1.5-2.5 points from run to run: more than the
+0.5-point verdicts it is judged on, so two settings closer than that cannot be told apart
+there. This replays the *same* requests (same sample, same arrival times per load level) through
+
+- the gateway's real pipeline (normalize, tokenize, hash: ``build_route``) and real policy
+  runner (in-flight and queued-prefill accounting: ``decide``, ``acquire``, ``prefill_done``
+  at the first token, ``release`` at the end), onto
+- the simulator's real engine (continuous batching, chunked prefill, KV cache with prefix
+  caching and preemption: ``gateway.sim.engine.Engine``, its own tokenizer and chat template),
+
+driven by a discrete-event clock in simulated seconds instead of asyncio sleeps. A run is
+deterministic and takes seconds, so the difference between two settings is the settings'.
+
+Rows: ``prefix`` (the default), ``least_loaded``, ``round_robin``, any ``--variant``, the
+pooled oracle (one engine with the fleet's KV and compute, as in ``bench_policies``) and
+``sglang_like``: the SGLang router's ``cache_aware`` rule re-stated over the gateway's block
+keys (the best match when it covers more than 30 % of the prompt, else the worker with the
+smallest tree; the shortest queue when loads differ by more than 64 and 1.5x). It is a model of
+the peer, not the peer: the real router stays a row of ``bench_policies.py``.
+
+Left out by design: HTTP, the gateway's and the client's own latency (TTFT here is queueing
+plus prefill in simulated time), and slow-replica detection (it reacts to wall-clock time).
+Verdicts stay with ``bench_policies.py``; this is for design and tuning. Results: a table on
+stdout and ``benchmarks/results/bench_virtual.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Protocol
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import bench_policies as bp  # noqa: E402
+from benchmarks.workloads import BenchRequest, Workload, build  # noqa: E402
+from gateway.config import HealthSettings, ReplicaConfig, RouteConfig  # noqa: E402
+from gateway.replicas.pool import Replica  # noqa: E402
+from gateway.routing.base import Decision, RequestView  # noqa: E402
+from gateway.routing.routes import Route, build_route  # noqa: E402
+from gateway.sim import engine as sim_engine  # noqa: E402
+from gateway.sim.engine import EngineRequest  # noqa: E402
+from gateway.sim.options import SimOptions  # noqa: E402
+from gateway.sim.replica import Replica as SimReplica  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_WORKLOADS = ("mooncake_synthetic", "mooncake_conversation", "rag", "agent_long", "agent", "agent_toolloop")
+QUICK_SIZE = 0.5
+
+
+# -- the virtual clock ---------------------------------------------------------------------
+class VirtualClock:
+    """Simulated seconds; stands in for ``time`` inside the engine module while a run lasts."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class _Waiter:
+    """The engine wakes a request's handler through ``waiter.set()``: here nobody waits."""
+
+    def set(self) -> None:
+        pass
+
+
+# -- routers: who picks the engine ----------------------------------------------------------
+Routed = tuple[int, dict[str, Any], Any]  # engine index, the body the engine receives, a handle
+Arrival = tuple[float, BenchRequest, dict[str, Any], dict[str, str]]  # sim time, request, wire body, headers
+
+
+class Router(Protocol):
+    def route(
+        self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[int, dict[str, Any], Any]:
+        """(engine index, the body the engine receives, a handle for the callbacks)."""
+        ...
+
+    def first_token(self, handle: Any) -> None: ...
+
+    def finished(self, handle: Any, cached_tokens: int) -> None: ...
+
+
+@dataclass(slots=True)
+class _Held:
+    replica: Replica
+    view: RequestView
+    decision: Decision
+    charge: int
+
+
+class GatewayRouter:
+    """One gateway route (the real pipeline, policy and runner) over ``n`` replicas."""
+
+    def __init__(self, policy: str, normalize: str, settings: dict[str, Any], n: int) -> None:
+        health = HealthSettings()
+        self.pool = [Replica(ReplicaConfig(name=f"r{i}", url=f"http://10.0.0.{i + 1}:8000"), None, health)  # type: ignore[arg-type]
+                     for i in range(n)]  # fmt: skip
+        config = RouteConfig(name="bench", policy=policy, normalize={"mode": normalize}, policy_settings=settings)
+        self.route_: Route = build_route(config, self.pool)
+        self.index = {r.name: i for i, r in enumerate(self.pool)}
+        self.reasons: dict[str, int] = {}
+
+    def route(
+        self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[int, dict[str, Any], Any]:
+        route = self.route_
+        prepared = route.pipeline.prepare(req.endpoint, body) if route.needs_keys(req.endpoint) else None  # type: ignore[union-attr]
+        view = RequestView(
+            "",
+            route.name,
+            str(body.get("model", "")),
+            req.endpoint,
+            session_key=headers.get(route.session_header),
+            block_keys=prepared.keys if prepared else (),
+            block_size=prepared.block_size if prepared else 0,
+            prompt_tokens=prepared.window_tokens if prepared else None,
+            prompt_tokens_estimate=prepared.prompt_tokens_estimate if prepared else None,
+            stream=True,
+            token_blocks=len(prepared.block_keys) if prepared else None,
+            key_tokens=prepared.text_key_tokens if prepared else (),
+        )
+        decision, replica = route.runner.decide(view)
+        self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
+        charge = route.runner.acquire(replica, view, decision)
+        sent = prepared.body if prepared is not None else body
+        return self.index[replica.name], sent, _Held(replica, view, decision, charge)
+
+    def first_token(self, handle: _Held) -> None:
+        type(self.route_.runner).prefill_done(handle.replica, handle.charge)
+        handle.charge = 0
+
+    def finished(self, handle: _Held, cached_tokens: int) -> None:
+        self.first_token(handle)
+        self.route_.runner.release(handle.replica, handle.view, handle.decision, cached_tokens, True)
+
+
+class OracleRouter:
+    """Everything to the one pooled engine."""
+
+    reasons: dict[str, int] = {}
+
+    def route(
+        self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[int, dict[str, Any], Any]:
+        return 0, body, None
+
+    def first_token(self, handle: Any) -> None:
+        pass
+
+    def finished(self, handle: Any, cached_tokens: int) -> None:
+        pass
+
+
+class SglangLikeRouter:
+    """The SGLang router's ``cache_aware`` rule, restated over the gateway's block keys.
+
+    Per worker, the set of prefix keys it was sent (its "tree") and their count (its size; the
+    real router counts characters and evicts past 2^26 of them, which these runs never reach).
+    The deepest key of the request a worker holds is its match. Load is requests in flight.
+    """
+
+    def __init__(
+        self, n: int, cache_threshold: float = 0.3, abs_threshold: int = 64, rel_threshold: float = 1.5
+    ) -> None:
+        self.keys = GatewayRouter("prefix", "off", {}, n).route_.pipeline  # the same keys as every gateway row
+        self.trees: list[set[int]] = [set() for _ in range(n)]
+        self.load = [0] * n
+        self.cache_threshold = cache_threshold
+        self.abs_threshold = abs_threshold
+        self.rel_threshold = rel_threshold
+        self.reasons: dict[str, int] = {}
+
+    def route(
+        self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[int, dict[str, Any], Any]:
+        prepared = self.keys.prepare(req.endpoint, body)  # type: ignore[union-attr]
+        keys = prepared.keys
+        depth = _key_depths(prepared)
+        total = max(prepared.prompt_tokens_estimate, 1)
+        n = len(self.trees)
+        lo, hi = min(self.load), max(self.load)
+        if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
+            pick, reason = min(range(n), key=lambda i: (self.load[i], i)), "balance"
+        else:
+            matched = [0] * n
+            for i, tree in enumerate(self.trees):
+                for j in range(len(keys) - 1, -1, -1):  # deepest first
+                    if keys[j] in tree:
+                        matched[i] = depth[j]
+                        break
+            best = max(range(n), key=lambda i: (matched[i], -self.load[i], -i))
+            if matched[best] / total > self.cache_threshold:
+                pick, reason = best, "match"
+            else:
+                pick, reason = min(range(n), key=lambda i: (len(self.trees[i]), i)), "smallest_tree"
+        self.trees[pick].update(keys)
+        self.load[pick] += 1
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        return pick, body, pick
+
+    def first_token(self, handle: int) -> None:
+        pass
+
+    def finished(self, handle: int, cached_tokens: int) -> None:
+        self.load[handle] -= 1
+
+
+def _key_depths(prepared: Any) -> list[int]:
+    """Prompt tokens covered up to each key of the chain (token blocks, then text keys)."""
+    bs = prepared.block_size
+    return [(j + 1) * bs for j in range(len(prepared.block_keys))] + list(prepared.text_key_tokens)
+
+
+# -- the fleet on the virtual clock ------------------------------------------------------------
+ARRIVE, STEP_END, ENQUEUE, FIRST_TOKEN, FINISHED = range(5)  # event kinds
+
+
+@dataclass
+class Outcome:
+    """What one request got: the replica, its prompt and cached tokens, its TTFT (sim seconds)."""
+
+    engine: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float = 0.0
+    uncached: int = 0
+    wait: float = 0.0  # from reaching the engine to its first scheduling (queueing, KV full)
+    arrival: float = 0.0
+
+
+@dataclass
+class VirtualFleet:
+    """Engines stepping on one clock; events in time order (arrivals, step ends)."""
+
+    options: list[SimOptions]
+    clock: VirtualClock = field(default_factory=VirtualClock)
+
+    def run(
+        self,
+        arrivals: Sequence[Arrival],
+        router: Router,
+        hop: float = 0.0,
+    ) -> list[Outcome]:
+        """Replay ``arrivals`` through ``router``; ``hop`` (simulated seconds) delays the request's
+        way to its engine and each answer's way back to the router (the gateway's own latency)."""
+        replicas = [SimReplica(o) for o in self.options]
+        engines = [r.engine for r in replicas]
+        seed = replicas[0].block_seed(None, None)
+        outcomes: list[Outcome | None] = [None] * len(arrivals)
+        events: list[tuple[float, int, int, Any]] = []  # (time, seq, kind, payload)
+        seq = 0
+        busy = [False] * len(engines)
+        meta: dict[int, tuple[int, Any, int]] = {}  # id(engine request) -> (request index, handle, engine)
+        for i, (t, *_rest) in enumerate(arrivals):
+            events.append((t, seq, ARRIVE, i))
+            seq += 1
+        heapq.heapify(events)
+
+        def later(t: float, kind: int, payload: Any) -> None:
+            nonlocal seq
+            heapq.heappush(events, (t, seq, kind, payload))
+            seq += 1
+
+        def enqueue(e: int, ereq: EngineRequest, now: float) -> None:
+            engines[e].waiting.append(ereq)
+            if not busy[e]:
+                start_step(e, now)
+
+        def start_step(e: int, now: float) -> None:
+            engine = engines[e]
+            scheduled, prefill = engine._schedule()
+            if not scheduled:
+                busy[e] = False
+                if engine.waiting:
+                    raise RuntimeError(f"engine {e} stalled with {len(engine.waiting)} waiting requests")
+                return
+            busy[e] = True
+            duration = engine.step_base_s + prefill / engine.prefill_tps
+            later(now + duration, STEP_END, (e, scheduled))
+
+        saved = sim_engine.time
+        sim_engine.time = SimpleNamespace(monotonic=self.clock.monotonic)  # type: ignore[assignment]
+        try:
+            while events:
+                now, _, kind, payload = heapq.heappop(events)
+                self.clock.now = now
+                if kind == ARRIVE:
+                    i = payload
+                    _, req, body, headers = arrivals[i]
+                    e, sent, handle = router.route(req, body, headers)
+                    replica = replicas[e]
+                    tokens = _engine_tokens(replica, req.endpoint, sent)
+                    (ereq,) = replica.engine_requests(tokens, req.max_tokens, "length", 1, seed, now + hop)
+                    ereq.waiter = _Waiter()
+                    ereq.stream = True
+                    meta[id(ereq)] = (i, handle, e)
+                    outcomes[i] = Outcome(e, prompt_tokens=len(tokens), arrival=now)
+                    if hop:
+                        later(now + hop, ENQUEUE, (e, ereq))
+                    else:
+                        enqueue(e, ereq, now)
+                elif kind == ENQUEUE:
+                    enqueue(*payload, now)
+                elif kind == FIRST_TOKEN:
+                    router.first_token(payload)
+                elif kind == FINISHED:
+                    router.finished(*payload)
+                else:
+                    e, scheduled = payload
+                    engines[e]._apply(scheduled)
+                    for ereq, _n in scheduled:
+                        i, handle, _ = meta.get(id(ereq), (None, None, None))
+                        if i is None:
+                            continue
+                        out = outcomes[i]
+                        assert out is not None
+                        if ereq.num_output >= 1 and out.ttft == 0.0 and ereq.first_token_at == now:
+                            out.ttft = now + hop - arrivals[i][0]  # as the client sees it
+                            out.cached_tokens = max(ereq.cached_tokens, 0)
+                            out.uncached = out.prompt_tokens - out.cached_tokens
+                            out.wait = ereq.scheduled_at - ereq.arrival
+                            if hop:
+                                later(now + hop, FIRST_TOKEN, handle)
+                            else:
+                                router.first_token(handle)
+                        if ereq.finished:
+                            if hop:
+                                later(now + hop, FINISHED, (handle, out.cached_tokens))
+                            else:
+                                router.finished(handle, out.cached_tokens)
+                            del meta[id(ereq)]
+                    start_step(e, now)
+        finally:
+            sim_engine.time = saved
+        done = [o for o in outcomes if o is not None]
+        if len(done) != len(arrivals) or meta:
+            raise RuntimeError(f"{len(arrivals) - len(done)} requests never finished")
+        return done
+
+
+def _engine_tokens(replica: SimReplica, endpoint: str, body: dict[str, Any]) -> list[int]:
+    """The prompt as the replica's own tokenizer and chat template see it."""
+    if endpoint == "chat":
+        return replica.prompts.chat(body["messages"], body.get("tools"), True)
+    return replica.prompts.completion(body["prompt"])
+
+
+# -- one workload at one level -----------------------------------------------------------------
+def arrivals_for(wl: Workload, level: str, requests: Sequence[BenchRequest] | None = None) -> list[Arrival]:
+    """Arrival times in simulated seconds at the level's offered load, with the wire body and headers."""
+    sim = bp.SIM
+    util = bp.LOADS[wl.name][level]
+    time_scale = bp.time_scale_for(wl, sim, bp.REPLICAS)
+    sim_seconds_per_workload_second = bp.time_factor_for(wl, util, time_scale, sim, bp.REPLICAS) / time_scale
+    reqs = wl.requests if requests is None else requests
+    t0 = reqs[0].t
+    out = []
+    for r in reqs:
+        body = {"model": bp.MODEL, **r.body, "max_tokens": r.max_tokens, "ignore_eos": True, "stream": True}
+        headers = {"x-session-id": r.session} if r.session else {}
+        out.append(((r.t - t0) * sim_seconds_per_workload_second, r, body, headers))
+    return out
+
+
+def sim_options(oracle: bool) -> SimOptions:
+    keys = {
+        k: v for k, v in bp.SIM.items() if k not in ("enable_admin", "disable_uvicorn_access_log", "disable_log_stats")
+    }
+    keys["time_scale"] = 1.0
+    if oracle:
+        keys.update(bp.ORACLE_SIM)
+    return SimOptions(**keys)
+
+
+def alone_ttft(uncached: int, options: SimOptions) -> float:
+    """A request's TTFT on an idle replica with the same cache: its prefill chunks, nothing queued
+    (each engine step lasts the decode step + its chunk's prefill; vLLM recomputes at least one token)."""
+    uncached = max(uncached, 1)
+    steps = -(-uncached // options.max_num_batched_tokens)
+    return steps * options.decode_ms_per_token / 1000.0 + uncached / options.prefill_tokens_per_s
+
+
+def summarize(outcomes: Sequence[Outcome], n: int, options: SimOptions | None = None) -> dict[str, Any]:
+    """Hit rate, TTFT percentiles (simulated ms), prefill-work balance and the no-queue floor."""
+    prompt = sum(o.prompt_tokens for o in outcomes)
+    cached = sum(o.cached_tokens for o in outcomes)
+    ttfts = sorted(o.ttft for o in outcomes)
+    floor = sorted(alone_ttft(o.uncached, options or sim_options(n == 1)) for o in outcomes)
+    work = [0] * n
+    for o in outcomes:
+        work[o.engine] += o.uncached
+    mean = sum(work) / n
+    return {
+        "requests": len(outcomes),
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "ttft_p50_ms": 1000 * _pct(ttfts, 0.5),
+        "ttft_p90_ms": 1000 * _pct(ttfts, 0.9),
+        "ttft_p99_ms": 1000 * _pct(ttfts, 0.99),
+        # the same requests with the same cache hits, each alone on its replica: no placement
+        # can bring TTFT below this (the pooled oracle's replica prefills 4x faster)
+        "alone_p50_ms": 1000 * _pct(floor, 0.5),
+        "alone_p90_ms": 1000 * _pct(floor, 0.9),
+        "wait_p90_ms": 1000 * _pct(sorted(o.wait for o in outcomes), 0.9),
+        "work_max_mean": max(work) / mean if mean else 1.0,
+    }
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+Row = tuple[str, Callable[[], Router], bool]  # name, router factory, oracle
+
+
+def rows_for(wl: Workload, variants: Sequence[tuple[str, str, dict[str, Any]]], peers: bool) -> list[Row]:
+    n = bp.REPLICAS
+    rows: list[Row] = [("prefix", lambda: GatewayRouter("prefix", wl.normalize, {}, n), False)]
+    for name, policy, settings in variants:
+        rows.append((name, lambda p=policy, s=settings: GatewayRouter(p, wl.normalize, dict(s), n), False))
+    if peers:
+        rows.append(("least_loaded", lambda: GatewayRouter("least_loaded", wl.normalize, {}, n), False))
+        rows.append(("sglang_like", lambda: SglangLikeRouter(n), False))
+    rows.append(("oracle", lambda: GatewayRouter("prefix", wl.normalize, {}, 1), True))
+    return rows
+
+
+def run_level(wl: Workload, level: str, rows: Sequence[Row], hop_ms: float = 0.0) -> dict[str, Any]:
+    """Every row on one workload sample at one level; ``hop_ms``: the gateway's latency per hop, in
+    wall milliseconds of ``bench_policies`` (converted with the workload's clock compression)."""
+    arrivals = arrivals_for(wl, level)
+    hop = hop_ms / 1000.0 / bp.time_scale_for(wl, bp.SIM, bp.REPLICAS)
+    out: dict[str, Any] = {}
+    for name, factory, oracle in rows:
+        t0 = time.perf_counter()
+        router = factory()
+        n = 1 if oracle else bp.REPLICAS
+        fleet = VirtualFleet([sim_options(oracle) for _ in range(n)])
+        stats = summarize(fleet.run(arrivals, router, 0.0 if oracle else hop), n, fleet.options[0])
+        stats["decisions"] = dict(sorted(getattr(router, "reasons", {}).items()))
+        stats["seconds"] = round(time.perf_counter() - t0, 2)
+        out[name] = stats
+    return out
+
+
+def print_table(wname: str, level: str, cells: dict[str, Any]) -> None:
+    oracle = cells.get("oracle", {}).get("hit_rate") or 0.0
+    print(f"\n{wname} @ {level} ({cells['prefix']['requests']} requests)")
+    print(
+        f"  {'row':<22} {'hit %':>7} {'% orcl':>7} "
+        + " ".join(f"{h:>8}" for h in ("p50 ms", "p90 ms", "p99 ms", "alone90"))
+        + f" {'work':>5}  decisions"
+    )
+    for name, s in cells.items():
+        rel = 100 * s["hit_rate"] / oracle if oracle else 0.0
+        print(
+            f"  {name:<22} {100 * s['hit_rate']:7.2f} {rel:7.1f} {s['ttft_p50_ms']:8.0f} {s['ttft_p90_ms']:8.0f}"
+            f" {s['ttft_p99_ms']:8.0f} {s['alone_p90_ms']:8.0f} {s['work_max_mean']:5.2f}  {s['decisions']}"
+        )
+
+
+SUMMARY_SERIES = ("hit_pct_oracle", "hit_points_vs_prefix", "p50_x_prefix", "p90_x_prefix", "p90_x_oracle",
+                  "alone_p90_x_oracle", "work_max_mean")  # fmt: skip
+
+
+def relative_summary(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per row, over the seeds: hit rate as % of the oracle's, TTFT p50/p90 and work balance as
+    multiples of the ``prefix`` row's and the oracle's (mean, min and max)."""
+    out: dict[str, Any] = {}
+    for name in per_seed[0]:
+        series: dict[str, list[float]] = {k: [] for k in SUMMARY_SERIES}
+        for cells in per_seed:
+            s, base, oracle = cells[name], cells["prefix"], cells["oracle"]
+            series["hit_pct_oracle"].append(100 * s["hit_rate"] / oracle["hit_rate"] if oracle["hit_rate"] else 0.0)
+            series["hit_points_vs_prefix"].append(100 * (s["hit_rate"] - base["hit_rate"]))
+            series["p50_x_prefix"].append(s["ttft_p50_ms"] / base["ttft_p50_ms"] if base["ttft_p50_ms"] else 0.0)
+            series["p90_x_prefix"].append(s["ttft_p90_ms"] / base["ttft_p90_ms"] if base["ttft_p90_ms"] else 0.0)
+            series["p90_x_oracle"].append(s["ttft_p90_ms"] / oracle["ttft_p90_ms"] if oracle["ttft_p90_ms"] else 0.0)
+            series["alone_p90_x_oracle"].append(
+                s["alone_p90_ms"] / oracle["ttft_p90_ms"] if oracle["ttft_p90_ms"] else 0.0
+            )
+            series["work_max_mean"].append(s["work_max_mean"])
+        out[name] = {k: {"mean": sum(v) / len(v), "min": min(v), "max": max(v)} for k, v in series.items()}
+    return out
+
+
+def print_summary(wname: str, level: str, summary: dict[str, Any]) -> None:
+    print(f"\n{wname} @ {level}: mean over seeds [min, max]")
+    heads = ("p50 x prefix", "p90 x prefix", "p90 x oracle", "alone90 x orc")
+    print(f"  {'row':<22} {'hit % of oracle':>22} {'pts vs prefix':>20} " + " ".join(f"{h:>13}" for h in heads))
+    for name, s in summary.items():
+        h, d = s["hit_pct_oracle"], s["hit_points_vs_prefix"]
+        hit = f"{h['mean']:6.1f} [{h['min']:5.1f}, {h['max']:5.1f}]"
+        points = f"{d['mean']:+6.2f} [{d['min']:+5.1f}, {d['max']:+5.1f}]"
+        ratios = " ".join(
+            f"{s[k]['mean']:13.2f}" for k in ("p50_x_prefix", "p90_x_prefix", "p90_x_oracle", "alone_p90_x_oracle")
+        )
+        print(f"  {name:<22} {hit} {points} {ratios}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", action="append", help=f"default: {', '.join(DEFAULT_WORKLOADS)}")
+    parser.add_argument("--load", action="append", choices=bp.LEVELS, help="default: both levels")
+    parser.add_argument(
+        "--variant", action="append", default=[], type=bp.parse_variant, help="NAME:POLICY[:key=value,...]"
+    )
+    parser.add_argument(
+        "--hop-ms",
+        type=float,
+        default=0.0,
+        help="the gateway's latency each way, in the real "
+        "benchmark's wall milliseconds (default 0: placement alone); the oracle row gets none",
+    )
+    parser.add_argument("--no-peers", action="store_true", help="leave out least_loaded and sglang_like")
+    parser.add_argument("--quick", action="store_true", help=f"samples at {QUICK_SIZE} of the full size")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="workload samples 0..N-1 (each a different set of "
+        "sessions); the table's last block averages each row's ratios over them",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for bench_virtual.json")
+    args = parser.parse_args(argv)
+    size = QUICK_SIZE if args.quick else 1.0
+    levels = args.load or list(bp.LEVELS)
+    variants = [(name, policy, dict(settings)) for name, policy, settings in args.variant]
+    results: dict[str, Any] = {
+        "size": size,
+        "seeds": args.seeds,
+        "hop_ms": args.hop_ms,
+        "variants": {n: [p, s] for n, p, s in variants},
+        "workloads": {},
+    }
+    for wname in args.workload or DEFAULT_WORKLOADS:
+        results["workloads"][wname] = {}
+        for level in levels:
+            per_seed = []
+            for seed in range(args.seeds):
+                wl = build(wname, size=size * bp.LEVEL_SIZE[level], seed=seed)
+                cells = run_level(wl, level, rows_for(wl, variants, not args.no_peers), args.hop_ms)
+                per_seed.append(cells)
+                print_table(f"{wname} (seed {seed})", level, cells)
+            summary = relative_summary(per_seed)
+            results["workloads"][wname][level] = {"seeds": per_seed, "summary": summary}
+            if args.seeds > 1:
+                print_summary(wname, level, summary)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "bench_virtual.json"
+    path.write_text(json.dumps(results, indent=1, sort_keys=True))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""The virtual-clock replay: the real pipeline, policy runner and engine, deterministic and fast."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from benchmarks import bench_virtual as bv
+from benchmarks.workloads import build
+from gateway.sim import engine as sim_engine
+
+
+@pytest.fixture(scope="module")
+def agent():
+    return build("agent", size=0.1)
+
+
+def test_a_run_is_deterministic_and_every_request_finishes(agent):
+    rows = bv.rows_for(agent, [("strict", "prefix", {"bound_extra": 0})], peers=True)
+    first = bv.run_level(agent, "moderate", rows)
+    second = bv.run_level(agent, "moderate", rows)
+    for cells in (first, second):
+        for stats in cells.values():
+            stats.pop("seconds")
+    assert first == second
+    assert set(first) == {"prefix", "strict", "least_loaded", "sglang_like", "oracle"}
+    assert all(cells["requests"] == len(agent.requests) for cells in first.values())
+    assert sim_engine.time is time  # the engine's clock is given back
+
+
+def test_prefix_routing_keeps_what_least_loaded_loses(agent):
+    cells = bv.run_level(agent, "moderate", bv.rows_for(agent, [], peers=True))
+    # the agent workload's timestamp header defeats every cache unless normalized (relocate)
+    assert cells["prefix"]["hit_rate"] > 0.5
+    assert cells["least_loaded"]["hit_rate"] < 0.1
+    assert cells["prefix"]["hit_rate"] >= 0.9 * cells["oracle"]["hit_rate"]
+    assert cells["prefix"]["decisions"].get("affinity", 0) > 0
+
+
+def test_the_gateway_hop_delays_what_the_client_sees(agent):
+    rows = [row for row in bv.rows_for(agent, [], peers=False) if row[0] == "prefix"]
+    plain = bv.run_level(agent, "moderate", rows)["prefix"]
+    hop_ms = 5.0
+    slow = bv.run_level(agent, "moderate", rows, hop_ms=hop_ms)["prefix"]
+    hop_sim_ms = hop_ms / bv.bp.time_scale_for(agent, bv.bp.SIM, bv.bp.REPLICAS)
+    # the request reaches its engine one hop later and its first token needs one more hop back
+    assert slow["ttft_p50_ms"] > plain["ttft_p50_ms"] + hop_sim_ms
+
+
+def test_summary_reads_ratios_against_the_prefix_row_and_the_oracle():
+    cell = {"hit_rate": 0.5, "ttft_p50_ms": 10.0, "ttft_p90_ms": 20.0, "alone_p90_ms": 5.0, "work_max_mean": 1.1}
+    per_seed = [
+        {"prefix": cell, "other": {**cell, "hit_rate": 0.45, "ttft_p90_ms": 40.0}, "oracle": {**cell, "hit_rate": 0.6}}
+    ]
+    summary = bv.relative_summary(per_seed)
+    assert summary["other"]["hit_points_vs_prefix"]["mean"] == pytest.approx(-5.0)
+    assert summary["other"]["hit_pct_oracle"]["mean"] == pytest.approx(75.0)
+    assert summary["other"]["p90_x_prefix"]["mean"] == pytest.approx(2.0)
+    assert summary["other"]["alone_p90_x_oracle"]["mean"] == pytest.approx(0.25)
+
+
+def test_alone_ttft_counts_one_engine_step_per_chunk_of_prefill():
+    options = bv.sim_options(oracle=False)
+    step = options.decode_ms_per_token / 1000.0
+    assert bv.alone_ttft(0, options) == pytest.approx(step + 1 / options.prefill_tokens_per_s)
+    big = options.max_num_batched_tokens * 2 + 1  # three chunks
+    assert bv.alone_ttft(big, options) == pytest.approx(3 * step + big / options.prefill_tokens_per_s)
