@@ -1,7 +1,7 @@
 """Placement on a virtual clock: the policy benchmark's routing decisions, without the noise.
 
-    python benchmarks/bench_virtual.py [--workload W ...] [--load moderate|saturated]
-        [--variant NAME:POLICY[:key=value,...] ...] [--quick] [--out DIR]
+    python benchmarks/bench_virtual.py [--workload W ...] [--load moderate|saturated] [--seeds N]
+        [--variant NAME:POLICY[:key=value,...] ...] [--hop-ms MS] [--hold TOKENS ...] [--quick] [--out DIR]
 
 ``bench_policies.py`` replays each workload in real time through real processes on a 2-core
 machine, and one cell's hit rate moves by 1.5-2.5 points from run to run: more than the
@@ -37,6 +37,7 @@ import heapq
 import json
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,9 +108,16 @@ class _Held:
 
 
 class GatewayRouter:
-    """One gateway route (the real pipeline, policy and runner) over ``n`` replicas."""
+    """One gateway route (the real pipeline, policy and runner) over ``n`` replicas.
 
-    def __init__(self, policy: str, normalize: str, settings: dict[str, Any], n: int) -> None:
+    ``hold_tokens`` (an experiment, not a gateway feature): a request whose chosen replica
+    already has more than this many prompt tokens queued for prefill waits in one queue at the
+    gateway, in arrival order, and is decided again when a replica answers (late binding).
+    """
+
+    def __init__(
+        self, policy: str, normalize: str, settings: dict[str, Any], n: int, hold_tokens: float | None = None
+    ) -> None:
         health = HealthSettings()
         self.pool = [Replica(ReplicaConfig(name=f"r{i}", url=f"http://10.0.0.{i + 1}:8000"), None, health)  # type: ignore[arg-type]
                      for i in range(n)]  # fmt: skip
@@ -117,10 +125,16 @@ class GatewayRouter:
         self.route_: Route = build_route(config, self.pool)
         self.index = {r.name: i for i, r in enumerate(self.pool)}
         self.reasons: dict[str, int] = {}
+        self.hold_tokens = hold_tokens
+        self._prepared: dict[int, tuple[RequestView, dict[str, Any]]] = {}  # held requests: prepared once
 
-    def route(
+    def _view(
         self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[int, dict[str, Any], Any]:
+    ) -> tuple[RequestView, dict[str, Any]]:
+        """What the gateway's request handler builds (``Gateway.plan``), and the body it forwards."""
+        known = self._prepared.get(id(req))
+        if known is not None:
+            return known
         route = self.route_
         prepared = route.pipeline.prepare(req.endpoint, body) if route.needs_keys(req.endpoint) else None  # type: ignore[union-attr]
         view = RequestView(
@@ -137,10 +151,23 @@ class GatewayRouter:
             token_blocks=len(prepared.block_keys) if prepared else None,
             key_tokens=prepared.text_key_tokens if prepared else (),
         )
+        return view, (prepared.body if prepared is not None else body)
+
+    def holds(self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]) -> bool:
+        """Whether the request waits at the gateway for now (``hold_tokens``)."""
+        if self.hold_tokens is None:
+            return False
+        view, _ = self._prepared[id(req)] = self._view(req, body, headers)
+        _, replica = self.route_.runner.decide(view, dry_run=True)
+        return replica.pending_prefill_tokens > self.hold_tokens
+
+    def route(self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]) -> Routed:
+        view, sent = self._view(req, body, headers)
+        self._prepared.pop(id(req), None)
+        route = self.route_
         decision, replica = route.runner.decide(view)
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
         charge = route.runner.acquire(replica, view, decision)
-        sent = prepared.body if prepared is not None else body
         return self.index[replica.name], sent, _Held(replica, view, decision, charge)
 
     def first_token(self, handle: _Held) -> None:
@@ -274,6 +301,24 @@ class VirtualFleet:
             seq += 1
         heapq.heapify(events)
 
+        held: deque[int] = deque()  # arrived, not yet placed (only while the router holds them)
+        holds = getattr(router, "holds", None)
+
+        def dispatch(i: int, now: float) -> None:
+            _, req, body, headers = arrivals[i]
+            e, sent, handle = router.route(req, body, headers)
+            replica = replicas[e]
+            tokens = _engine_tokens(replica, req.endpoint, sent)
+            (ereq,) = replica.engine_requests(tokens, req.max_tokens, "length", 1, seed, now + hop)
+            ereq.waiter = _Waiter()
+            ereq.stream = True
+            meta[id(ereq)] = (i, handle, e)
+            outcomes[i] = Outcome(e, prompt_tokens=len(tokens), arrival=arrivals[i][0])
+            if hop:
+                later(now + hop, ENQUEUE, (e, ereq))
+            else:
+                enqueue(e, ereq, now)
+
         def later(t: float, kind: int, payload: Any) -> None:
             nonlocal seq
             heapq.heappush(events, (t, seq, kind, payload))
@@ -303,20 +348,7 @@ class VirtualFleet:
                 now, _, kind, payload = heapq.heappop(events)
                 self.clock.now = now
                 if kind == ARRIVE:
-                    i = payload
-                    _, req, body, headers = arrivals[i]
-                    e, sent, handle = router.route(req, body, headers)
-                    replica = replicas[e]
-                    tokens = _engine_tokens(replica, req.endpoint, sent)
-                    (ereq,) = replica.engine_requests(tokens, req.max_tokens, "length", 1, seed, now + hop)
-                    ereq.waiter = _Waiter()
-                    ereq.stream = True
-                    meta[id(ereq)] = (i, handle, e)
-                    outcomes[i] = Outcome(e, prompt_tokens=len(tokens), arrival=now)
-                    if hop:
-                        later(now + hop, ENQUEUE, (e, ereq))
-                    else:
-                        enqueue(e, ereq, now)
+                    held.append(payload)
                 elif kind == ENQUEUE:
                     enqueue(*payload, now)
                 elif kind == FIRST_TOKEN:
@@ -348,6 +380,15 @@ class VirtualFleet:
                                 router.finished(handle, out.cached_tokens)
                             del meta[id(ereq)]
                     start_step(e, now)
+                # held requests leave in arrival order, each as soon as the router lets it go
+                if held:
+                    waiting = list(held)
+                    held.clear()
+                    for i in waiting:
+                        if holds is not None and holds(*arrivals[i][1:]):
+                            held.append(i)
+                        else:
+                            dispatch(i, now)
         finally:
             sim_engine.time = saved
         done = [o for o in outcomes if o is not None]
@@ -432,11 +473,15 @@ def _pct(values: Sequence[float], q: float) -> float:
 Row = tuple[str, Callable[[], Router], bool]  # name, router factory, oracle
 
 
-def rows_for(wl: Workload, variants: Sequence[tuple[str, str, dict[str, Any]]], peers: bool) -> list[Row]:
+def rows_for(
+    wl: Workload, variants: Sequence[tuple[str, str, dict[str, Any]]], peers: bool, hold: Sequence[float] = ()
+) -> list[Row]:
     n = bp.REPLICAS
     rows: list[Row] = [("prefix", lambda: GatewayRouter("prefix", wl.normalize, {}, n), False)]
     for name, policy, settings in variants:
         rows.append((name, lambda p=policy, s=settings: GatewayRouter(p, wl.normalize, dict(s), n), False))
+    for tokens in hold:
+        rows.append((f"prefix_hold{tokens:g}", lambda t=tokens: GatewayRouter("prefix", wl.normalize, {}, n, t), False))
     if peers:
         rows.append(("least_loaded", lambda: GatewayRouter("least_loaded", wl.normalize, {}, n), False))
         rows.append(("sglang_like", lambda: SglangLikeRouter(n), False))
@@ -531,6 +576,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the gateway's latency each way, in the real "
         "benchmark's wall milliseconds (default 0: placement alone); the oracle row gets none",
     )
+    parser.add_argument("--hold", action="append", type=float, default=[], metavar="TOKENS",
+                        help="experiment: a `prefix` row whose requests wait at the gateway while their replica has "
+                        "more than TOKENS prompt tokens queued for prefill (late binding); repeatable")  # fmt: skip
     parser.add_argument("--no-peers", action="store_true", help="leave out least_loaded and sglang_like")
     parser.add_argument("--quick", action="store_true", help=f"samples at {QUICK_SIZE} of the full size")
     parser.add_argument(
@@ -558,7 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_seed = []
             for seed in range(args.seeds):
                 wl = build(wname, size=size * bp.LEVEL_SIZE[level], seed=seed)
-                cells = run_level(wl, level, rows_for(wl, variants, not args.no_peers), args.hop_ms)
+                cells = run_level(wl, level, rows_for(wl, variants, not args.no_peers, args.hold), args.hop_ms)
                 per_seed.append(cells)
                 print_table(f"{wname} (seed {seed})", level, cells)
             summary = relative_summary(per_seed)

@@ -66,3 +66,14 @@ def test_alone_ttft_counts_one_engine_step_per_chunk_of_prefill():
     assert bv.alone_ttft(0, options) == pytest.approx(step + 1 / options.prefill_tokens_per_s)
     big = options.max_num_batched_tokens * 2 + 1  # three chunks
     assert bv.alone_ttft(big, options) == pytest.approx(3 * step + big / options.prefill_tokens_per_s)
+
+
+def test_late_binding_rows_finish_everything_and_a_high_threshold_changes_nothing(agent):
+    rows = bv.rows_for(agent, [], peers=False, hold=[1.0, 1e12])
+    cells = bv.run_level(agent, "saturated", rows)
+    never, always = cells["prefix_hold1e+12"], cells["prefix_hold1"]
+    for stats in (never, always, cells["prefix"]):
+        stats.pop("seconds")
+    assert never == cells["prefix"]  # nothing is ever held
+    assert always["requests"] == len(agent.requests)  # held requests all leave in the end
+    assert always != cells["prefix"]
