@@ -40,6 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Protocol
@@ -116,7 +117,13 @@ class GatewayRouter:
     """
 
     def __init__(
-        self, policy: str, normalize: str, settings: dict[str, Any], n: int, hold_tokens: float | None = None
+        self,
+        policy: str,
+        normalize: str,
+        settings: dict[str, Any],
+        n: int,
+        hold_tokens: float | None = None,
+        hold_fleet_tokens: float = 0.0,
     ) -> None:
         health = HealthSettings()
         self.pool = [Replica(ReplicaConfig(name=f"r{i}", url=f"http://10.0.0.{i + 1}:8000"), None, health)  # type: ignore[arg-type]
@@ -126,6 +133,7 @@ class GatewayRouter:
         self.index = {r.name: i for i, r in enumerate(self.pool)}
         self.reasons: dict[str, int] = {}
         self.hold_tokens = hold_tokens
+        self.hold_fleet_tokens = hold_fleet_tokens  # ...and only while the fleet's mean queue is over this
         self._prepared: dict[int, tuple[RequestView, dict[str, Any]]] = {}  # held requests: prepared once
 
     def _view(
@@ -158,6 +166,10 @@ class GatewayRouter:
         if self.hold_tokens is None:
             return False
         view, _ = self._prepared[id(req)] = self._view(req, body, headers)
+        if self.hold_fleet_tokens and sum(r.pending_prefill_tokens for r in self.pool) <= self.hold_fleet_tokens * len(
+            self.pool
+        ):
+            return False
         _, replica = self.route_.runner.decide(view, dry_run=True)
         return replica.pending_prefill_tokens > self.hold_tokens
 
@@ -474,14 +486,17 @@ Row = tuple[str, Callable[[], Router], bool]  # name, router factory, oracle
 
 
 def rows_for(
-    wl: Workload, variants: Sequence[tuple[str, str, dict[str, Any]]], peers: bool, hold: Sequence[float] = ()
+    wl: Workload, variants: Sequence[tuple[str, str, dict[str, Any]]], peers: bool, hold: Sequence[float | str] = ()
 ) -> list[Row]:
     n = bp.REPLICAS
     rows: list[Row] = [("prefix", lambda: GatewayRouter("prefix", wl.normalize, {}, n), False)]
     for name, policy, settings in variants:
         rows.append((name, lambda p=policy, s=settings: GatewayRouter(p, wl.normalize, dict(s), n), False))
-    for tokens in hold:
-        rows.append((f"prefix_hold{tokens:g}", lambda t=tokens: GatewayRouter("prefix", wl.normalize, {}, n, t), False))
+    for spec in hold:
+        tokens, _, fleet = str(spec).partition(":")
+        name = f"prefix_hold{float(tokens):g}" + (f"_fleet{float(fleet):g}" if fleet else "")
+        factory = partial(GatewayRouter, "prefix", wl.normalize, {}, n, float(tokens), float(fleet or 0))
+        rows.append((name, factory, False))
     if peers:
         rows.append(("least_loaded", lambda: GatewayRouter("least_loaded", wl.normalize, {}, n), False))
         rows.append(("sglang_like", lambda: SglangLikeRouter(n), False))
@@ -576,9 +591,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the gateway's latency each way, in the real "
         "benchmark's wall milliseconds (default 0: placement alone); the oracle row gets none",
     )
-    parser.add_argument("--hold", action="append", type=float, default=[], metavar="TOKENS",
+    parser.add_argument("--hold", action="append", default=[], metavar="TOKENS[:FLEET]",
                         help="experiment: a `prefix` row whose requests wait at the gateway while their replica has "
-                        "more than TOKENS prompt tokens queued for prefill (late binding); repeatable")  # fmt: skip
+                        "more than TOKENS prompt tokens queued for prefill (late binding) [and the replicas' mean "
+                        "queue is over FLEET tokens]; repeatable")  # fmt: skip
     parser.add_argument("--no-peers", action="store_true", help="leave out least_loaded and sglang_like")
     parser.add_argument("--quick", action="store_true", help=f"samples at {QUICK_SIZE} of the full size")
     parser.add_argument(
