@@ -69,11 +69,12 @@ def test_alone_ttft_counts_one_engine_step_per_chunk_of_prefill():
 
 
 def test_late_binding_rows_finish_everything_and_a_high_threshold_changes_nothing(agent):
-    rows = bv.rows_for(agent, [], peers=False, hold=[1.0, 1e12])
+    rows = bv.rows_for(agent, [], peers=False, hold=[1.0, 1e12, "1:1e12"])
     cells = bv.run_level(agent, "saturated", rows)
-    never, always = cells["prefix_hold1e+12"], cells["prefix_hold1"]
-    for stats in (never, always, cells["prefix"]):
+    never, always, calm = cells["prefix_hold1e+12"], cells["prefix_hold1"], cells["prefix_hold1_fleet1e+12"]
+    for stats in (never, always, calm, cells["prefix"]):
         stats.pop("seconds")
     assert never == cells["prefix"]  # nothing is ever held
+    assert calm == cells["prefix"]  # the fleet's queue never reaches the guard: nothing is held
     assert always["requests"] == len(agent.requests)  # held requests all leave in the end
     assert always != cells["prefix"]
