@@ -52,11 +52,11 @@ from benchmarks.replay import median_of_runs  # noqa: E402
 from gateway.chat_template import chat_tokens  # noqa: E402
 from gateway.config import HealthSettings, ReplicaConfig  # noqa: E402
 from gateway.prefix.blocks import chain_block_keys, first_block_seed  # noqa: E402
-from gateway.prefix.pipeline import PrefixPipeline, PreparedPrompt  # noqa: E402
+from gateway.prefix.pipeline import PrefixPipeline  # noqa: E402
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings  # noqa: E402
 from gateway.replicas.pool import Replica  # noqa: E402
-from gateway.routing.base import RequestView  # noqa: E402
 from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings  # noqa: E402
+from gateway.routing.routes import request_view  # noqa: E402
 from gateway.routing.runner import PolicyRunner  # noqa: E402
 from gateway.tokenizer import get_tokenizer  # noqa: E402
 
@@ -198,23 +198,6 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def request_view(i: int, endpoint: str, prepared: PreparedPrompt) -> RequestView:
-    """What the gateway's request handler builds from a prepared prompt (see ``gateway/service.py``)."""
-    return RequestView(
-        f"r{i}",
-        "bench",
-        "m",
-        endpoint,
-        None,
-        prepared.keys,
-        prepared.block_size,
-        prepared.window_tokens,
-        prepared.prompt_tokens_estimate,
-        token_blocks=len(prepared.block_keys),
-        key_tokens=prepared.text_key_tokens,
-    )
-
-
 def fleet(n: int) -> list[Replica]:
     """``n`` real ``Replica`` objects (never contacted): the runner builds its views from them."""
     health = HealthSettings()
@@ -253,7 +236,7 @@ def run_scenario(name: str, n: int, window: int, seed: int, replicas: int = 4) -
         result = pipeline.normalize(endpoint, body)
         t1 = cpu_clock()
         prepared = pipeline.key(endpoint, result)
-        request = request_view(i, endpoint, prepared)
+        request = request_view("bench", endpoint, body, prepared, request_id=f"r{i}")
         t2 = cpu_clock()
         runner.decide(request)
         t3 = cpu_clock()

@@ -50,11 +50,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench_policies as bp  # noqa: E402
+from benchmarks.bench_prefix_path import pct  # noqa: E402
+from benchmarks.replay import wire_body  # noqa: E402
 from benchmarks.workloads import BenchRequest, Workload, build  # noqa: E402
 from gateway.config import HealthSettings, ReplicaConfig, RouteConfig  # noqa: E402
+from gateway.prefix.pipeline import PrefixPipeline  # noqa: E402
+from gateway.prefix.settings import NormalizeSettings, PrefixSettings  # noqa: E402
 from gateway.replicas.pool import Replica  # noqa: E402
 from gateway.routing.base import Decision, RequestView  # noqa: E402
-from gateway.routing.routes import Route, build_route  # noqa: E402
+from gateway.routing.routes import Route, build_route, request_view  # noqa: E402
+from gateway.routing.runner import PolicyRunner  # noqa: E402
 from gateway.sim import engine as sim_engine  # noqa: E402
 from gateway.sim.engine import EngineRequest  # noqa: E402
 from gateway.sim.options import SimOptions  # noqa: E402
@@ -89,9 +94,7 @@ Arrival = tuple[float, BenchRequest, dict[str, Any], dict[str, str]]  # sim time
 
 
 class Router(Protocol):
-    def route(
-        self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[int, dict[str, Any], Any]:
+    def route(self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]) -> Routed:
         """(engine index, the body the engine receives, a handle for the callbacks)."""
         ...
 
@@ -139,26 +142,13 @@ class GatewayRouter:
     def _view(
         self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]
     ) -> tuple[RequestView, dict[str, Any]]:
-        """What the gateway's request handler builds (``Gateway.plan``), and the body it forwards."""
+        """What the gateway's request handler builds (as ``Gateway.plan``), and the body it forwards."""
         known = self._prepared.get(id(req))
         if known is not None:
             return known
         route = self.route_
         prepared = route.pipeline.prepare(req.endpoint, body) if route.needs_keys(req.endpoint) else None  # type: ignore[union-attr]
-        view = RequestView(
-            "",
-            route.name,
-            str(body.get("model", "")),
-            req.endpoint,
-            session_key=headers.get(route.session_header),
-            block_keys=prepared.keys if prepared else (),
-            block_size=prepared.block_size if prepared else 0,
-            prompt_tokens=prepared.window_tokens if prepared else None,
-            prompt_tokens_estimate=prepared.prompt_tokens_estimate if prepared else None,
-            stream=True,
-            token_blocks=len(prepared.block_keys) if prepared else None,
-            key_tokens=prepared.text_key_tokens if prepared else (),
-        )
+        view = request_view(route.name, req.endpoint, body, prepared, headers.get(route.session_header))
         return view, (prepared.body if prepared is not None else body)
 
     def holds(self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]) -> bool:
@@ -183,29 +173,12 @@ class GatewayRouter:
         return self.index[replica.name], sent, _Held(replica, view, decision, charge)
 
     def first_token(self, handle: _Held) -> None:
-        type(self.route_.runner).prefill_done(handle.replica, handle.charge)
+        PolicyRunner.prefill_done(handle.replica, handle.charge)
         handle.charge = 0
 
     def finished(self, handle: _Held, cached_tokens: int) -> None:
         self.first_token(handle)
         self.route_.runner.release(handle.replica, handle.view, handle.decision, cached_tokens, True)
-
-
-class OracleRouter:
-    """Everything to the one pooled engine."""
-
-    reasons: dict[str, int] = {}
-
-    def route(
-        self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[int, dict[str, Any], Any]:
-        return 0, body, None
-
-    def first_token(self, handle: Any) -> None:
-        pass
-
-    def finished(self, handle: Any, cached_tokens: int) -> None:
-        pass
 
 
 class SglangLikeRouter:
@@ -219,7 +192,7 @@ class SglangLikeRouter:
     def __init__(
         self, n: int, cache_threshold: float = 0.3, abs_threshold: int = 64, rel_threshold: float = 1.5
     ) -> None:
-        self.keys = GatewayRouter("prefix", "off", {}, n).route_.pipeline  # the same keys as every gateway row
+        self.keys = PrefixPipeline(NormalizeSettings(mode="off"), PrefixSettings())  # the gateway rows' keys
         self.trees: list[set[int]] = [set() for _ in range(n)]
         self.load = [0] * n
         self.cache_threshold = cache_threshold
@@ -227,10 +200,8 @@ class SglangLikeRouter:
         self.rel_threshold = rel_threshold
         self.reasons: dict[str, int] = {}
 
-    def route(
-        self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[int, dict[str, Any], Any]:
-        prepared = self.keys.prepare(req.endpoint, body)  # type: ignore[union-attr]
+    def route(self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]) -> Routed:
+        prepared = self.keys.prepare(req.endpoint, body)
         keys = prepared.keys
         depth = _key_depths(prepared)
         total = max(prepared.prompt_tokens_estimate, 1)
@@ -282,7 +253,6 @@ class Outcome:
     ttft: float = 0.0
     uncached: int = 0
     wait: float = 0.0  # from reaching the engine to its first scheduling (queueing, KV full)
-    arrival: float = 0.0
 
 
 @dataclass
@@ -325,7 +295,7 @@ class VirtualFleet:
             ereq.waiter = _Waiter()
             ereq.stream = True
             meta[id(ereq)] = (i, handle, e)
-            outcomes[i] = Outcome(e, prompt_tokens=len(tokens), arrival=arrivals[i][0])
+            outcomes[i] = Outcome(e, prompt_tokens=len(tokens))
             if hop:
                 later(now + hop, ENQUEUE, (e, ereq))
             else:
@@ -427,7 +397,7 @@ def arrivals_for(wl: Workload, level: str, requests: Sequence[BenchRequest] | No
     t0 = reqs[0].t
     out = []
     for r in reqs:
-        body = {"model": bp.MODEL, **r.body, "max_tokens": r.max_tokens, "ignore_eos": True, "stream": True}
+        body = wire_body(r, bp.MODEL)
         headers = {"x-session-id": r.session} if r.session else {}
         out.append(((r.t - t0) * sim_seconds_per_workload_second, r, body, headers))
     return out
@@ -455,8 +425,8 @@ def summarize(outcomes: Sequence[Outcome], n: int, options: SimOptions | None = 
     """Hit rate, TTFT percentiles (simulated ms), prefill-work balance and the no-queue floor."""
     prompt = sum(o.prompt_tokens for o in outcomes)
     cached = sum(o.cached_tokens for o in outcomes)
-    ttfts = sorted(o.ttft for o in outcomes)
-    floor = sorted(alone_ttft(o.uncached, options or sim_options(n == 1)) for o in outcomes)
+    ttfts = [o.ttft for o in outcomes]
+    floor = [alone_ttft(o.uncached, options or sim_options(n == 1)) for o in outcomes]
     work = [0] * n
     for o in outcomes:
         work[o.engine] += o.uncached
@@ -464,22 +434,16 @@ def summarize(outcomes: Sequence[Outcome], n: int, options: SimOptions | None = 
     return {
         "requests": len(outcomes),
         "hit_rate": cached / prompt if prompt else 0.0,
-        "ttft_p50_ms": 1000 * _pct(ttfts, 0.5),
-        "ttft_p90_ms": 1000 * _pct(ttfts, 0.9),
-        "ttft_p99_ms": 1000 * _pct(ttfts, 0.99),
+        "ttft_p50_ms": 1000 * pct(ttfts, 0.5),
+        "ttft_p90_ms": 1000 * pct(ttfts, 0.9),
+        "ttft_p99_ms": 1000 * pct(ttfts, 0.99),
         # the same requests with the same cache hits, each alone on its replica: no placement
         # can bring TTFT below this (the pooled oracle's replica prefills 4x faster)
-        "alone_p50_ms": 1000 * _pct(floor, 0.5),
-        "alone_p90_ms": 1000 * _pct(floor, 0.9),
-        "wait_p90_ms": 1000 * _pct(sorted(o.wait for o in outcomes), 0.9),
+        "alone_p50_ms": 1000 * pct(floor, 0.5),
+        "alone_p90_ms": 1000 * pct(floor, 0.9),
+        "wait_p90_ms": 1000 * pct([o.wait for o in outcomes], 0.9),
         "work_max_mean": max(work) / mean if mean else 1.0,
     }
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 Row = tuple[str, Callable[[], Router], bool]  # name, router factory, oracle

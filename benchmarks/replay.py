@@ -46,6 +46,19 @@ class WireRequest:
     prompt_tokens: int
 
 
+def wire_body(req: BenchRequest, model: str) -> dict[str, Any]:
+    """The JSON body every row receives for ``req``: a stream of exactly ``max_tokens`` tokens."""
+    return {
+        "model": model,
+        **req.body,
+        "max_tokens": req.max_tokens,
+        "ignore_eos": True,  # vLLM extension: force exactly max_tokens
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 def prepare(
     requests: Sequence[BenchRequest],
     model: str,
@@ -58,15 +71,7 @@ def prepare(
     t0 = requests[0].t
     wire = []
     for req in requests:
-        body = {
-            "model": model,
-            **req.body,
-            "max_tokens": req.max_tokens,
-            "ignore_eos": True,  # vLLM extension: force exactly max_tokens
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = wire_body(req, model)
         headers = {"content-type": "application/json"}
         if req.session:
             headers[session_header] = req.session

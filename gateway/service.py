@@ -46,7 +46,7 @@ from gateway.replicas.outlier import Fleet
 from gateway.replicas.pool import Replica
 from gateway.replicas.warmup import Warmer
 from gateway.routing.base import Decision, RequestView
-from gateway.routing.routes import Route, RouteTable, build_route
+from gateway.routing.routes import Route, RouteTable, build_route, request_view
 from gateway.state.affinity_sync import AffinitySync
 from gateway.state.catchup import CatchUp
 from gateway.state.peer_load import PeerLoad
@@ -310,20 +310,7 @@ class Gateway:
             if route.needs_keys(endpoint)
             else None
         )
-        request = RequestView(
-            request_id,
-            route.name,
-            model,
-            endpoint,
-            session_key=headers.get(route.session_header),
-            block_keys=prepared.keys if prepared else (),
-            block_size=prepared.block_size if prepared else 0,
-            prompt_tokens=prepared.window_tokens if prepared else None,
-            prompt_tokens_estimate=prepared.prompt_tokens_estimate if prepared else None,
-            stream=body.get("stream") is True,
-            token_blocks=len(prepared.block_keys) if prepared else None,
-            key_tokens=prepared.text_key_tokens if prepared else (),
-        )
+        request = request_view(route.name, endpoint, body, prepared, headers.get(route.session_header), request_id)
         decision, replica = route.runner.decide(request, dry_run=dry_run)
         return Plan(route, endpoint, prepared, request, decision, replica)
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.config import RouteConfig
-from gateway.prefix.pipeline import PrefixPipeline
+from gateway.prefix.pipeline import PrefixPipeline, PreparedPrompt
 from gateway.replicas.pool import Replica
 from gateway.routing import registry
+from gateway.routing.base import RequestView
 from gateway.routing.runner import PolicyRunner
 
 
@@ -36,6 +38,35 @@ class Route:
 
     def needs_keys(self, endpoint: str) -> bool:
         return self.pipeline is not None and endpoint in ("chat", "completions")
+
+
+def request_view(
+    route: str,
+    endpoint: str,
+    body: Mapping[str, Any],
+    prepared: PreparedPrompt | None,
+    session_key: str | None = None,
+    request_id: str = "",
+) -> RequestView:
+    """What a policy sees of one request: its route, model, session and the prepared prompt's keys.
+
+    The one place a :class:`RequestView` is built from a :class:`PreparedPrompt` (the request
+    path, ``/admin/explain`` and the benchmarks that drive the policy runner directly).
+    """
+    return RequestView(
+        request_id,
+        route,
+        str(body.get("model", "")),
+        endpoint,
+        session_key=session_key,
+        block_keys=prepared.keys if prepared else (),
+        block_size=prepared.block_size if prepared else 0,
+        prompt_tokens=prepared.window_tokens if prepared else None,
+        prompt_tokens_estimate=prepared.prompt_tokens_estimate if prepared else None,
+        stream=body.get("stream") is True,
+        token_blocks=len(prepared.block_keys) if prepared else None,
+        key_tokens=prepared.text_key_tokens if prepared else (),
+    )
 
 
 def build_route(config: RouteConfig, pool: Sequence[Replica]) -> Route:
