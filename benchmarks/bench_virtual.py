@@ -1,6 +1,6 @@
 """Placement on a virtual clock: the policy benchmark's routing decisions, without the noise.
 
-    python benchmarks/bench_virtual.py [--workload W ...] [--load moderate|saturated] [--seeds N]
+    python benchmarks/bench_virtual.py [--workload W ...] [--load moderate|saturated] [--seeds N] [--salts N]
         [--variant NAME:POLICY[:key=value,...] ...] [--hop-ms MS] [--hold TOKENS ...] [--quick] [--out DIR]
 
 ``bench_policies.py`` replays each workload in real time through real processes on a 2-core
@@ -33,17 +33,21 @@ stdout and ``benchmarks/results/bench_virtual.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import json
+import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Protocol
+
+import xxhash
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -57,6 +61,7 @@ from gateway.config import HealthSettings, ReplicaConfig, RouteConfig  # noqa: E
 from gateway.prefix.pipeline import PrefixPipeline  # noqa: E402
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings  # noqa: E402
 from gateway.replicas.pool import Replica  # noqa: E402
+from gateway.routing import ring as ring_module  # noqa: E402
 from gateway.routing.base import Decision, RequestView  # noqa: E402
 from gateway.routing.routes import Route, build_route, request_view  # noqa: E402
 from gateway.routing.runner import PolicyRunner  # noqa: E402
@@ -103,6 +108,22 @@ class Router(Protocol):
     def finished(self, handle: Any, cached_tokens: int) -> None: ...
 
 
+@contextlib.contextmanager
+def salted_ring(salt: int) -> Iterator[None]:
+    """While building a route: its ring's points hash with ``salt`` (``name#i#salt``), so
+    every tie and ring placement differs while every rule stays the same — another, equally
+    valid instance of the policy (salt 0: the shipped ring)."""
+    if not salt:
+        yield
+        return
+    shipped = ring_module.point
+    ring_module.point = lambda name, index: xxhash.xxh3_64_intdigest(f"{name}#{index}#{salt}".encode())
+    try:
+        yield
+    finally:
+        ring_module.point = shipped
+
+
 @dataclass(slots=True)
 class _Held:
     replica: Replica
@@ -127,12 +148,14 @@ class GatewayRouter:
         n: int,
         hold_tokens: float | None = None,
         hold_fleet_tokens: float = 0.0,
+        ring_salt: int = 0,
     ) -> None:
         health = HealthSettings()
         self.pool = [Replica(ReplicaConfig(name=f"r{i}", url=f"http://10.0.0.{i + 1}:8000"), None, health)  # type: ignore[arg-type]
                      for i in range(n)]  # fmt: skip
         config = RouteConfig(name="bench", policy=policy, normalize={"mode": normalize}, policy_settings=settings)
-        self.route_: Route = build_route(config, self.pool)
+        with salted_ring(ring_salt):  # the policy builds its ring from the pool here
+            self.route_: Route = build_route(config, self.pool)
         self.index = {r.name: i for i, r in enumerate(self.pool)}
         self.reasons: dict[str, int] = {}
         self.hold_tokens = hold_tokens
@@ -449,18 +472,33 @@ def summarize(outcomes: Sequence[Outcome], n: int, options: SimOptions | None = 
 Row = tuple[str, Callable[[], Router], bool]  # name, router factory, oracle
 
 
+SALT_MARK = "~"  # a salted copy of a row: "prefix~2" is "prefix" on ring instance 2
+
+
 def rows_for(
-    wl: Workload, variants: Sequence[tuple[str, str, dict[str, Any]]], peers: bool, hold: Sequence[float | str] = ()
+    wl: Workload,
+    variants: Sequence[tuple[str, str, dict[str, Any]]],
+    peers: bool,
+    hold: Sequence[float | str] = (),
+    salts: int = 1,
 ) -> list[Row]:
+    """The rows of one workload: ``prefix``, the variants and hold rows (each also on ``salts``
+    - 1 more ring instances, see :func:`salted_ring`), the peers, the oracle."""
     n = bp.REPLICAS
-    rows: list[Row] = [("prefix", lambda: GatewayRouter("prefix", wl.normalize, {}, n), False)]
+    gateway_rows: list[tuple[str, Callable[..., Router]]] = [
+        ("prefix", partial(GatewayRouter, "prefix", wl.normalize, {}, n))
+    ]
     for name, policy, settings in variants:
-        rows.append((name, lambda p=policy, s=settings: GatewayRouter(p, wl.normalize, dict(s), n), False))
+        gateway_rows.append((name, partial(GatewayRouter, policy, wl.normalize, dict(settings), n)))
     for spec in hold:
         tokens, _, fleet = str(spec).partition(":")
         name = f"prefix_hold{float(tokens):g}" + (f"_fleet{float(fleet):g}" if fleet else "")
-        factory = partial(GatewayRouter, "prefix", wl.normalize, {}, n, float(tokens), float(fleet or 0))
+        hold_row = partial(GatewayRouter, "prefix", wl.normalize, {}, n, float(tokens), float(fleet or 0))
+        gateway_rows.append((name, hold_row))
+    rows: list[Row] = []
+    for name, factory in gateway_rows:
         rows.append((name, factory, False))
+        rows.extend((f"{name}{SALT_MARK}{salt}", partial(factory, ring_salt=salt), False) for salt in range(1, salts))
     if peers:
         rows.append(("least_loaded", lambda: GatewayRouter("least_loaded", wl.normalize, {}, n), False))
         rows.append(("sglang_like", lambda: SglangLikeRouter(n), False))
@@ -541,6 +579,56 @@ def print_summary(wname: str, level: str, summary: dict[str, Any]) -> None:
         print(f"  {name:<22} {hit} {points} {ratios}")
 
 
+def ensemble_summary(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per row family (a row and its salted copies, ``--salts``), over seeds x ring instances:
+    hit rate as % of the oracle (mean, min, max), its spread between instances of one sample
+    (the mean over seeds of their standard deviation: what one run cannot resolve), points
+    against the ``prefix`` family (family means, per seed: mean, min, max) and p90 x oracle."""
+    families: dict[str, list[str]] = {}
+    for name in per_seed[0]:
+        families.setdefault(name.split(SALT_MARK)[0], []).append(name)
+    base = families.get("prefix", [])
+    out: dict[str, Any] = {}
+    for family, names in families.items():
+        if len(names) < 2:
+            continue
+        pct_oracle: list[float] = []
+        spread: list[float] = []
+        points: list[float] = []
+        p90: list[float] = []
+        for cells in per_seed:
+            oracle = cells["oracle"]
+            values = [100 * cells[n]["hit_rate"] / oracle["hit_rate"] if oracle["hit_rate"] else 0.0 for n in names]
+            pct_oracle.extend(values)
+            spread.append(statistics.pstdev(values))
+            if base:
+                mine = statistics.mean(cells[n]["hit_rate"] for n in names)
+                points.append(100 * (mine - statistics.mean(cells[n]["hit_rate"] for n in base)))
+            p90.extend(cells[n]["ttft_p90_ms"] / oracle["ttft_p90_ms"] for n in names if oracle["ttft_p90_ms"])
+        out[family] = {
+            "instances": len(names),
+            "hit_pct_oracle": {"mean": statistics.mean(pct_oracle), "min": min(pct_oracle), "max": max(pct_oracle)},
+            "within_sample_sd": statistics.mean(spread),
+            "points_vs_prefix": {"mean": statistics.mean(points), "min": min(points), "max": max(points)}
+            if points
+            else None,
+            "p90_x_oracle": statistics.mean(p90) if p90 else None,
+        }
+    return out
+
+
+def print_ensemble(wname: str, level: str, ensemble: dict[str, Any], seeds: int) -> None:
+    print(f"\n{wname} @ {level}: ring ensemble, over {seeds} seed(s) x ring instances")
+    heads = f"{'hit % of oracle':>22} {'sd in sample':>12} {'pts vs prefix (per seed)':>26} {'p90 x orc':>9}"
+    print(f"  {'family':<22} {'inst':>4} {heads}")
+    for family, e in ensemble.items():
+        h, d = e["hit_pct_oracle"], e["points_vs_prefix"]
+        points = f"{d['mean']:+6.2f} [{d['min']:+5.1f}, {d['max']:+5.1f}]" if d else "-"
+        p90 = f"{e['p90_x_oracle']:9.2f}" if e["p90_x_oracle"] is not None else f"{'-':>9}"
+        print(f"  {family:<22} {e['instances']:4d} {h['mean']:6.1f} [{h['min']:5.1f}, {h['max']:5.1f}] "
+              f"{e['within_sample_sd']:12.2f} {points:>26} {p90}")  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", action="append", help=f"default: {', '.join(DEFAULT_WORKLOADS)}")
@@ -560,6 +648,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "more than TOKENS prompt tokens queued for prefill (late binding) [and the replicas' mean "
                         "queue is over FLEET tokens]; repeatable")  # fmt: skip
     parser.add_argument("--no-peers", action="store_true", help="leave out least_loaded and sglang_like")
+    parser.add_argument("--salts", type=int, default=1, metavar="N",
+                        help="run every gateway row on N ring instances (the same rules, the ring's points hashed "
+                        "with salts 1..N-1 as rows ROW~1..): hit rates then come with their spread between equally "
+                        "valid placements of one sample, and settings are compared on family means")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help=f"samples at {QUICK_SIZE} of the full size")
     parser.add_argument(
         "--seeds",
@@ -577,6 +669,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "size": size,
         "seeds": args.seeds,
         "hop_ms": args.hop_ms,
+        "salts": args.salts,
         "variants": {n: [p, s] for n, p, s in variants},
         "workloads": {},
     }
@@ -586,13 +679,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_seed = []
             for seed in range(args.seeds):
                 wl = build(wname, size=size * bp.LEVEL_SIZE[level], seed=seed)
-                cells = run_level(wl, level, rows_for(wl, variants, not args.no_peers, args.hold), args.hop_ms)
+                rows = rows_for(wl, variants, not args.no_peers, args.hold, args.salts)
+                cells = run_level(wl, level, rows, args.hop_ms)
                 per_seed.append(cells)
                 print_table(f"{wname} (seed {seed})", level, cells)
             summary = relative_summary(per_seed)
-            results["workloads"][wname][level] = {"seeds": per_seed, "summary": summary}
+            ensemble = ensemble_summary(per_seed)
+            results["workloads"][wname][level] = {"seeds": per_seed, "summary": summary, "ensemble": ensemble}
             if args.seeds > 1:
                 print_summary(wname, level, summary)
+            if ensemble:
+                print_ensemble(wname, level, ensemble, args.seeds)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_virtual.json"
     path.write_text(json.dumps(results, indent=1, sort_keys=True))

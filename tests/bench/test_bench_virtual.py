@@ -78,3 +78,38 @@ def test_late_binding_rows_finish_everything_and_a_high_threshold_changes_nothin
     assert calm == cells["prefix"]  # the fleet's queue never reaches the guard: nothing is held
     assert always["requests"] == len(agent.requests)  # held requests all leave in the end
     assert always != cells["prefix"]
+
+
+def test_salted_rings_are_other_instances_of_the_same_policy(agent):
+    rows = bv.rows_for(agent, [], peers=False, salts=3)
+    assert [name for name, _, _ in rows] == ["prefix", "prefix~1", "prefix~2", "oracle"]
+    shipped, salted = rows[0][1](), rows[1][1]()
+    keys = range(0, 2**64, 2**54)
+    owners = [shipped.route_.runner.policy.ring.owner(k) for k in keys]
+    assert owners != [salted.route_.runner.policy.ring.owner(k) for k in keys]  # another ring...
+    assert owners == [rows[0][1]().route_.runner.policy.ring.owner(k) for k in keys]  # ...and the shipped one is back
+    cells = bv.run_level(agent, "moderate", rows)
+    assert all(stats["requests"] == len(agent.requests) for stats in cells.values())
+    plain = bv.run_level(agent, "moderate", bv.rows_for(agent, [], peers=False))
+    for stats in (cells["prefix"], plain["prefix"]):
+        stats.pop("seconds")
+    assert cells["prefix"] == plain["prefix"]  # salt 0 is the shipped policy
+
+
+def test_ensemble_summary_spreads_and_compares_family_means():
+    def cell(hit: float) -> dict[str, float]:
+        return {"hit_rate": hit, "ttft_p90_ms": 20.0}
+
+    oracle = {"hit_rate": 0.5, "ttft_p90_ms": 10.0}
+    per_seed = [
+        {"prefix": cell(0.45), "prefix~1": cell(0.55), "v": cell(0.5), "v~1": cell(0.6), "oracle": oracle},
+        {"prefix": cell(0.5), "prefix~1": cell(0.5), "v": cell(0.5), "v~1": cell(0.5), "oracle": oracle},
+    ]
+    ensemble = bv.ensemble_summary(per_seed)
+    assert set(ensemble) == {"prefix", "v"}
+    prefix, v = ensemble["prefix"], ensemble["v"]
+    assert prefix["instances"] == 2
+    assert prefix["hit_pct_oracle"] == pytest.approx({"mean": 100.0, "min": 90.0, "max": 110.0})
+    assert prefix["within_sample_sd"] == pytest.approx(5.0)  # (10 in the first sample, 0 in the second) / 2
+    assert v["points_vs_prefix"] == pytest.approx({"mean": 2.5, "min": 0.0, "max": 5.0})
+    assert v["p90_x_oracle"] == pytest.approx(2.0)
