@@ -544,6 +544,11 @@ SUMMARY_SERIES = ("hit_pct_oracle", "hit_points_vs_prefix", "p50_x_prefix", "p90
                   "alone_p90_x_oracle", "work_max_mean")  # fmt: skip
 
 
+def pct_of_oracle(cell: dict[str, Any], oracle: dict[str, Any]) -> float:
+    """A row's hit rate as % of the pooled oracle's in the same sample (0 when the oracle hit nothing)."""
+    return 100 * cell["hit_rate"] / oracle["hit_rate"] if oracle["hit_rate"] else 0.0
+
+
 def relative_summary(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per row, over the seeds: hit rate as % of the oracle's, TTFT p50/p90 and work balance as
     multiples of the ``prefix`` row's and the oracle's (mean, min and max)."""
@@ -552,7 +557,7 @@ def relative_summary(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
         series: dict[str, list[float]] = {k: [] for k in SUMMARY_SERIES}
         for cells in per_seed:
             s, base, oracle = cells[name], cells["prefix"], cells["oracle"]
-            series["hit_pct_oracle"].append(100 * s["hit_rate"] / oracle["hit_rate"] if oracle["hit_rate"] else 0.0)
+            series["hit_pct_oracle"].append(pct_of_oracle(s, oracle))
             series["hit_points_vs_prefix"].append(100 * (s["hit_rate"] - base["hit_rate"]))
             series["p50_x_prefix"].append(s["ttft_p50_ms"] / base["ttft_p50_ms"] if base["ttft_p50_ms"] else 0.0)
             series["p90_x_prefix"].append(s["ttft_p90_ms"] / base["ttft_p90_ms"] if base["ttft_p90_ms"] else 0.0)
@@ -598,7 +603,7 @@ def ensemble_summary(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
         p90: list[float] = []
         for cells in per_seed:
             oracle = cells["oracle"]
-            values = [100 * cells[n]["hit_rate"] / oracle["hit_rate"] if oracle["hit_rate"] else 0.0 for n in names]
+            values = [pct_of_oracle(cells[n], oracle) for n in names]
             pct_oracle.extend(values)
             spread.append(statistics.pstdev(values))
             if base:
