@@ -25,7 +25,19 @@ from gateway.prefix.normalize import Kept, Normalizer, NormalizeResult, Relocati
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 from gateway.prefix.tokenize import ModelWindows
 
-_CHARS_PER_TOKEN = 4  # estimate past the window (see PrefixPipeline._estimate_total)
+_CHARS_PER_TOKEN = 4  # estimate past the window when the window measured none (see PrefixPipeline._continue)
+# A measured ratio outside this range is a window of odd text (one long number, a base64
+# blob): the rest of the prompt is less likely to share it than to be text.
+_BYTES_PER_TOKEN_RANGE = (1.5, 8.0)
+
+
+def _clamp_bytes_per_token(measured: float | None) -> float | None:
+    if measured is None:
+        return None
+    low, high = _BYTES_PER_TOKEN_RANGE
+    return min(high, max(low, measured))
+
+
 _ID_CHUNK = 256  # token-id prompts past the window: ids per continuation key
 
 
@@ -96,11 +108,11 @@ class PrefixPipeline:
         """Tokenize the window, hash it, and continue the chain over the rest of the text."""
         body = result.body
         try:
-            tokens = self._window(endpoint, body)
+            tokens, bytes_per_token = self._window(endpoint, body)
             window_ok = True
         except (RecursionError, ValueError, TypeError, AttributeError, OverflowError, MemoryError):
             # Content the template cannot render (deep nesting, odd types): key the text only.
-            tokens, window_ok = array("I"), False
+            tokens, bytes_per_token, window_ok = array("I"), None, False
         model = str(body.get("model", ""))
         lora: str | None = None
         if self.settings.lora_from_model:
@@ -115,7 +127,9 @@ class PrefixPipeline:
         if not window_ok or len(tokens) >= self.tokens.window:
             parent = keys[-1] if keys else seed
             keyed = len(keys) * self.settings.block_size  # ids continue right after the last full block
-            text_keys, text_tokens, estimate = self._continue(endpoint, body, parent, len(tokens), keyed, estimate)
+            text_keys, text_tokens, estimate = self._continue(
+                endpoint, body, parent, len(tokens), keyed, estimate, bytes_per_token
+            )
         return PreparedPrompt(
             body=body,
             block_keys=tuple(keys),
@@ -135,7 +149,14 @@ class PrefixPipeline:
         )
 
     def _continue(
-        self, endpoint: str, body: dict[str, Any], parent: int, window: int, keyed: int, estimate: int
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        parent: int,
+        window: int,
+        keyed: int,
+        estimate: int,
+        bytes_per_token: float | None = None,
     ) -> tuple[list[int], list[int], int]:
         """Keys past the window, their token estimates, and the whole prompt's estimate.
 
@@ -143,8 +164,10 @@ class PrefixPipeline:
         where two prompts differ): per message its role, name, text content, non-text parts'
         URLs and tool calls, each message its own run of chunks.  Chunks ending within the
         first ``window`` bytes are not keyed (at least one byte per token: the window's
-        ``window`` tokens cover them).  A chunk's token estimate is its end at ~4 bytes per
-        token, never less than the window, never more than the prompt's estimate.
+        ``window`` tokens cover them).  Token estimates count ``bytes_per_token`` — the
+        window's own ratio, measured as it was tokenized (:meth:`WindowTokenizer.measured`) —
+        or ~4 without one: a key's is its end, never less than the window, never more than
+        the prompt's; the prompt's is all the text read.
         """
         if endpoint == "completions":
             prompt = body.get("prompt")
@@ -158,10 +181,13 @@ class PrefixPipeline:
         else:
             messages = _message_texts(body.get("messages"), body.get("tools"))
         keys, ends = chain_text_keys(messages, parent, self.settings.chunk_bytes, skip_bytes=window)
-        if ends and not estimate:  # the window could not be rendered: estimate from what was read
-            estimate = ends[-1] // _CHARS_PER_TOKEN
+        per_token = _clamp_bytes_per_token(bytes_per_token)
+        if ends and (per_token is not None or not estimate):
+            # the whole text read (the window could not be rendered, or its ratio is known)
+            estimate = max(window, int(ends[-1] / (per_token or _CHARS_PER_TOKEN)))
+        per_token = per_token or _CHARS_PER_TOKEN
         floor = min(window, estimate)  # keys past the window cover at least the window
-        tokens = [min(estimate, max(floor, end // _CHARS_PER_TOKEN)) for end in ends]
+        tokens = [min(estimate, max(floor, int(end / per_token))) for end in ends]
         return keys, tokens, estimate
 
     def _estimate_total(self, endpoint: str, body: dict[str, Any], window_tokens: int) -> int:
@@ -198,27 +224,28 @@ class PrefixPipeline:
         For observers that re-key an already prepared body another way (the sample buffer
         hashes it once more without the tenant salt).
         """
-        return self._window(endpoint, body)
+        return self._window(endpoint, body)[0]
 
-    def _window(self, endpoint: str, body: dict[str, Any]) -> array[int]:
+    def _window(self, endpoint: str, body: dict[str, Any]) -> tuple[array[int], float | None]:
+        """The leading window's token ids and the bytes per token of its text (None: no text)."""
         tokens = self.tokens.for_model(str(body.get("model", "")))
         if endpoint == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list):
-                return array("I")
-            return tokens.chat(messages, body.get("tools"))
+                return array("I"), None
+            return tokens.chat_measured(messages, body.get("tools"))
         if endpoint == "completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
                 prompt = prompt[0]  # a batch of prompts: key on the first one
             if isinstance(prompt, str):
-                return tokens.text(prompt)
+                return tokens.text_measured(prompt)
             if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt[: tokens.window]):
                 try:
-                    return tokens.ids(prompt)
+                    return tokens.ids(prompt), None
                 except OverflowError:  # ids outside u32: no keys rather than an error here
-                    return array("I")
-        return array("I")
+                    return array("I"), None
+        return array("I"), None
 
 
 def _message_texts(messages: Any, tools: Any) -> list[Sequence[str]]:

@@ -84,9 +84,20 @@ class WindowTokenizer:
 
     def segments(self, segments: Iterable[str]) -> array[int]:
         """The first ``window`` tokens of the concatenated segments (each tokenized on its own)."""
+        return self.measured(segments)[0]
+
+    def measured(self, segments: Iterable[str]) -> tuple[array[int], float | None]:
+        """:meth:`segments`, and the UTF-8 bytes per token of the text tokenized for them.
+
+        The window is exact; the rest of a long prompt is only estimated, from its length in
+        bytes.  Text runs anywhere from ~2 bytes per token (CJK, dense code) to 7 (whole words
+        drawn from a vocabulary), so the window's own ratio estimates the rest of *this*
+        prompt better than any constant (None: no text was tokenized).
+        """
         window = self.window
         encode = self.cache.encode
         out: array[int] = array("I")
+        text_bytes = text_tokens = 0
         for segment in segments:
             remaining = window - len(out)
             if remaining <= 0:
@@ -95,15 +106,22 @@ class WindowTokenizer:
                 out.append(segment.id)
                 continue
             if len(segment) > remaining * _CHARS_PER_TOKEN_GUESS + 64:
-                out.extend(self._leading(segment, remaining))
+                ids, used = self._leading(segment, remaining)
             else:
-                out.extend(encode(segment))
+                ids, used = encode(segment), len(segment)
+            out.extend(ids)
+            text_tokens += len(ids)
+            if segment.isascii():  # O(1): CPython keeps the flag
+                text_bytes += used
+            else:
+                text_bytes += len(segment[:used].encode("utf-8", "surrogatepass"))
         if len(out) > window:
             del out[window:]
-        return out
+        return out, (text_bytes / text_tokens if text_tokens else None)
 
-    def _leading(self, segment: str, wanted: int) -> array[int]:
-        """At least the first ``wanted`` tokens of a long segment, tokenizing little more.
+    def _leading(self, segment: str, wanted: int) -> tuple[array[int], int]:
+        """At least the first ``wanted`` tokens of a long segment, tokenizing little more, and
+        how many characters of it those tokens cover.
 
         With exact cuts the segment is tokenized in chunks that end at a space after a
         non-space, so the concatenation equals tokenizing the whole segment; each chunk is
@@ -120,6 +138,7 @@ class WindowTokenizer:
             end = pos + need * _CHARS_PER_TOKEN_GUESS + 64
             if end >= n:
                 out.extend(encode(segment[pos:]))
+                pos = n
                 break
             cut = _space_cut(segment, pos, end) if self._exact_cuts else -1
             if cut > pos:
@@ -131,18 +150,31 @@ class WindowTokenizer:
                 partial = encode(segment[pos : pos + budget])
                 if len(partial) - 2 >= need:
                     out.extend(partial[:need])
+                    # the slice's characters in proportion to the tokens kept
+                    pos += budget * need // len(partial)
                     break
             out.extend(encode(segment[pos:]))
+            pos = n
             break
-        return out
+        return out, pos
 
     def chat(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> array[int]:
         return self.segments(self.template.segments(messages, tools))
 
+    def chat_measured(
+        self, messages: Sequence[Mapping[str, Any]], tools: Any = None
+    ) -> tuple[array[int], float | None]:
+        """:meth:`chat` and its bytes per token (see :meth:`measured`)."""
+        return self.measured(self.template.segments(messages, tools))
+
     def text(self, prompt: str) -> array[int]:
         """A completion prompt string: one segment (after the model's BOS when vLLM adds one)."""
+        return self.text_measured(prompt)[0]
+
+    def text_measured(self, prompt: str) -> tuple[array[int], float | None]:
+        """:meth:`text` and its bytes per token (see :meth:`measured`)."""
         prefix = getattr(self.template, "completion_prefix", ())
-        return self.segments((*prefix, prompt) if prefix and prompt else (prompt,))
+        return self.measured((*prefix, prompt) if prefix and prompt else (prompt,))
 
     def ids(self, prompt: Sequence[int]) -> array[int]:
         """A completion prompt given as token ids: the leading window as is."""

@@ -14,6 +14,7 @@ from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings
+from gateway.tokenizer import get_tokenizer
 from tests.prefix.policy_helpers import NAMES, chain, policy
 
 
@@ -159,13 +160,21 @@ def test_a_conversation_longer_than_the_window_is_credited_with_its_history() ->
 
 
 def test_pipeline_estimates_the_whole_prompt() -> None:
-    p = PrefixPipeline(NormalizeSettings(), PrefixSettings(window_tokens=64, block_size=16))
+    """Past the window the prompt is estimated at the window's own bytes per token, so text
+    denser or sparser than English (whole words, CJK) is counted close to its real length."""
+    p = PrefixPipeline(NormalizeSettings(), PrefixSettings(window_tokens=256, block_size=16))
+    tok = get_tokenizer()
     ids = list(range(1000, 1500))
     assert p.prepare("completions", {"model": "m", "prompt": ids}).prompt_tokens_estimate == 500
     short = p.prepare("completions", {"model": "m", "prompt": "hello world"})
-    assert short.prompt_tokens_estimate == short.window_tokens < 64
-    text = "word " * 2000  # 10,000 characters
-    assert p.prepare("completions", {"model": "m", "prompt": text}).prompt_tokens_estimate == 2500
+    assert short.prompt_tokens_estimate == short.window_tokens < 256
+    for text in ("word " * 2000, "Vivid lexicon. " * 700, "数据中心的缓存命中率" * 300):
+        real = len(tok.encode(text))
+        estimate = p.prepare("completions", {"model": "m", "prompt": text}).prompt_tokens_estimate
+        assert abs(estimate - real) <= 0.03 * real, (text[:20], estimate, real)
+        naive = len(text.encode()) // 4  # the constant it replaced
+        assert abs(estimate - real) < abs(naive - real)
+    text = "word " * 2000  # 2,000 tokens
     chat = {
         "model": "m",
         "messages": [
@@ -173,9 +182,9 @@ def test_pipeline_estimates_the_whole_prompt() -> None:
             {"role": "user", "content": [{"type": "text", "text": text}]},
         ],
     }
-    assert p.prepare("chat", chat).prompt_tokens_estimate == 5000
+    assert 3_900 <= p.prepare("chat", chat).prompt_tokens_estimate <= 4_100
     odd = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": text}, {"text": 123}]}]}
-    assert p.prepare("chat", odd).prompt_tokens_estimate == 2500  # a malformed part is not counted, not an error
+    assert 1_950 <= p.prepare("chat", odd).prompt_tokens_estimate <= 2_050  # a malformed part is skipped, no error
 
 
 def test_the_runners_views_read_live_counters_including_peers() -> None:
