@@ -653,9 +653,10 @@ def kv_pressure(corpus: Corpus, info: RouteInfo, live: dict[str, Any], samples: 
         evidence.append(
             f"predicted {_pct(predicted)} vs reported {_pct(reported)}: cached prefixes are evicted before reuse"
         )
-    blocks = [e.get("num_gpu_blocks") for e in engines.values() if isinstance(e.get("num_gpu_blocks"), int)]
-    tokens = min(blocks) * info.block_size if blocks else None
-    section = {"policy_settings": {"replica_cache_tokens": tokens}} if tokens else None
+    # The engines publish their cache size (vllm:cache_config_info): the router can read each
+    # replica's own, and follow it across restarts, rather than be told one number.
+    published = any(isinstance(e.get("num_gpu_blocks"), int) for e in engines.values())
+    section = {"policy_settings": {"replica_cache_tokens": "auto"}} if published else None
     return [
         Finding(
             "kv_pressure",

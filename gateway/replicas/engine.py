@@ -48,6 +48,13 @@ class EngineStats:
     num_gpu_blocks: int | None = None
 
     @property
+    def kv_cache_tokens(self) -> int | None:
+        """The prefix cache's size in tokens, when the engine published its cache config."""
+        if self.num_gpu_blocks and self.block_size:
+            return self.num_gpu_blocks * self.block_size
+        return None
+
+    @property
     def hit_rate(self) -> float | None:
         if self.prefix_cache_queries and self.prefix_cache_hits is not None:
             return self.prefix_cache_hits / self.prefix_cache_queries

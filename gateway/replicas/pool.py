@@ -76,6 +76,9 @@ class ReplicaWatcher(Protocol):
     def state_changed(self, replica: Replica) -> None:
         """``replica``'s health or slow flag changed (who is eligible may have changed)."""
 
+    def capacity_changed(self, replica: Replica) -> None:
+        """A scrape told ``replica``'s KV cache size for the first time, or a new one."""
+
 
 class _Watched:
     """A replica attribute whose changes the replica's watchers hear of (stored as ``_name``)."""
@@ -223,12 +226,19 @@ class Replica:
             None if engine is None else engine.kv_cache_usage,
             None if engine is None else engine.waiting,
             self.pending_prefill_tokens + self.peer_pending_prefill_tokens,
+            None if engine is None else engine.kv_cache_tokens,
         )
 
     def set_engine(self, engine: EngineStats) -> None:
         """A fresh scrape of the engine's metrics."""
         reset = counters_went_back(self.engine, engine)
+        capacity = None if self.engine is None else self.engine.kv_cache_tokens
         self.engine = engine
+        if engine.kv_cache_tokens is not None and engine.kv_cache_tokens != capacity:
+            for ref in self._watchers:
+                watcher = ref()
+                if watcher is not None:
+                    watcher.capacity_changed(self)
         self.engine_error = None
         if reset:
             self.engine_baseline = None  # windows of the new engine start at this scrape

@@ -8,9 +8,15 @@ deepest down.
 
 Memory is bounded in bytes: each replica keeps an LRU of at most ``capacity`` keys — the
 index's ``max_bytes`` (and ``max_entries``, if set) shared among replicas at a conservative
-:meth:`entry_bytes` per (key, replica) pair, optionally lower to mimic a replica's KV
-capacity.  :meth:`memory_bytes` measures what the structures hold (tests check it against
-the bound and against ``tracemalloc``).
+:meth:`entry_bytes` per (key, replica) pair.  :meth:`memory_bytes` measures what the
+structures hold (tests check it against the bound and against ``tracemalloc``).
+
+A replica whose KV cache size is known (:meth:`set_token_capacity`) is also modelled as the
+LRU of *tokens* its cache is: each stored key weighs the prompt tokens it adds after the
+stored key before it (a key every 64 tokens inside the token window, one per ~1,000 tokens
+of text past it), and the oldest keys go once the replica's keys weigh more than its cache
+holds.  Counting keys instead would let a 32k-token prompt weigh like 6k tokens (its text
+keys are sparse), so the index would keep predicting prefixes the engine evicted long ago.
 Recording a request touches its keys on the replica that serves it, shallow keys last, so —
 like vLLM, which frees a finished request's blocks tail first — a replica "forgets" the
 tails of old prompts before their shared heads.  Only every ``stride``-th key (and the
@@ -32,6 +38,9 @@ from itertools import pairwise
 # entry and node (<= 190 just after a resize), an extent int on deepest keys, and the key's
 # next-key record (dict entry and int, <= 150).  tracemalloc: see tests/prefix/test_prefix_affinity.py.
 ENTRY_BYTES = 560
+# With a KV cache model, each (key, replica) pair also keeps its weight: a dict entry (<= 100
+# bytes just after a resize) and, past 256 tokens, the int.
+WEIGHT_BYTES = 140
 
 
 _MISSING = object()
@@ -48,7 +57,6 @@ class AffinityIndex:
         self,
         max_entries: int | None = None,
         stride: int = 1,
-        replica_capacity: int | None = None,
         max_bytes: int | None = None,
     ) -> None:
         if (max_entries is not None and max_entries < 1) or stride < 1:
@@ -60,7 +68,14 @@ class AffinityIndex:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.stride = stride
-        self.replica_capacity = replica_capacity
+        # The KV cache model (set_token_capacity): per capped replica, its cache size in tokens,
+        # each stored key's weight in tokens and their sum.
+        self._token_cap: dict[str, int] = {}
+        self._weight: dict[str, dict[int, int]] = {}
+        self._used: dict[str, int] = {}
+        # A stored key's weight when the recorder cannot say (a peer's record): one stride of
+        # blocks, set by the policy once it knows the block size.
+        self.default_weight = stride
         self._holders: dict[int, int] = {}
         self._child: dict[int, int] = {}  # key -> the next stored key after it in the first prompt seen
         self._forks: set[int] = set()  # keys seen followed by two different continuations
@@ -87,6 +102,9 @@ class AffinityIndex:
         """Drop everything recorded for ``name`` (it left the pool)."""
         lru = self._lru.pop(name, None)
         slot = self._slot.pop(name, None)
+        self._token_cap.pop(name, None)
+        self._weight.pop(name, None)
+        self._used.pop(name, None)
         if lru is None or slot is None:
             return
         bit = 1 << slot
@@ -117,19 +135,48 @@ class AffinityIndex:
         return slot
 
     def entry_bytes(self) -> int:
-        """Bytes budgeted per (key, replica) pair: masks grow by 4 bytes per 30 replicas."""
-        return ENTRY_BYTES + 4 * (len(self._names) // 30)
+        """Bytes budgeted per (key, replica) pair: masks grow by 4 bytes per 30 replicas, and
+        a modelled KV cache keeps each key's weight too."""
+        return ENTRY_BYTES + 4 * (len(self._names) // 30) + (WEIGHT_BYTES if self._token_cap else 0)
 
     def capacity(self) -> int:
-        """Keys each replica may hold."""
+        """Keys each replica may hold (the memory bound; a KV cache model may evict sooner)."""
         replicas = max(1, len(self._lru))
         total = self.max_entries if self.max_entries is not None else sys.maxsize
         if self.max_bytes is not None:
-            # The dicts' fixed overhead (one empty dict per replica plus the holders dict).
-            spare = self.max_bytes - 100 * (replicas + 1)
+            # The dicts' fixed overhead (two empty dicts per replica plus the holders dict).
+            spare = self.max_bytes - 100 * (2 * replicas + 1)
             total = min(total, max(replicas, spare // self.entry_bytes()))
-        share = max(1, total // replicas)
-        return share if self.replica_capacity is None else max(1, min(share, self.replica_capacity))
+        return max(1, total // replicas)
+
+    def set_token_capacity(self, name: str, tokens: int | None) -> None:
+        """Model ``name``'s prefix cache as an LRU of ``tokens`` prompt tokens (None: stop).
+
+        Keys recorded before the cap was known weigh :attr:`default_weight` each.
+        """
+        if tokens is None:
+            if self._token_cap.pop(name, None) is not None:
+                self._weight.pop(name, None)
+                self._used.pop(name, None)
+            return
+        tokens = max(1, int(tokens))
+        if self._token_cap.get(name) == tokens:
+            return
+        self._ensure(name)
+        if name not in self._token_cap:
+            fallback = self.default_weight
+            self._weight[name] = dict.fromkeys(self._lru[name], fallback)
+            self._used[name] = fallback * len(self._lru[name])
+        self._token_cap[name] = tokens
+        self._trim_all()
+
+    def token_capacity(self, name: str) -> int | None:
+        """``name``'s modelled cache size in tokens (None: not modelled)."""
+        return self._token_cap.get(name)
+
+    def tokens_held(self, name: str) -> int | None:
+        """Prompt tokens ``name``'s modelled cache holds now (None: not modelled)."""
+        return self._used.get(name) if name in self._token_cap else None
 
     def memory_bytes(self) -> int:
         """What the index holds now, in bytes: its dicts (tables, nodes) and the ints in them.
@@ -143,6 +190,8 @@ class AffinityIndex:
         total += sum(size(k) + size(v) for k, v in self._child.items())
         for lru in self._lru.values():  # a key's int may be a second object here: count it again
             total += size(lru) + sum(size(k) + (size(v) if v is not None and v > 256 else 0) for k, v in lru.items())
+        for weights in self._weight.values():
+            total += size(weights) + sum(size(w) for w in weights.values() if w > 256)
         return total
 
     def _trim_all(self) -> None:
@@ -152,13 +201,32 @@ class AffinityIndex:
 
     def _trim(self, name: str, cap: int) -> None:
         lru = self._lru[name]
-        if len(lru) <= cap:
-            return
+        if len(lru) > cap:
+            self._evict_oldest(name, len(lru) - cap)
+        token_cap = self._token_cap.get(name)
+        if token_cap is not None and self._used[name] > token_cap:
+            weights = self._weight[name]
+            used = self._used[name]
+            count = 0
+            for key in lru:  # oldest first: how many keys must go for the rest to fit
+                if used <= token_cap:
+                    break
+                used -= weights.get(key, 0)
+                count += 1
+            self._evict_oldest(name, count)
+
+    def _evict_oldest(self, name: str, count: int) -> None:
+        """Drop ``name``'s ``count`` least recently used keys: deepest keys of old prompts."""
+        lru = self._lru[name]
         keep = ~(1 << self._slot[name])
         holders, child, forks = self._holders, self._child, self._forks
+        weights = self._weight.get(name)
+        freed = 0
         popitem = lru.popitem
-        for _ in range(len(lru) - cap):  # the oldest first: deepest keys of old prompts
+        for _ in range(count):
             key = popitem(last=False)[0]
+            if weights is not None:
+                freed += weights.pop(key, 0)
             mask = holders.get(key, 0) & keep
             if mask:
                 holders[key] = mask
@@ -166,6 +234,8 @@ class AffinityIndex:
                 holders.pop(key, None)
                 child.pop(key, None)
                 forks.discard(key)
+        if weights is not None:
+            self._used[name] -= freed
 
     # -- the hot path ------------------------------------------------------------------
     def mask_of(self, replicas: Iterable[str] | None) -> int:
@@ -256,19 +326,30 @@ class AffinityIndex:
     def name_of(self, slot: int) -> str:
         return self._names[slot]
 
-    def record(self, name: str, keys: Sequence[int], prompt_tokens: int | None = None) -> list[int]:
+    def record(
+        self,
+        name: str,
+        keys: Sequence[int],
+        prompt_tokens: int | None = None,
+        tokens_at: Callable[[int], int] | None = None,
+    ) -> list[int]:
         """``name`` is serving a prompt with these keys: it will hold them (most recent).
 
         ``prompt_tokens``: the whole prompt's length when it runs past the keyed window; it is
         kept with the deepest key so that a later request whose whole window matches can
-        estimate how much more than the window is cached (see :meth:`extent`).  A set
+        estimate how much more than the window is cached (see :meth:`extent`).
+        ``tokens_at(depth)``: the prompt tokens the first ``depth`` keys cover, for the weights
+        of a replica whose KV cache is modelled (default: :attr:`default_weight` per key).  A set
         ``listener`` hears of every local record (to share it with other gateway processes).
         Returns the keys ``name`` did not hold before (what :meth:`unrecord` may take back).
         """
         if not keys:
             return []
         stored = self.stored_keys(keys)
-        added = self.record_stored(name, stored, prompt_tokens)
+        weight_of = None
+        if tokens_at is not None and name in self._token_cap:
+            weight_of = self.stored_weights(len(keys), tokens_at, prompt_tokens)
+        added = self.record_stored(name, stored, prompt_tokens, weight_of)
         if self.listener is not None:
             self.listener(name, stored, prompt_tokens)
         return added
@@ -282,11 +363,47 @@ class AffinityIndex:
         stored.reverse()
         return stored
 
-    def record_stored(self, name: str, stored: Sequence[int], prompt_tokens: int | None = None) -> list[int]:
+    def stored_weights(
+        self, depth: int, tokens_at: Callable[[int], int], prompt_tokens: int | None = None
+    ) -> Callable[[int], int]:
+        """The weight of each of :meth:`stored_keys` for a prompt of ``depth`` keys, by its
+        position there (deepest first): the tokens it adds after the stored key before it; the
+        deepest also carries the prompt past its keys (``prompt_tokens``).  Asked only for keys
+        the replica does not hold yet, so a seen history costs nothing."""
+        stride = self.stride
+        last = depth // stride  # stored stride keys; one more when the deepest is not one
+
+        def weight_of(i: int) -> int:
+            at = depth if i == 0 else (last - i + (1 if depth % stride else 0)) * stride
+            before = (at - 1) // stride * stride
+            weight = max(1, tokens_at(at) - (tokens_at(before) if before else 0))
+            if i == 0 and prompt_tokens:
+                weight += max(0, prompt_tokens - tokens_at(depth))
+            return weight
+
+        return weight_of
+
+    def _even_weights(self, stored: int, prompt_tokens: int | None) -> Callable[[int], int]:
+        """Weights without the prompt's token positions: :attr:`default_weight` per stored key,
+        and the deepest carries whatever of ``prompt_tokens`` the others do not cover."""
+        each = self.default_weight
+        deepest = max(each, (prompt_tokens or 0) - each * (stored - 1))
+        return lambda i: deepest if i == 0 else each
+
+    def record_stored(
+        self,
+        name: str,
+        stored: Sequence[int],
+        prompt_tokens: int | None = None,
+        weight_of: Callable[[int], int] | None = None,
+    ) -> list[int]:
         """Record keys already chosen by :meth:`stored_keys` (deepest first), e.g. from a peer.
 
         Deepest first, so the shared head of the prompt ends up most recently used;
-        ``prompt_tokens`` goes with the deepest key.
+        ``prompt_tokens`` goes with the deepest key.  ``weight_of`` (from :meth:`stored_weights`)
+        weighs new keys in a modelled KV cache (default: :attr:`default_weight` each); keys
+        already held keep the weight they came with (a key names one prefix, so it always adds
+        the same tokens).
         """
         if not stored:
             return []
@@ -301,6 +418,16 @@ class AffinityIndex:
         # request matching exactly there continues that prompt (a conversation's next turn).
         deepest = stored[0]
         extent = prompt_tokens or 0
+        key_weights = self._weight.get(name)
+        if key_weights is not None:
+            if weight_of is None:  # a peer's record: a stride of blocks per key, the rest on the deepest
+                weight_of = self._even_weights(len(stored), prompt_tokens)
+            used = 0
+            for i, key in enumerate(stored):
+                if key not in lru:
+                    w = key_weights[key] = weight_of(i)
+                    used += w
+            self._used[name] += used
         if deepest in lru:
             lru.move_to_end(deepest)
             if extent or lru[deepest] is None:
@@ -337,9 +464,12 @@ class AffinityIndex:
             return
         bit = 1 << slot
         holders = self._holders
+        key_weights = self._weight.get(name)
         for key in keys:
             if lru.pop(key, _MISSING) is _MISSING:
                 continue
+            if key_weights is not None:
+                self._used[name] -= key_weights.pop(key, 0)
             mask = holders.get(key, 0) & ~bit
             if mask:
                 holders[key] = mask

@@ -48,6 +48,9 @@ class ReplicaView:
     # Uncached prompt tokens of requests sent here that have not produced a first byte yet
     # (the prefill work queued ahead of a new request), counted by the gateway.
     pending_prefill_tokens: int = 0
+    # The engine's prefix cache size in tokens (num_gpu_blocks x block_size from
+    # vllm:cache_config_info), when a scrape has told it.
+    kv_cache_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

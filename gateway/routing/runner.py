@@ -68,6 +68,11 @@ class LiveReplicaView:
         engine = self.replica.engine
         return None if engine is None else engine.waiting
 
+    @property
+    def kv_cache_tokens(self) -> int | None:
+        engine = self.replica.engine
+        return None if engine is None else engine.kv_cache_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class FirstAttempt:
@@ -106,6 +111,11 @@ class PolicyRunner:
 
     def state_changed(self, replica: Replica) -> None:
         self._first = None  # who is eligible may have changed: rebuilt at the next decision
+
+    def capacity_changed(self, replica: Replica) -> None:
+        # rare (a replica's first scrape, a restart with another KV size): the policy may
+        # model each replica's prefix cache (prefix: replica_cache_tokens: auto)
+        self.policy.set_members(self.members())
 
     def _first_attempt(self) -> FirstAttempt:
         """The cached eligible set for a first attempt, with its views and live load (O(n)

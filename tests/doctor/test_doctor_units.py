@@ -142,7 +142,7 @@ def test_kv_pressure_with_a_falling_hit_rate() -> None:
     found = _causes(Corpus("test", samples=samples, stats=stats, routes={"main": RouteInfo("main", "relocate")}))
     kv = found["kv_pressure"]
     assert kv["data"] == {"kv_cache_usage": {"r0": 0.98}, "falling": True}
-    assert kv["fix"]["patch"]["policy_settings"] == {"replica_cache_tokens": 16000}
+    assert kv["fix"]["patch"]["policy_settings"] == {"replica_cache_tokens": "auto"}
     assert "hit rate is falling" in kv["title"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from itertools import pairwise
 
 import pytest
 
@@ -51,13 +52,61 @@ def test_memory_is_bounded_and_old_tails_go_first() -> None:
     assert index.match(head + chain(5, 129), ["A"]) == {"A": 10}
 
 
-def test_replica_capacity_models_a_small_cache() -> None:
-    index = AffinityIndex(max_entries=1000, replica_capacity=12)
+def test_a_modelled_kv_cache_evicts_by_tokens_oldest_first() -> None:
+    index = AffinityIndex(max_entries=1000)
+    index.set_token_capacity("A", 12 * 16)  # 12 blocks of 16 tokens
     for i in range(10):
-        index.record("A", chain(6, i))
-    assert index.entries("A") == 12
+        index.record("A", chain(6, i), tokens_at=lambda d: 16 * d)
+    assert index.entries("A") == 12 and index.tokens_held("A") == 12 * 16
     assert index.match(chain(6, 0), ["A"]) == {}
     assert index.match(chain(6, 9), ["A"]) == {"A": 6}
+
+
+def test_sparse_keys_weigh_the_tokens_they_cover() -> None:
+    """Past the token window a key covers ~1,000 tokens: a long prompt fills the modelled
+    cache by its tokens, not by its (few) keys."""
+    index = AffinityIndex(max_entries=10_000, stride=4)
+    index.set_token_capacity("A", 40_000)
+
+    def tokens_at(depth: int) -> int:  # 256 blocks of 16 tokens, then ~256 tokens per text key
+        return 16 * depth if depth <= 256 else 4096 + 256 * (depth - 256)
+
+    first = chain(256 + 112, 1)  # a 32.8k-token prompt: 92 stored keys
+    index.record("A", first, 32_800, tokens_at)
+    assert index.entries("A") == 92 and index.tokens_held("A") == 32_800
+    second = chain(256 + 112, 2)
+    index.record("A", second, 32_800, tokens_at)
+    # Both would fit as keys (184 of 10,000); as tokens only one does.
+    assert index.tokens_held("A") <= 40_000
+    assert index.match(second, ["A"]) == {"A": 368}
+    # Of the first prompt only the head fits beside it (a request frees its tail first).
+    kept = index.match(first, ["A"])["A"]
+    assert 4096 < tokens_at(kept) <= 40_000 - 32_800
+    weight_of = index.stored_weights(9, lambda d: 16 * d, 200)  # stored at depths 9, 8, 4
+    assert [weight_of(i) for i in range(3)] == [200 - 128, 64, 64]
+
+
+def test_token_capacity_applies_to_keys_recorded_before_and_from_peers() -> None:
+    index = AffinityIndex(max_entries=1000, stride=2)
+    index.default_weight = 32
+    for i in range(10):
+        index.record("A", chain(4, i))  # 2 stored keys each, unweighted: no cap yet
+    assert index.entries("A") == 20
+    index.set_token_capacity("A", 6 * 32)  # each known key weighs a stride of blocks
+    assert index.entries("A") == 6 and index.tokens_held("A") == 6 * 32
+    index.record_stored("A", index.stored_keys(chain(4, 50)))  # a peer's record: default weights
+    assert index.tokens_held("A") == 6 * 32 and index.match(chain(4, 50), ["A"]) == {"A": 4}
+    added = index.record("A", chain(4, 60), tokens_at=lambda d: 100 * d)
+    assert index.tokens_held("A") <= 6 * 32
+    index.unrecord("A", added)  # a failed attempt gives its tokens back
+    assert index.match(chain(4, 60), ["A"]) == {}
+    index.set_token_capacity("B", 10_000)
+    index.record_stored("B", index.stored_keys(chain(4, 70)), 5_000)  # a peer's long prompt
+    assert index.tokens_held("B") == 5_000  # its length past the keys sits on its deepest key
+    index.set_token_capacity("A", None)
+    assert index.tokens_held("A") is None and index.token_capacity("A") is None
+    index.forget("A")
+    assert index.entries("A") == 0 and index.entries() == 2
 
 
 def test_forget_and_set_members() -> None:
@@ -94,8 +143,10 @@ def test_memory_stays_within_its_byte_bound_under_a_million_distinct_prompts() -
     assert index.match([*head, 1], names) == dict.fromkeys(names, 8)  # the shared head survives
 
 
-def test_memory_bytes_is_honest() -> None:
-    """``memory_bytes`` (what the bound is checked against) is at least what tracemalloc sees."""
+@pytest.mark.parametrize("modelled", [False, True])
+def test_memory_bytes_is_honest(modelled: bool) -> None:
+    """``memory_bytes`` (what the bound is checked against) is at least what tracemalloc sees,
+    with and without a KV cache model (which keeps a weight per key)."""
     import tracemalloc
 
     tracemalloc.start()
@@ -103,9 +154,12 @@ def test_memory_bytes_is_honest() -> None:
         before = tracemalloc.get_traced_memory()[0]
         index = AffinityIndex(stride=1, max_bytes=4 * 1024 * 1024)
         index.set_members(["a", "b", "c"])
+        if modelled:
+            for name in ("a", "b", "c"):
+                index.set_token_capacity(name, 10**9)  # the byte bound, not the cache, decides
         rnd = random.Random(1)
         for i in range(30_000):
-            index.record(["a", "b", "c"][i % 3], [rnd.getrandbits(64) for _ in range(3)], 9_000)
+            index.record(["a", "b", "c"][i % 3], [rnd.getrandbits(64) for _ in range(3)], 9_000, lambda d: 3_000 * d)
         used = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
@@ -137,12 +191,15 @@ def _full_scan(index: AffinityIndex, keys: tuple[int, ...], names: list[str]) ->
 
 @pytest.mark.parametrize("stride", [1, 2, 3, 4])
 def test_probing_stride_keys_finds_what_probing_every_key_finds(stride: int) -> None:
-    """Records, failed attempts taken back, replicas leaving, LRU eviction and peers' records:
-    the deepest match of every replica is the same as a probe of every key would find."""
+    """Records, failed attempts taken back, replicas leaving, LRU eviction (by keys, and by
+    tokens on replicas whose KV cache is modelled) and peers' records: the deepest match of
+    every replica is the same as a probe of every key would find."""
     rnd = random.Random(stride)
     names = [f"r{i}" for i in range(6)]
-    index = AffinityIndex(None, stride, 40, max_bytes=1 << 24)
+    index = AffinityIndex(6 * 40, stride, max_bytes=1 << 24)
     index.set_members(names)
+    for name in names[:3]:
+        index.set_token_capacity(name, 16 * 25)
     heads = [tuple(rnd.getrandbits(64) for _ in range(rnd.randint(1, 9))) for _ in range(4)]
     prompts = [rnd.choice(heads) + tuple(rnd.getrandbits(64) for _ in range(rnd.randint(0, 12))) for _ in range(30)]
     for step in range(1500):
@@ -154,7 +211,7 @@ def test_probing_stride_keys_finds_what_probing_every_key_finds(stride: int) -> 
             prompt = grown
         name = rnd.choice(names)
         if action < 0.7:
-            added = index.record(name, prompt, rnd.choice([None, 5000]))
+            added = index.record(name, prompt, rnd.choice([None, 5000]), lambda d: 16 * d)
             if rnd.random() < 0.15:
                 index.unrecord(name, added)  # the attempt failed before an answer
         elif action < 0.8:
@@ -162,5 +219,27 @@ def test_probing_stride_keys_finds_what_probing_every_key_finds(stride: int) -> 
         elif action < 0.82:
             index.set_members([n for n in names if n != name])  # it left ...
             index.set_members(names)  # ... and came back empty
+            if name in names[:3]:
+                index.set_token_capacity(name, 16 * 25)
         probe = rnd.choice(prompts)[: rnd.randint(1, 30)] + tuple(rnd.getrandbits(64) for _ in range(rnd.randint(0, 3)))
         assert index.match(probe, None) == _full_scan(index, probe, names), step
+        for capped in names[:3]:
+            held = index.tokens_held(capped)
+            assert held is not None and 0 <= held <= 16 * 25, step
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3, 4, 5])
+def test_stored_weights_are_the_tokens_between_stored_keys(stride: int) -> None:
+    index = AffinityIndex(100, stride=stride)
+
+    def tokens_at(depth: int) -> int:  # any increasing token count
+        return depth * depth + 3 * depth
+
+    for depth in range(1, 40):
+        weight_of = index.stored_weights(depth, tokens_at, tokens_at(depth) + 7)
+        depths = [*range(stride, depth + 1, stride), *([depth] if depth % stride else [])]
+        bounds = [0, *depths]
+        expected = [tokens_at(b) - tokens_at(a) if a else tokens_at(b) for a, b in pairwise(bounds)]
+        expected[-1] += 7  # the deepest carries the prompt past its keys
+        stored = index.stored_keys(list(range(depth)))
+        assert [weight_of(i) for i in range(len(stored))] == expected[::-1]

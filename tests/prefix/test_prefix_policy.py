@@ -10,9 +10,11 @@ import sys
 from collections import Counter
 from types import SimpleNamespace
 
+import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from gateway.explain import why
 from gateway.prefix.pipeline import PrefixPipeline
@@ -300,12 +302,36 @@ def test_unknown_replica_is_admitted() -> None:
 
 
 def test_replica_cache_tokens_limits_predictions() -> None:
-    p = policy(replica_cache_tokens=16 * 4 * 8, affinity_stride_blocks=4)  # 8 entries per replica
+    p = policy(replica_cache_tokens=16 * 4 * 8, affinity_stride_blocks=4)  # 512 tokens: two prompts
     first = chain(16, 1)
     p.choose(req(first), views())
     for i in range(20):
         p.choose(req(chain(16, 100 + i)), views())
-    assert all(p.index.entries(n) <= 8 for n in NAMES)
+    assert all((p.index.tokens_held(n) or 0) <= 512 for n in NAMES)
+    assert p.choose(req(first), views()).detail["predicted_cached_tokens"] == 0  # evicted: not predicted
+
+
+def test_replica_cache_tokens_auto_takes_each_replicas_scraped_kv_size() -> None:
+    """``auto``: each replica's cache is modelled at its own size once a scrape tells it."""
+    p = policy(replica_cache_tokens="auto")
+    assert all(p.index.token_capacity(n) is None for n in NAMES)  # nothing scraped yet
+    sizes = {"r0": 1024, "r1": 2048, "r2": None, "r3": 4096}
+    p.set_members([ReplicaView(n, kv_cache_tokens=sizes[n]) for n in NAMES])
+    assert {n: p.index.token_capacity(n) for n in NAMES} == sizes
+    only_r0 = [ReplicaView("r0")]
+    prompts = [chain(40, 200 + i) for i in range(3)]  # 643 tokens each: r0 holds one
+    for keys in prompts:
+        p.choose(req(keys), only_r0)
+    assert (p.index.tokens_held("r0") or 0) <= 1024
+    assert p.choose(req(prompts[-1]), only_r0).detail["predicted_cached_tokens"] == 640
+    assert p.choose(req(prompts[0]), only_r0).detail["predicted_cached_tokens"] == 0
+    for keys in prompts:  # r3 holds all three
+        p.choose(req(keys), [ReplicaView("r3")])
+    assert p.index.match(prompts[0], ["r3"]) == {"r3": 40}
+    with pytest.raises(ValidationError):
+        PrefixPolicySettings(replica_cache_tokens="big")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError):
+        PrefixPolicySettings(replica_cache_tokens=0)
 
 
 # --- determinism ------------------------------------------------------------------------------
@@ -480,3 +506,25 @@ def test_turn_n_plus_one_is_credited_with_turn_ns_full_length() -> None:
             assert d.detail["predicted_cached_tokens"] >= previous - 16 > 4096
         home, previous = d.replica, prepared.prompt_tokens_estimate
         messages.append({"role": "assistant", "content": words(200, 100 + turn)})
+
+
+def test_a_scrape_of_the_engines_cache_config_sizes_the_model() -> None:
+    """The runner hears of each replica's KV size from its scrape (vllm:cache_config_info) and
+    the prefix policy with ``replica_cache_tokens: auto`` models that replica's cache."""
+    from gateway.config import HealthSettings, ReplicaConfig, RouteConfig
+    from gateway.replicas.engine import EngineStats
+    from gateway.replicas.pool import Replica
+    from gateway.routing.routes import build_route
+
+    pool = [
+        Replica(ReplicaConfig(name=n, url=f"http://h{i}:1"), object(), HealthSettings()) for i, n in enumerate(NAMES)
+    ]  # type: ignore[arg-type]
+    config = RouteConfig(name="main", policy="prefix", policy_settings={"replica_cache_tokens": "auto"})
+    route = build_route(config, pool)
+    index = route.runner.policy.index  # type: ignore[attr-defined]
+    assert index.token_capacity("r0") is None
+    pool[0].set_engine(EngineStats(0.0, block_size=16, num_gpu_blocks=4096))
+    pool[1].set_engine(EngineStats(0.0, kv_cache_usage=0.5))  # no cache config published
+    assert index.token_capacity("r0") == 65_536 and index.token_capacity("r1") is None
+    pool[0].set_engine(EngineStats(1.0, block_size=16, num_gpu_blocks=2048))  # restarted smaller
+    assert index.token_capacity("r0") == 32_768

@@ -75,10 +75,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from functools import partial
+from typing import Any, ClassVar, Literal
 
 import xxhash
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import Decision, PolicySettings, ReplicaView, RequestView
@@ -106,8 +107,8 @@ class PrefixPolicySettings(PolicySettings):
         64 * 1024 * 1024,
         ge=4096,
         description="memory bound of the affinity index in bytes, shared by the replicas (LRU eviction per "
-        "replica; about 400 bytes per stored (key, replica) pair: 64 MiB hold ~170,000 pairs, ~1,700 "
-        "32k-token prompts at the default stride)",
+        "replica; budgeted at 560 bytes per stored (key, replica) pair, 700 with replica_cache_tokens' "
+        "weights: 64 MiB hold ~96,000 pairs, ~1,000 32k-token prompts at the default stride)",
     )
     affinity_max_entries: int | None = Field(
         None, ge=1, description="optional extra bound: (prefix key, replica) pairs in the affinity index"
@@ -115,11 +116,12 @@ class PrefixPolicySettings(PolicySettings):
     affinity_stride_blocks: int = Field(
         4, ge=1, description="index every n-th block key (and the deepest): memory / n, match depth granularity x n"
     )
-    replica_cache_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="model each replica's prefix cache as an LRU of this many (window) tokens, e.g. "
-        "num_gpu_blocks x block_size; default: bounded by affinity_max_bytes only",
+    replica_cache_tokens: int | Literal["auto"] | None = Field(
+        "auto",
+        description="model each replica's prefix cache as an LRU of this many prompt tokens, so the index "
+        "forgets what the engine evicted: auto = each replica's num_gpu_blocks x block_size from its "
+        "scraped vllm:cache_config_info (unmodelled until a scrape tells it); null: bounded by "
+        "affinity_max_bytes only",
     )
     load_cost_tokens: float = Field(
         64.0,
@@ -215,6 +217,13 @@ class PrefixPolicySettings(PolicySettings):
     )
     use_session_key: bool = Field(True, description="use the route's session header value as the ring key if present")
 
+    @field_validator("replica_cache_tokens")
+    @classmethod
+    def _positive_cache(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("replica_cache_tokens must be >= 1, 'auto' or null")
+        return value
+
 
 class PrefixPolicy:
     """Consistent hashing with bounded loads plus a prefix-affinity index."""
@@ -229,7 +238,6 @@ class PrefixPolicy:
         self.index = AffinityIndex(
             settings.affinity_max_entries,
             settings.affinity_stride_blocks,
-            None,  # set per block size on first use (the capacity is in blocks)
             max_bytes=settings.affinity_max_bytes,
         )
         self._capacity_block_size = 0
@@ -251,7 +259,16 @@ class PrefixPolicy:
             self.ring = HashRing(weights, self.settings.virtual_nodes)
             self.work.keep_only(set(weights))
         self.index.set_members(weights)
+        self._model_caches(members)
         self._admitted = None
+
+    def _model_caches(self, members: Sequence[ReplicaView]) -> None:
+        """Size each replica's modelled prefix cache (``replica_cache_tokens``)."""
+        tokens = self.settings.replica_cache_tokens
+        if tokens is None:
+            return
+        for member in members:
+            self.index.set_token_capacity(member.name, member.kv_cache_tokens if tokens == "auto" else tokens)
 
     def _admit(self, load: FleetLoad) -> None:
         """A replica the runner offers but ``set_members`` never named joins the ring (checked
@@ -410,7 +427,7 @@ class PrefixPolicy:
         added: list[int] = []
         started: Token | None = None
         if commit:
-            added = self.index.record(pick, keys, self._beyond_window(request))
+            added = self.index.record(pick, keys, self._beyond_window(request), partial(self._depth_tokens, request))
             if start is not None:
                 started = self.demand.record(start)
         predicted = picked.tokens
@@ -471,6 +488,12 @@ class PrefixPolicy:
                 "entries": self.index.entries(),
                 "capacity_per_replica": self.index.capacity(),
                 "per_replica": {name: self.index.entries(name) for name in self._weights},
+                # replica_cache_tokens: each modelled prefix cache's size and what it holds, in tokens
+                "modelled_cache_tokens": {
+                    name: {"capacity": self.index.token_capacity(name), "held": self.index.tokens_held(name)}
+                    for name in self._weights
+                    if self.index.token_capacity(name) is not None
+                },
             },
             "starts": self.demand.snapshot(),
             "recent_prefill_work": self.work.snapshot(),
@@ -752,10 +775,7 @@ class PrefixPolicy:
         return None, "none", 0
 
     def _sync_capacity(self, block_size: int) -> None:
-        """Translate ``replica_cache_tokens`` into index entries once the block size is known."""
-        tokens = self.settings.replica_cache_tokens
-        if tokens is None or block_size == self._capacity_block_size:
-            return
-        self._capacity_block_size = block_size
-        self.index.replica_capacity = max(1, tokens // (block_size * self.settings.affinity_stride_blocks))
-        self.index.set_members(self._weights)
+        """A stored key that a peer recorded weighs one stride of blocks in a modelled cache."""
+        if block_size != self._capacity_block_size:
+            self._capacity_block_size = block_size
+            self.index.default_weight = block_size * self.settings.affinity_stride_blocks
