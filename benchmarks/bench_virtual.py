@@ -60,6 +60,7 @@ from benchmarks.workloads import BenchRequest, Workload, build  # noqa: E402
 from gateway.config import HealthSettings, ReplicaConfig, RouteConfig  # noqa: E402
 from gateway.prefix.pipeline import PrefixPipeline  # noqa: E402
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings  # noqa: E402
+from gateway.replicas.engine import EngineStats  # noqa: E402
 from gateway.replicas.pool import Replica  # noqa: E402
 from gateway.routing import ring as ring_module  # noqa: E402
 from gateway.routing.base import Decision, RequestView  # noqa: E402
@@ -156,8 +157,12 @@ class GatewayRouter:
         config = RouteConfig(name="bench", policy=policy, normalize={"mode": normalize}, policy_settings=settings)
         with salted_ring(ring_salt):  # the policy builds its ring from the pool here
             self.route_: Route = build_route(config, self.pool)
+        engine = sim_options(n == 1)  # what the gateway's first scrape of each replica tells it
+        for replica in self.pool:
+            replica.set_engine(EngineStats(0.0, block_size=engine.block_size, num_gpu_blocks=engine.num_gpu_blocks))
         self.index = {r.name: i for i, r in enumerate(self.pool)}
         self.reasons: dict[str, int] = {}
+        self.predicted_tokens = 0  # the policy's predicted cached tokens, summed over decisions
         self.hold_tokens = hold_tokens
         self.hold_fleet_tokens = hold_fleet_tokens  # ...and only while the fleet's mean queue is over this
         self._prepared: dict[int, tuple[RequestView, dict[str, Any]]] = {}  # held requests: prepared once
@@ -192,6 +197,7 @@ class GatewayRouter:
         route = self.route_
         decision, replica = route.runner.decide(view)
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
+        self.predicted_tokens += int(decision.detail.get("predicted_cached_tokens", 0))
         charge = route.runner.acquire(replica, view, decision)
         return self.index[replica.name], sent, _Held(replica, view, decision, charge)
 
@@ -456,6 +462,7 @@ def summarize(outcomes: Sequence[Outcome], n: int, options: SimOptions | None = 
     mean = sum(work) / n
     return {
         "requests": len(outcomes),
+        "prompt_tokens": prompt,
         "hit_rate": cached / prompt if prompt else 0.0,
         "ttft_p50_ms": 1000 * pct(ttfts, 0.5),
         "ttft_p90_ms": 1000 * pct(ttfts, 0.9),
@@ -519,6 +526,10 @@ def run_level(wl: Workload, level: str, rows: Sequence[Row], hop_ms: float = 0.0
         fleet = VirtualFleet([sim_options(oracle) for _ in range(n)])
         stats = summarize(fleet.run(arrivals, router, 0.0 if oracle else hop), n, fleet.options[0])
         stats["decisions"] = dict(sorted(getattr(router, "reasons", {}).items()))
+        predicted = getattr(router, "predicted_tokens", None)
+        if predicted is not None and stats["prompt_tokens"]:
+            # what the gateway told /admin/stats it expected, against what the engines reported
+            stats["predicted_hit_rate"] = predicted / stats["prompt_tokens"]
         stats["seconds"] = round(time.perf_counter() - t0, 2)
         out[name] = stats
     return out
@@ -528,15 +539,17 @@ def print_table(wname: str, level: str, cells: dict[str, Any]) -> None:
     oracle = cells.get("oracle", {}).get("hit_rate") or 0.0
     print(f"\n{wname} @ {level} ({cells['prefix']['requests']} requests)")
     print(
-        f"  {'row':<22} {'hit %':>7} {'% orcl':>7} "
+        f"  {'row':<22} {'hit %':>7} {'% orcl':>7} {'pred %':>7} "
         + " ".join(f"{h:>8}" for h in ("p50 ms", "p90 ms", "p99 ms", "alone90"))
         + f" {'work':>5}  decisions"
     )
     for name, s in cells.items():
         rel = 100 * s["hit_rate"] / oracle if oracle else 0.0
+        predicted = f"{100 * s['predicted_hit_rate']:7.2f}" if "predicted_hit_rate" in s else f"{'-':>7}"
         print(
-            f"  {name:<22} {100 * s['hit_rate']:7.2f} {rel:7.1f} {s['ttft_p50_ms']:8.0f} {s['ttft_p90_ms']:8.0f}"
-            f" {s['ttft_p99_ms']:8.0f} {s['alone_p90_ms']:8.0f} {s['work_max_mean']:5.2f}  {s['decisions']}"
+            f"  {name:<22} {100 * s['hit_rate']:7.2f} {rel:7.1f} {predicted}"
+            f" {s['ttft_p50_ms']:8.0f} {s['ttft_p90_ms']:8.0f} {s['ttft_p99_ms']:8.0f}"
+            f" {s['alone_p90_ms']:8.0f} {s['work_max_mean']:5.2f}  {s['decisions']}"
         )
 
 

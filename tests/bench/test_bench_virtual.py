@@ -36,6 +36,9 @@ def test_prefix_routing_keeps_what_least_loaded_loses(agent):
     assert cells["least_loaded"]["hit_rate"] < 0.1
     assert cells["prefix"]["hit_rate"] >= 0.9 * cells["oracle"]["hit_rate"]
     assert cells["prefix"]["decisions"].get("affinity", 0) > 0
+    # what the gateway predicted, in the engines' units, is close to what they reported
+    assert abs(cells["prefix"]["predicted_hit_rate"] - cells["prefix"]["hit_rate"]) < 0.05
+    assert "predicted_hit_rate" not in cells["sglang_like"]
 
 
 def test_the_gateway_hop_delays_what_the_client_sees(agent):
