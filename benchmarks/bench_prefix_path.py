@@ -54,6 +54,7 @@ from gateway.config import HealthSettings, ReplicaConfig  # noqa: E402
 from gateway.prefix.blocks import chain_block_keys, first_block_seed  # noqa: E402
 from gateway.prefix.pipeline import PrefixPipeline  # noqa: E402
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings  # noqa: E402
+from gateway.replicas.engine import EngineStats  # noqa: E402
 from gateway.replicas.pool import Replica  # noqa: E402
 from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings  # noqa: E402
 from gateway.routing.routes import request_view  # noqa: E402
@@ -198,11 +199,20 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+# What each replica's scrape tells the gateway: a 262k-token prefix cache (16,384 blocks of
+# 16), so the policy's default KV cache model (replica_cache_tokens: auto) is on, as in production.
+ENGINE = EngineStats(0.0, block_size=16, num_gpu_blocks=16_384)
+
+
 def fleet(n: int) -> list[Replica]:
-    """``n`` real ``Replica`` objects (never contacted): the runner builds its views from them."""
+    """``n`` real ``Replica`` objects (never contacted, their engines "scraped"): the runner
+    builds its views from them."""
     health = HealthSettings()
-    return [Replica(ReplicaConfig(name=f"vllm-{i}", url=f"http://10.0.{i // 250}.{i % 250}:8000"), None, health)
+    pool = [Replica(ReplicaConfig(name=f"vllm-{i}", url=f"http://10.0.{i // 250}.{i % 250}:8000"), None, health)
             for i in range(n)]  # type: ignore[arg-type]  # fmt: skip
+    for replica in pool:
+        replica.set_engine(ENGINE)
+    return pool
 
 
 def run_scenario(name: str, n: int, window: int, seed: int, replicas: int = 4) -> dict[str, Any]:

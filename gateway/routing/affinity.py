@@ -31,6 +31,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 
 # Bytes one (key, replica) pair costs at most, with up to 30 replicas: the key's int (36),
@@ -44,6 +45,16 @@ WEIGHT_BYTES = 140
 
 
 _MISSING = object()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyWeights:
+    """What the stored keys of one record weigh in a modelled KV cache (deepest first): the
+    first ``special`` by ``weight_of(position)``, the rest the standard weight (a stride of
+    whole token blocks) — most keys of a long prompt, which so cost no call."""
+
+    weight_of: Callable[[int], int]
+    special: int
 
 
 def _depth_first(group: tuple[int, int]) -> int:
@@ -73,9 +84,9 @@ class AffinityIndex:
         self._token_cap: dict[str, int] = {}
         self._weight: dict[str, dict[int, int]] = {}
         self._used: dict[str, int] = {}
-        # A stored key's weight when the recorder cannot say (a peer's record): one stride of
-        # blocks, set by the policy once it knows the block size.
-        self.default_weight = stride
+        # The standard weight of a stored key (one stride of whole blocks), also what a key
+        # weighs when the recorder cannot say (a peer's record); see default_weight.
+        self._default_weight = stride
         self._holders: dict[int, int] = {}
         self._child: dict[int, int] = {}  # key -> the next stored key after it in the first prompt seen
         self._forks: set[int] = set()  # keys seen followed by two different continuations
@@ -163,11 +174,24 @@ class AffinityIndex:
         if self._token_cap.get(name) == tokens:
             return
         self._ensure(name)
-        if name not in self._token_cap:
-            fallback = self.default_weight
-            self._weight[name] = dict.fromkeys(self._lru[name], fallback)
-            self._used[name] = fallback * len(self._lru[name])
+        if name not in self._token_cap:  # keys held so far weigh the standard weight
+            self._weight[name] = {}
+            self._used[name] = self._default_weight * len(self._lru[name])
         self._token_cap[name] = tokens
+        self._trim_all()
+
+    @property
+    def default_weight(self) -> int:
+        """Tokens a stored key weighs unless its record said otherwise: one stride of blocks
+        (the policy sets it once it knows the block size)."""
+        return self._default_weight
+
+    @default_weight.setter
+    def default_weight(self, tokens: int) -> None:
+        old, self._default_weight = self._default_weight, max(1, int(tokens))
+        for name, weights in self._weight.items():  # keys without their own weight weigh the new one
+            standard_keys = len(self._lru[name]) - len(weights)
+            self._used[name] += (self._default_weight - old) * standard_keys
         self._trim_all()
 
     def token_capacity(self, name: str) -> int | None:
@@ -207,11 +231,12 @@ class AffinityIndex:
         if token_cap is not None and self._used[name] > token_cap:
             weights = self._weight[name]
             used = self._used[name]
+            standard = self._default_weight
             count = 0
             for key in lru:  # oldest first: how many keys must go for the rest to fit
                 if used <= token_cap:
                     break
-                used -= weights.get(key, 0)
+                used -= weights.get(key, standard)
                 count += 1
             self._evict_oldest(name, count)
 
@@ -221,12 +246,13 @@ class AffinityIndex:
         keep = ~(1 << self._slot[name])
         holders, child, forks = self._holders, self._child, self._forks
         weights = self._weight.get(name)
+        standard = self._default_weight
         freed = 0
         popitem = lru.popitem
         for _ in range(count):
             key = popitem(last=False)[0]
             if weights is not None:
-                freed += weights.pop(key, 0)
+                freed += weights.pop(key, standard)
             mask = holders.get(key, 0) & keep
             if mask:
                 holders[key] = mask
@@ -332,6 +358,7 @@ class AffinityIndex:
         keys: Sequence[int],
         prompt_tokens: int | None = None,
         tokens_at: Callable[[int], int] | None = None,
+        blocks: tuple[int, int] = (0, 0),
     ) -> list[int]:
         """``name`` is serving a prompt with these keys: it will hold them (most recent).
 
@@ -339,17 +366,19 @@ class AffinityIndex:
         kept with the deepest key so that a later request whose whole window matches can
         estimate how much more than the window is cached (see :meth:`extent`).
         ``tokens_at(depth)``: the prompt tokens the first ``depth`` keys cover, for the weights
-        of a replica whose KV cache is modelled (default: :attr:`default_weight` per key).  A set
+        of a replica whose KV cache is modelled (default: :attr:`default_weight` per key), and
+        ``blocks``: how many of the keys are whole token blocks, of what size (see
+        :meth:`stored_weights`).  A set
         ``listener`` hears of every local record (to share it with other gateway processes).
         Returns the keys ``name`` did not hold before (what :meth:`unrecord` may take back).
         """
         if not keys:
             return []
         stored = self.stored_keys(keys)
-        weight_of = None
+        weights = None
         if tokens_at is not None and name in self._token_cap:
-            weight_of = self.stored_weights(len(keys), tokens_at, prompt_tokens)
-        added = self.record_stored(name, stored, prompt_tokens, weight_of)
+            weights = self.stored_weights(len(keys), tokens_at, prompt_tokens, blocks)
+        added = self.record_stored(name, stored, prompt_tokens, weights)
         if self.listener is not None:
             self.listener(name, stored, prompt_tokens)
         return added
@@ -364,44 +393,60 @@ class AffinityIndex:
         return stored
 
     def stored_weights(
-        self, depth: int, tokens_at: Callable[[int], int], prompt_tokens: int | None = None
-    ) -> Callable[[int], int]:
+        self,
+        depth: int,
+        tokens_at: Callable[[int], int],
+        prompt_tokens: int | None = None,
+        blocks: tuple[int, int] = (0, 0),
+    ) -> KeyWeights:
         """The weight of each of :meth:`stored_keys` for a prompt of ``depth`` keys, by its
         position there (deepest first): the tokens it adds after the stored key before it; the
-        deepest also carries the prompt past its keys (``prompt_tokens``).  Asked only for keys
-        the replica does not hold yet, so a seen history costs nothing."""
+        deepest also carries the prompt past its keys (``prompt_tokens``).  ``blocks`` =
+        (token blocks, block size): the keys that far are whole token blocks, so the stride
+        keys among them weigh the standard weight without a call (a cold 32k-token prompt: ~90
+        new keys, 60 of them there); only the others are asked for, and only when new.
+        """
         stride = self.stride
         last = depth // stride  # stored stride keys; one more when the deepest is not one
+        offset = 1 if depth % stride else 0
+        token_blocks, block_size = blocks
 
         def weight_of(i: int) -> int:
-            at = depth if i == 0 else (last - i + (1 if depth % stride else 0)) * stride
+            at = depth if i == 0 else (last - i + offset) * stride
             before = (at - 1) // stride * stride
-            weight = max(1, tokens_at(at) - (tokens_at(before) if before else 0))
+            if at <= token_blocks:
+                weight = (at - before) * block_size
+            else:
+                weight = max(1, tokens_at(at) - (tokens_at(before) if before else 0))
             if i == 0 and prompt_tokens:
                 weight += max(0, prompt_tokens - tokens_at(depth))
             return weight
 
-        return weight_of
+        # the deepest, and the stride keys past the whole blocks (text keys), need weight_of
+        special = depth
+        if block_size * stride == self._default_weight:
+            special = offset + max(0, last - token_blocks // stride)
+        return KeyWeights(weight_of, max(1, special))
 
-    def _even_weights(self, stored: int, prompt_tokens: int | None) -> Callable[[int], int]:
+    def _even_weights(self, stored: int, prompt_tokens: int | None) -> KeyWeights:
         """Weights without the prompt's token positions: :attr:`default_weight` per stored key,
         and the deepest carries whatever of ``prompt_tokens`` the others do not cover."""
-        each = self.default_weight
+        each = self._default_weight
         deepest = max(each, (prompt_tokens or 0) - each * (stored - 1))
-        return lambda i: deepest if i == 0 else each
+        return KeyWeights(lambda i: deepest if i == 0 else each, 1)
 
     def record_stored(
         self,
         name: str,
         stored: Sequence[int],
         prompt_tokens: int | None = None,
-        weight_of: Callable[[int], int] | None = None,
+        weights: KeyWeights | None = None,
     ) -> list[int]:
         """Record keys already chosen by :meth:`stored_keys` (deepest first), e.g. from a peer.
 
         Deepest first, so the shared head of the prompt ends up most recently used;
-        ``prompt_tokens`` goes with the deepest key.  ``weight_of`` (from :meth:`stored_weights`)
-        weighs new keys in a modelled KV cache (default: :attr:`default_weight` each); keys
+        ``prompt_tokens`` goes with the deepest key.  ``weights`` (from :meth:`stored_weights`)
+        weigh new keys in a modelled KV cache (default: :attr:`default_weight` each); keys
         already held keep the weight they came with (a key names one prefix, so it always adds
         the same tokens).
         """
@@ -418,16 +463,16 @@ class AffinityIndex:
         # request matching exactly there continues that prompt (a conversation's next turn).
         deepest = stored[0]
         extent = prompt_tokens or 0
+        # A modelled cache weighs each new key; only weights other than the standard one (a
+        # stride of whole blocks: most keys) are kept, so most keys cost no more memory.
         key_weights = self._weight.get(name)
+        weight_of, special = None, 0
         if key_weights is not None:
-            if weight_of is None:  # a peer's record: a stride of blocks per key, the rest on the deepest
-                weight_of = self._even_weights(len(stored), prompt_tokens)
-            used = 0
-            for i, key in enumerate(stored):
-                if key not in lru:
-                    w = key_weights[key] = weight_of(i)
-                    used += w
-            self._used[name] += used
+            if weights is None:  # a peer's record: positions unknown
+                weights = self._even_weights(len(stored), prompt_tokens)
+            weight_of, special = weights.weight_of, weights.special
+        standard = self._default_weight
+        used = 0
         if deepest in lru:
             lru.move_to_end(deepest)
             if extent or lru[deepest] is None:
@@ -436,7 +481,11 @@ class AffinityIndex:
             lru[deepest] = extent
             holders[deepest] = holders.get(deepest, 0) | bit
             added.append(deepest)
-        for after, key in pairwise(stored):
+            if key_weights is not None:
+                used = weight = weight_of(0)  # type: ignore[misc]  # set above whenever weighing
+                if weight != standard:
+                    key_weights[deepest] = weight
+        for i, (after, key) in enumerate(pairwise(stored), 1):
             # What followed this key in this prompt: a key followed by two different
             # continuations is a fork — a prefix several prompts share (a system prompt),
             # not one conversation's history.
@@ -448,6 +497,15 @@ class AffinityIndex:
                 lru[key] = None
                 holders[key] = holders.get(key, 0) | bit
                 added.append(key)
+                if i >= special:  # a stride of whole blocks (or no model: special is 0)
+                    used += standard
+                else:
+                    weight = weight_of(i)  # type: ignore[misc]  # set whenever special > 0
+                    used += weight
+                    if weight != standard:
+                        key_weights[key] = weight  # type: ignore[index]
+        if key_weights is not None and used:
+            self._used[name] += used
         if is_new:
             self._trim_all()
         else:
@@ -469,7 +527,7 @@ class AffinityIndex:
             if lru.pop(key, _MISSING) is _MISSING:
                 continue
             if key_weights is not None:
-                self._used[name] -= key_weights.pop(key, 0)
+                self._used[name] -= key_weights.pop(key, self._default_weight)
             mask = holders.get(key, 0) & ~bit
             if mask:
                 holders[key] = mask

@@ -82,7 +82,7 @@ def test_sparse_keys_weigh_the_tokens_they_cover() -> None:
     # Of the first prompt only the head fits beside it (a request frees its tail first).
     kept = index.match(first, ["A"])["A"]
     assert 4096 < tokens_at(kept) <= 40_000 - 32_800
-    weight_of = index.stored_weights(9, lambda d: 16 * d, 200)  # stored at depths 9, 8, 4
+    weight_of = index.stored_weights(9, lambda d: 16 * d, 200).weight_of  # stored at depths 9, 8, 4
     assert [weight_of(i) for i in range(3)] == [200 - 128, 64, 64]
 
 
@@ -228,6 +228,11 @@ def test_probing_stride_keys_finds_what_probing_every_key_finds(stride: int) -> 
             assert held is not None and 0 <= held <= 16 * 25, step
 
 
+def _past_ten_blocks(depth: int) -> int:
+    """Ten token blocks of 16, then text keys of ~100 tokens."""
+    return 16 * depth if depth <= 10 else 160 + 100 * (depth - 10)
+
+
 @pytest.mark.parametrize("stride", [1, 2, 3, 4, 5])
 def test_stored_weights_are_the_tokens_between_stored_keys(stride: int) -> None:
     index = AffinityIndex(100, stride=stride)
@@ -236,10 +241,19 @@ def test_stored_weights_are_the_tokens_between_stored_keys(stride: int) -> None:
         return depth * depth + 3 * depth
 
     for depth in range(1, 40):
-        weight_of = index.stored_weights(depth, tokens_at, tokens_at(depth) + 7)
+        weight_of = index.stored_weights(depth, tokens_at, tokens_at(depth) + 7).weight_of
         depths = [*range(stride, depth + 1, stride), *([depth] if depth % stride else [])]
         bounds = [0, *depths]
         expected = [tokens_at(b) - tokens_at(a) if a else tokens_at(b) for a, b in pairwise(bounds)]
         expected[-1] += 7  # the deepest carries the prompt past its keys
         stored = index.stored_keys(list(range(depth)))
         assert [weight_of(i) for i in range(len(stored))] == expected[::-1]
+        # the first keys declared whole token blocks: the same weights (computed there without tokens_at)
+        index.default_weight = 16 * stride  # what the policy sets: a stride of 16-token blocks
+        linear = index.stored_weights(depth, _past_ten_blocks, None, (10, 16))
+        plain = index.stored_weights(depth, _past_ten_blocks, None).weight_of
+        weights = [plain(i) for i in range(len(stored))]
+        assert [linear.weight_of(i) for i in range(len(stored))] == weights
+        # past the first `special` keys every weight is the standard one (recorded without a call)
+        assert all(w == 16 * stride for w in weights[linear.special :])
+        index.default_weight = stride

@@ -427,7 +427,9 @@ class PrefixPolicy:
         added: list[int] = []
         started: Token | None = None
         if commit:
-            added = self.index.record(pick, keys, self._beyond_window(request), partial(self._depth_tokens, request))
+            blocks = (len(keys) if request.token_blocks is None else request.token_blocks, block_size)
+            tokens_at = partial(self._depth_tokens, request)
+            added = self.index.record(pick, keys, self._beyond_window(request), tokens_at, blocks)
             if start is not None:
                 started = self.demand.record(start)
         predicted = picked.tokens
