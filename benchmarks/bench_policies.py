@@ -320,6 +320,9 @@ def gateway_stats(url: str) -> dict[str, Any] | None:
     return {
         "reasons": route.get("reasons"),
         "requests_per_replica": {name: r.get("requests") for name, r in (route.get("replicas") or {}).items()},
+        # what the gateway expected cached against what the responses said (its own accounting)
+        "hit_rate_predicted": route.get("hit_rate_predicted"),
+        "hit_rate_reported": route.get("hit_rate_reported"),
     }
 
 
@@ -438,6 +441,7 @@ def fmt_short(name: str, s: dict[str, Any]) -> str:
         f"p90 {t.get('p90') or 0:7.0f} ms  ok {s['ok']}/{s['requests']}"
         + (f" cut {s['unfinished']}" if s["unfinished"] else "")
         + (f" errors {s['errors']} {s['error_samples'][:1]}" if s["errors"] else "")
+        + (f"  predicted {pred:.1%}" if isinstance(pred := s.get("hit_rate_predicted"), int | float) else "")
         + (f"  (client lag {s['max_dispatch_lag_ms']:.0f} ms)" if s["max_dispatch_lag_ms"] > 20 else "")
         + (f"  reasons {reasons}" if len(reasons := (s.get("gateway") or {}).get("reasons") or {}) > 1 else "")
     )
@@ -573,6 +577,7 @@ def run_level(
                 # the CPU a router needs, hence how its latency suffers from the neighbours
                 s["router_cpu_ms_per_request"] = (cpu_seconds(gws[v.name].process.pid) - cpu0) * 1000 / len(wire)
                 s["gateway"] = gateway_stats(gws[v.name].url)
+                s["hit_rate_predicted"] = (s["gateway"] or {}).get("hit_rate_predicted")  # a median over repeats
                 runs.setdefault(v.name, []).append(s)
                 print(fmt_short(v.name, s) + tag)
             via = oracle_via_gateway and "oracle" in gws

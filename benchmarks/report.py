@@ -222,6 +222,7 @@ def _row(
     return [
         name,
         _fmt(hit, ".1%"),
+        _fmt(run.get("hit_rate_predicted"), ".1%"),  # the gateway's own prediction (its rows only)
         _fmt(paired(run, oracle, ["hit_rate"]), ".1%"),
         _fmt(vs_peer * 100 if vs_peer is not None else None, "+.1f"),
         mark + _fmt(ttft.get("p50")),
@@ -249,6 +250,7 @@ def _ok_sent(run: Mapping[str, Any]) -> str:
 HEADERS = [
     "policy",
     "hit rate",
+    "predicted",
     "% oracle",
     f"vs {PEER} pts",
     "TTFT p50",

@@ -130,6 +130,17 @@ def test_table_has_every_policy_and_the_oracle_with_ratios():
     assert "98.4%" in table  # prefix hit rate as a share of the oracle
 
 
+def test_the_gateways_predicted_hit_rate_sits_beside_the_reported_one():
+    levels = _levels()
+    levels["moderate"]["runs"]["prefix"]["hit_rate_predicted"] = 0.597
+    lines = level_table(levels["moderate"]).splitlines()
+    cells = [c.strip() for c in next(line for line in lines if line.startswith("| prefix ")).split("|")]
+    headers = [c.strip() for c in lines[0].split("|")]
+    assert cells[headers.index("predicted")] == "59.7%" and cells[headers.index("hit rate")] == "61.0%"
+    sglang = [c.strip() for c in next(line for line in lines if line.startswith("| sglang ")).split("|")]
+    assert sglang[headers.index("predicted")] == "-"  # a peer predicts nothing
+
+
 def test_render_text_and_charts(tmp_path):
     results = {
         "meta": {"mode": "test"},
