@@ -181,11 +181,11 @@ class PrefixPipeline:
         else:
             messages = _message_texts(body.get("messages"), body.get("tools"))
         keys, ends = chain_text_keys(messages, parent, self.settings.chunk_bytes, skip_bytes=window)
-        per_token = _clamp_bytes_per_token(bytes_per_token)
-        if ends and (per_token is not None or not estimate):
+        measured = _clamp_bytes_per_token(bytes_per_token)
+        per_token = measured or _CHARS_PER_TOKEN
+        if ends and (measured is not None or not estimate):
             # the whole text read (the window could not be rendered, or its ratio is known)
-            estimate = max(window, int(ends[-1] / (per_token or _CHARS_PER_TOKEN)))
-        per_token = per_token or _CHARS_PER_TOKEN
+            estimate = max(window, int(ends[-1] / per_token))
         floor = min(window, estimate)  # keys past the window cover at least the window
         tokens = [min(estimate, max(floor, int(end / per_token))) for end in ends]
         return keys, tokens, estimate

@@ -204,17 +204,18 @@ class Replica:
     def unwatch(self, watcher: ReplicaWatcher) -> None:
         self._watchers = [ref for ref in self._watchers if ref() is not None and ref() is not watcher]
 
+    def _live_watchers(self) -> list[ReplicaWatcher]:
+        return [watcher for ref in self._watchers if (watcher := ref()) is not None]
+
     def _load_moved(self, in_flight: int, pending: int) -> None:
-        for ref in self._watchers:
+        for ref in self._watchers:  # per request: no list built
             watcher = ref()
             if watcher is not None:
                 watcher.load_changed(self, in_flight, pending)
 
     def _state_moved(self) -> None:
-        for ref in self._watchers:
-            watcher = ref()
-            if watcher is not None:
-                watcher.state_changed(self)
+        for watcher in self._live_watchers():
+            watcher.state_changed(self)
 
     # -- views -------------------------------------------------------------------------
     def view(self) -> ReplicaView:
@@ -232,13 +233,12 @@ class Replica:
     def set_engine(self, engine: EngineStats) -> None:
         """A fresh scrape of the engine's metrics."""
         reset = counters_went_back(self.engine, engine)
-        capacity = None if self.engine is None else self.engine.kv_cache_tokens
+        before = None if self.engine is None else self.engine.kv_cache_tokens
         self.engine = engine
-        if engine.kv_cache_tokens is not None and engine.kv_cache_tokens != capacity:
-            for ref in self._watchers:
-                watcher = ref()
-                if watcher is not None:
-                    watcher.capacity_changed(self)
+        capacity = engine.kv_cache_tokens
+        if capacity is not None and capacity != before:
+            for watcher in self._live_watchers():
+                watcher.capacity_changed(self)
         self.engine_error = None
         if reset:
             self.engine_baseline = None  # windows of the new engine start at this scrape

@@ -240,7 +240,7 @@ class PrefixPolicy:
             settings.affinity_stride_blocks,
             max_bytes=settings.affinity_max_bytes,
         )
-        self._capacity_block_size = 0
+        self._weights_block_size = 0  # the block size the index's standard key weight is set for
         self.demand = HeadDemand(settings.head_window_starts)
         self.work = RecentWork(settings.start_work_window)
         self._weight_sum = 0.0
@@ -333,7 +333,7 @@ class PrefixPolicy:
                 self._turn = turn
             pick = load.names[load.least_loaded(turn)]
             return Decision(pick, "fallback", {"predicted_cached_tokens": 0, "key_source": "none"})
-        self._sync_capacity(block_size)
+        self._sync_block_size(block_size)
 
         want, bits = self._eligible_bits(load)
         fleet = DecisionFleet(load, settings.load_factor, bits, self.index.name_of)
@@ -427,7 +427,7 @@ class PrefixPolicy:
         added: list[int] = []
         started: Token | None = None
         if commit:
-            blocks = (len(keys) if request.token_blocks is None else request.token_blocks, block_size)
+            blocks = (_token_blocks(request), block_size)
             tokens_at = partial(self._depth_tokens, request)
             added = self.index.record(pick, keys, self._beyond_window(request), tokens_at, blocks)
             if start is not None:
@@ -752,7 +752,7 @@ class PrefixPolicy:
         the prompt's text) carry their own estimate in ``request.key_tokens``.
         """
         block_size = request.block_size or 1
-        token_blocks = len(request.block_keys) if request.token_blocks is None else request.token_blocks
+        token_blocks = _token_blocks(request)
         if depth <= token_blocks:
             return depth * block_size
         extra = request.key_tokens
@@ -776,8 +776,14 @@ class PrefixPolicy:
             return keys[depth - 1], "block", depth
         return None, "none", 0
 
-    def _sync_capacity(self, block_size: int) -> None:
-        """A stored key that a peer recorded weighs one stride of blocks in a modelled cache."""
-        if block_size != self._capacity_block_size:
-            self._capacity_block_size = block_size
+    def _sync_block_size(self, block_size: int) -> None:
+        """A stored key weighs one stride of blocks in a modelled cache unless its record says
+        otherwise (a peer's record cannot): set once the block size is known."""
+        if block_size != self._weights_block_size:
+            self._weights_block_size = block_size
             self.index.default_weight = block_size * self.settings.affinity_stride_blocks
+
+
+def _token_blocks(request: RequestView) -> int:
+    """How many of the request's keys are whole token blocks (the rest continue over its text)."""
+    return len(request.block_keys) if request.token_blocks is None else request.token_blocks
