@@ -56,6 +56,20 @@ class KeyWeights:
     weight_of: Callable[[int], int]
     special: int
 
+    def explicit(self, count: int) -> list[int]:
+        """The weights of the first ``count`` stored keys that are not the standard one, as a
+        list (a record shared with other gateway processes carries them; the rest weigh the
+        standard weight there too)."""
+        return [self.weight_of(i) for i in range(min(self.special, count))]
+
+    @classmethod
+    def of(cls, values: Sequence[int]) -> KeyWeights | None:
+        """Weights given as a list (a peer's record, a snapshot): position i weighs
+        ``values[i]``, positions past the list the standard weight; None for an empty list."""
+        if not values:
+            return None
+        return cls(values.__getitem__, len(values))
+
 
 def _depth_first(group: tuple[int, int]) -> int:
     return -group[0]
@@ -96,8 +110,9 @@ class AffinityIndex:
         self._slot: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self.generation = 0  # moves whenever a slot is given or taken: masks from mask_of() expire
-        # Called with (replica, stored keys deepest first, prompt_tokens) after each local record.
-        self.listener: Callable[[str, list[int], int | None], None] | None = None
+        # Called with (replica, stored keys deepest first, prompt_tokens, the keys' weights in a
+        # modelled cache from KeyWeights.explicit, or None) after each local record.
+        self.listener: Callable[[str, list[int], int | None, list[int] | None], None] | None = None
 
     # -- membership --------------------------------------------------------------------
     def set_members(self, names: Iterable[str]) -> None:
@@ -201,6 +216,19 @@ class AffinityIndex:
     def tokens_held(self, name: str) -> int | None:
         """Prompt tokens ``name``'s modelled cache holds now (None: not modelled)."""
         return self._used.get(name) if name in self._token_cap else None
+
+    def held_weights(self, name: str, keys: Sequence[int]) -> list[int] | None:
+        """What ``keys`` weigh in ``name``'s modelled cache, for a record that rebuilds them
+        elsewhere (a catch-up snapshot): the first always, then up to the last that is not the
+        standard weight (see :meth:`KeyWeights.of`); None when ``name`` is not modelled."""
+        weights = self._weight.get(name)
+        if weights is None or not keys:
+            return None
+        standard = self._default_weight
+        values = [weights.get(key, standard) for key in keys]
+        while len(values) > 1 and values[-1] == standard:
+            values.pop()
+        return values
 
     def memory_bytes(self) -> int:
         """What the index holds now, in bytes: its dicts (tables, nodes) and the ints in them.
@@ -379,8 +407,8 @@ class AffinityIndex:
         if tokens_at is not None and name in self._token_cap:
             weights = self.stored_weights(len(keys), tokens_at, prompt_tokens, blocks)
         added = self.record_stored(name, stored, prompt_tokens, weights)
-        if self.listener is not None:
-            self.listener(name, stored, prompt_tokens)
+        if self.listener is not None:  # peers weigh the keys as this record did
+            self.listener(name, stored, prompt_tokens, weights.explicit(len(stored)) if weights else None)
         return added
 
     def stored_keys(self, keys: Sequence[int]) -> list[int]:
@@ -468,7 +496,7 @@ class AffinityIndex:
         key_weights = self._weight.get(name)
         weight_of, special = None, 0
         if key_weights is not None:
-            if weights is None:  # a peer's record: positions unknown
+            if weights is None:  # a record without weights (an older peer): positions unknown
                 weights = self._even_weights(len(stored), prompt_tokens)
             weight_of, special = weights.weight_of, weights.special
         standard = self._default_weight

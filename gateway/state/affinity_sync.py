@@ -20,6 +20,13 @@ Wire format (one pub/sub message per batch, JSON)::
     {"v": 1, "pod": "<id>", "records": [[route, replica, prompt_tokens or 0, "<keys>"], ...]}
 
 where ``<keys>`` is the base64 of the stored block keys as little-endian u64, deepest first.
+Where the sender models the replica's KV cache (``replica_cache_tokens``), the batch also
+carries what the keys weigh there — ``"weights": [[record_position, "<u32s>"], ...]``, the
+base64 of little-endian u32 token counts for the first keys of that record (the rest weigh
+one stride of blocks) — so a peer's model of the same replica fills as the sender's does
+instead of weighing every key alike (a 32k-token prompt's text keys each stand for ~1,000
+tokens, its window keys for 64).  A separate field, so older versions read the records and
+ignore it.
 A batch may also carry the conversation starts placed behind shared heads since the last one,
 ``"starts": [[route, head_key], ...]`` (:mod:`gateway.routing.starts`: every process then counts
 the fleet's starts), and the normalization places new to the sender or newly seen to vary,
@@ -56,10 +63,10 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from gateway.prefix.learn import VarianceLearner
-from gateway.routing.affinity import AffinityIndex
+from gateway.routing.affinity import AffinityIndex, KeyWeights
 from gateway.routing.starts import HeadDemand
 from gateway.state.peer_load import PeerLoad, Report, load_rows, parse_load
 from gateway.state.signing import Signer
@@ -77,7 +84,17 @@ _PONG_WAIT_S = 5.0  # ... and reconnect if nothing answers within this
 _BACKOFF_START_S = 0.5
 _BACKOFF_MAX_S = 10.0
 
-Record = tuple[str, str, list[int], int | None]  # route, replica, stored keys (deepest first), prompt tokens
+
+class Record(NamedTuple):
+    """One affinity record: ``replica`` of ``route`` holds these stored keys (deepest first)."""
+
+    route: str
+    replica: str
+    keys: list[int]
+    prompt_tokens: int | None
+    weights: list[int] | None = None  # the first keys' weights in a modelled cache (KeyWeights.explicit)
+
+
 Start = tuple[str, int]  # route, shared head key
 Sighting = tuple[str, int, int]  # route, normalization place digest, its value's digest (0: varies)
 Demand = dict[str, tuple[float, list[tuple[int, float]]]]  # route -> HeadDemand.export()
@@ -85,6 +102,7 @@ MAX_DEMAND_HEADS = 1024  # per route in a catch-up snapshot
 MAX_VARYING_PLACES = 4096  # per route in a catch-up snapshot
 MAX_VARIES_PER_MESSAGE = 65_536
 _U64 = 1 << 64
+_U32_MAX = (1 << 32) - 1
 
 
 @dataclass
@@ -118,10 +136,17 @@ def encode(
 ) -> bytes:
     """One batch as a pub/sub payload (see the module docstring)."""
     rows = [
-        [route, replica, prompt_tokens or 0, base64.b64encode(struct.pack(f"<{len(keys)}Q", *keys)).decode()]
-        for route, replica, keys, prompt_tokens in records
+        [r.route, r.replica, r.prompt_tokens or 0, base64.b64encode(struct.pack(f"<{len(r.keys)}Q", *r.keys)).decode()]
+        for r in records
     ]
     message: dict[str, Any] = {"v": WIRE_VERSION, "pod": pod, "records": rows}
+    weights = [
+        [i, base64.b64encode(struct.pack(f"<{len(r.weights)}I", *(min(w, _U32_MAX) for w in r.weights))).decode()]
+        for i, r in enumerate(records)
+        if r.weights
+    ]
+    if weights:
+        message["weights"] = weights
     if starts:
         message["starts"] = [[route, head] for route, head in starts]
     if varies:
@@ -226,7 +251,31 @@ def decode_records(message: Mapping[str, Any]) -> list[Record]:
         if len(raw) % 8 or not raw or len(raw) // 8 > MAX_KEYS_PER_RECORD:
             raise ValueError(f"keys must be 1..{MAX_KEYS_PER_RECORD} u64 values")
         keys = list(struct.unpack(f"<{len(raw) // 8}Q", raw))
-        records.append((route, replica, keys, prompt_tokens or None))
+        records.append(Record(route, replica, keys, prompt_tokens or None))
+    return _with_weights(records, message.get("weights"))
+
+
+def _with_weights(records: list[Record], rows: Any) -> list[Record]:
+    """``records`` with the weights a message carries for them (see the module docstring)."""
+    if rows is None:
+        return records
+    if not isinstance(rows, list) or len(rows) > len(records):
+        raise ValueError("bad weights")
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 2 and type(row[0]) is int and isinstance(row[1], str)):
+            raise ValueError("a weights row must be [record_position, packed u32s]")
+        position, packed = row
+        if not 0 <= position < len(records):
+            raise ValueError("weights for a record the message does not hold")
+        try:
+            raw = base64.b64decode(packed, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("weights are not base64") from None
+        count = len(raw) // 4
+        if len(raw) % 4 or not count or count > len(records[position].keys):
+            raise ValueError("weights must be 1..len(keys) u32 values")
+        values = [max(1, w) for w in struct.unpack(f"<{count}I", raw)]
+        records[position] = records[position]._replace(weights=values)
     return records
 
 
@@ -321,18 +370,20 @@ class AffinitySync:
         """Queue a catch-up snapshot (``gateway.state.catchup``): records that are not new placements,
         then its end with ``demand`` (start counts) and ``varies`` (normalization places known to
         vary), which tells a newcomer it may serve (even with no records: nothing to learn)."""
-        for route, replica, keys, prompt_tokens in records:
-            self._enqueue(route, replica, keys, prompt_tokens)
+        for record in records:
+            self._enqueue(*record)
         self._snapshot_demand = demand
         self._varies.extend(varies)
         self._push(self._pending, None)
 
     # -- the request path: O(1), never waits ----------------------------------------------
-    def _enqueue(self, route: str, replica: str, stored: list[int], prompt_tokens: int | None) -> None:
+    def _enqueue(
+        self, route: str, replica: str, stored: list[int], prompt_tokens: int | None, weights: list[int] | None = None
+    ) -> None:
         if len(stored) > MAX_KEYS_PER_RECORD:  # peers would reject the batch: keep it local
             self.stats.dropped += 1
             return
-        self._push(self._pending, (route, replica, stored, prompt_tokens))
+        self._push(self._pending, Record(route, replica, stored, prompt_tokens, weights))
 
     def _enqueue_varies(self, route: str, place: int, value: int) -> None:
         self._push(self._varies, (route, place, value))
@@ -383,12 +434,12 @@ class AffinitySync:
             log.warning("affinity sync: skipped a malformed message on %s: %s", self.channel, exc)
             return 0
         applied = 0
-        for route, replica, keys, prompt_tokens in records:
+        for route, replica, keys, prompt_tokens, weights in records:
             index = self._indexes.get(route)
             if index is None or not index.knows(replica):
                 self.stats.ignored += 1
                 continue
-            index.record_stored(replica, keys, prompt_tokens)
+            index.record_stored(replica, keys, prompt_tokens, KeyWeights.of(weights) if weights else None)
             applied += 1
         self.stats.applied += applied
         for route, head in starts:

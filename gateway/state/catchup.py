@@ -30,11 +30,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.routing.affinity import AffinityIndex
-from gateway.state.affinity_sync import MAX_DEMAND_HEADS, MAX_VARYING_PLACES
+from gateway.state.affinity_sync import MAX_DEMAND_HEADS, MAX_VARYING_PLACES, Record
 
 log = logging.getLogger("prefix_gateway.state")
-
-Record = tuple[str, str, list[int], int | None]  # route, replica, keys (deepest first), prompt tokens
 
 
 def snapshot_records(indexes: Mapping[str, AffinityIndex], keys_total: int) -> list[Record]:
@@ -43,30 +41,31 @@ def snapshot_records(indexes: Mapping[str, AffinityIndex], keys_total: int) -> l
     A record is one prompt end (a key with an extent) followed by the keys recorded after it
     up to the next end: ``record_stored`` marks a record's first key as an end and appends the
     rest in order, so replaying the records oldest first restores both marks and recency.
-    Keys older than a replica's oldest end in the window are left out.
+    Keys older than a replica's oldest end in the window are left out.  Each record carries
+    what its keys weigh in a modelled KV cache, so the newcomer's model fills as this one's.
     """
-    lrus: list[tuple[str, str, Any]] = []
+    lrus: list[tuple[str, str, Any, AffinityIndex]] = []
     for route, index in indexes.items():
         for name, lru in getattr(index, "_lru", {}).items():  # the index's own LRU, oldest first
             if lru:
-                lrus.append((route, name, lru))
+                lrus.append((route, name, lru, index))
     if not lrus or keys_total <= 0:
         return []
     per_replica = max(1, keys_total // len(lrus))
     records: list[Record] = []
-    for route, name, lru in lrus:
+    for route, name, lru, index in lrus:
         items = list(lru.items())[-per_replica:]
         current: list[int] | None = None
         extent: int | None = None
         for key, mark in items:
             if mark is not None:  # a prompt ends here: a new record starts
                 if current:
-                    records.append((route, name, current, extent))
+                    records.append(Record(route, name, current, extent, index.held_weights(name, current)))
                 current, extent = [key], mark or None
             elif current is not None:
                 current.append(key)
         if current:
-            records.append((route, name, current, extent))
+            records.append(Record(route, name, current, extent, index.held_weights(name, current)))
     return records
 
 

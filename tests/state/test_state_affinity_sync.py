@@ -19,8 +19,9 @@ import redis.asyncio as aioredis
 from gateway.prefix.learn import VarianceLearner
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.starts import HeadDemand
-from gateway.state.affinity_sync import AffinitySync, decode, decode_demand, decode_starts, encode
+from gateway.state.affinity_sync import AffinitySync, Record, decode, decode_demand, decode_starts, encode
 from tests.polling import until
+from tests.state.kv_model import model_kv
 from tests.state.redis_proxy import FlakyProxy
 
 NAMES = ["r0", "r1", "r2", "r3"]
@@ -39,9 +40,46 @@ def chain(n: int, seed: int) -> list[int]:
 
 def test_wire_format_round_trips_64_bit_keys() -> None:
     keys = [0, 1, 2**64 - 1, 12345678901234567890]
-    pod, records = decode(encode("pod-a", [("chat", "r1", keys, 9000), ("chat", "r2", keys[:1], None)]))
+    sent = [Record("chat", "r1", keys, 9000), Record("chat", "r2", keys[:1], None)]
+    pod, records = decode(encode("pod-a", sent))
     assert pod == "pod-a"
-    assert records == [("chat", "r1", keys, 9000), ("chat", "r2", keys[:1], None)]
+    assert records == sent
+
+
+def test_weights_travel_with_their_records_in_a_field_older_versions_ignore() -> None:
+    keys = chain(6, 3)
+    sent = [
+        Record("chat", "r1", keys, 9000),
+        Record("chat", "r2", keys, 40_000, [31_000, 1_000, 1_000, 2**40]),  # clamped to u32 on the wire
+    ]
+    payload = encode("pod-a", sent)
+    assert all(len(row) == 4 for row in json.loads(payload)["records"])  # the rows an older version reads
+    _, records = decode(payload)
+    assert records[0].weights is None
+    assert records[1].weights == [31_000, 1_000, 1_000, 2**32 - 1]
+
+
+def weights_payload(rows: object) -> bytes:
+    keys = base64.b64encode(bytes(16)).decode()  # two u64 keys
+    return json.dumps({"v": 1, "pod": "x", "records": [["chat", "r1", 0, keys]], "weights": rows}).encode()
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        "AAAA",
+        [[0]],
+        [[1, base64.b64encode(bytes(4)).decode()]],  # no record 1
+        [[0, "not base64!"]],
+        [[0, base64.b64encode(bytes(3)).decode()]],  # not whole u32s
+        [[0, base64.b64encode(bytes(12)).decode()]],  # more weights than keys
+        [[0, ""]],
+        [[True, base64.b64encode(bytes(4)).decode()]],
+    ],
+)
+def test_malformed_weights_are_rejected(rows: object) -> None:
+    with pytest.raises(ValueError):
+        decode(weights_payload(rows))
 
 
 @pytest.mark.parametrize(
@@ -63,15 +101,51 @@ def test_malformed_messages_are_rejected(payload: bytes) -> None:
         decode(payload)
 
 
-async def test_a_record_made_by_one_gateway_reaches_the_other(redis_url: str) -> None:
+async def test_a_peer_models_the_replicas_kv_cache_as_the_recorder_does(redis_url: str) -> None:
+    """A conversation's turns share their history: each turn adds only its new text to the
+    replica's cache.  The records carry what each key weighs in the recorder's model, so the
+    peer's model of the same replica holds the same tokens.  Without them the peer would let
+    every turn's deepest key stand for the whole prompt (the turns' histories counted again
+    and again) and evict the conversation it still holds."""
+
+    a_index, b_index = model_kv(index(), 60_000, NAMES), model_kv(index(), 60_000, NAMES)
+    async with connected_pair(redis_url, a_index, b_index) as (_, b):
+
+        def tokens_at(depth: int) -> int:  # 256 token blocks of 16, then text keys of 250 tokens
+            return depth * 16 if depth <= 256 else 4096 + (depth - 256) * 250
+
+        history = chain(256 + 80, 7)
+        turns = [history[: 256 + 20 + 8 * turn] for turn in range(8)]  # 9k tokens, 2k more per turn
+        for n, keys in enumerate(turns, 1):
+            a_index.record("r1", keys, tokens_at(len(keys)) + 300, tokens_at, (256, 16))
+            await until(lambda n=n: b.stats.applied == n)
+        held = a_index.tokens_held("r1")
+        assert held is not None and held < 26_000  # one 23k-token conversation
+        assert b_index.tokens_held("r1") == held
+        assert b_index.match(turns[-1], NAMES) == a_index.match(turns[-1], NAMES) == {"r1": len(turns[-1])}
+
+
+@contextlib.asynccontextmanager
+async def connected_pair(
+    redis_url: str, a_index: AffinityIndex, b_index: AffinityIndex
+) -> AsyncIterator[tuple[AffinitySync, AffinitySync]]:
+    """Two gateway processes' syncs on a fresh channel, connected; stopped on the way out."""
     channel = f"test-affinity-{uuid.uuid4().hex}"
-    a_index, b_index = index(), index()
     a = AffinitySync(redis_url, channel, {"chat": a_index}, batch_interval_s=0.001)
     b = AffinitySync(redis_url, channel, {"chat": b_index}, batch_interval_s=0.001)
     await a.start()
     await b.start()
     try:
         await until(lambda: a.stats.connected and b.stats.connected)
+        yield a, b
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_record_made_by_one_gateway_reaches_the_other(redis_url: str) -> None:
+    a_index, b_index = index(), index()
+    async with connected_pair(redis_url, a_index, b_index) as (a, b):
         keys = chain(64, 1)
         a_index.record("r2", keys, prompt_tokens=12_000)
         await until(lambda: b.stats.applied == 1)
@@ -87,14 +161,11 @@ async def test_a_record_made_by_one_gateway_reaches_the_other(redis_url: str) ->
         await until(lambda: b.stats.ignored == 1)
         # a malformed message is counted, and later ones still apply
         raw = aioredis.from_url(redis_url)
-        await raw.publish(channel, b"garbage")
+        await raw.publish(b.channel, b"garbage")
         await raw.aclose()
         await until(lambda: b.stats.errors == 1)
         a_index.record("r0", chain(8, 3))
         await until(lambda: b.stats.applied == 2)
-    finally:
-        await a.stop()
-        await b.stop()
     assert a_index.listener is None  # stop() detaches from the index
 
 

@@ -10,12 +10,13 @@ import pytest
 
 from gateway.config import HealthSettings, ReplicaConfig
 from gateway.replicas.pool import Replica
-from gateway.routing.affinity import AffinityIndex
+from gateway.routing.affinity import AffinityIndex, KeyWeights
 from gateway.routing.starts import HeadDemand
 from gateway.state.affinity_sync import AffinitySync, SyncStats
 from gateway.state.catchup import ALONE_S, CatchUp, snapshot_records
 from gateway.state.peer_load import PeerLoad
 from tests.polling import until
+from tests.state.kv_model import model_kv
 
 NAMES = ["r0", "r1", "r2"]
 
@@ -38,9 +39,9 @@ def test_a_snapshot_rebuilds_matches_extents_and_recency() -> None:
     for i, keys in enumerate(convs):
         source.record(NAMES[i % 3], keys, prompt_tokens=1000 + i)
     target = index()
-    for route, name, keys, tokens in snapshot_records({"chat": source}, keys_total=100_000):
-        assert route == "chat"
-        target.record_stored(name, keys, tokens)
+    for record in snapshot_records({"chat": source}, keys_total=100_000):
+        assert record.route == "chat" and record.weights is None  # no modelled cache: nothing to weigh
+        target.record_stored(record.replica, record.keys, record.prompt_tokens)
     for i, keys in enumerate(convs):
         assert target.match(keys, NAMES) == source.match(keys, NAMES)
         deepest = source.stored_keys(keys)[0]
@@ -48,12 +49,36 @@ def test_a_snapshot_rebuilds_matches_extents_and_recency() -> None:
     assert list(target._lru["r0"]) == list(source._lru["r0"])  # the same recency order
 
 
+def test_a_snapshot_fills_a_newcomers_kv_cache_model_as_the_senders() -> None:
+    """Text keys past the window stand for ~1,000 tokens each, window keys for a stride of
+    blocks: a snapshot carries what each weighs, so the newcomer's model holds what the
+    sender's does (with even weights it would hold a different amount and evict otherwise)."""
+
+    source = model_kv(index(), 400_000, NAMES)
+    for i, keys in enumerate(chains(30, 3)):
+        blocks = min(len(keys), 20)  # the first 20 keys are token blocks of 16, the rest ~900 tokens each
+
+        def tokens_at(depth: int, blocks: int = blocks) -> int:
+            return depth * 16 if depth <= blocks else blocks * 16 + (depth - blocks) * 900
+
+        source.record(
+            NAMES[i % 3], keys, prompt_tokens=tokens_at(len(keys)) + 500, tokens_at=tokens_at, blocks=(blocks, 16)
+        )
+    target = model_kv(index(), 400_000, NAMES)
+    records = snapshot_records({"chat": source}, keys_total=100_000)
+    assert any(record.weights and max(record.weights) >= 900 for record in records)
+    for record in records:
+        target.record_stored(record.replica, record.keys, record.prompt_tokens, KeyWeights.of(record.weights or []))
+    for name in NAMES:
+        assert target.tokens_held(name) == source.tokens_held(name) > 30_000
+
+
 def test_a_snapshot_is_bounded() -> None:
     source = index()
     for i, keys in enumerate(chains(200, 2)):
         source.record(NAMES[i % 3], keys)
     records = snapshot_records({"chat": source}, keys_total=300)
-    assert 0 < sum(len(keys) for _, _, keys, _ in records) <= 300
+    assert 0 < sum(len(record.keys) for record in records) <= 300
     assert snapshot_records({"chat": index()}, keys_total=300) == []  # nothing learned: nothing sent
 
 
