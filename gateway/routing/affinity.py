@@ -519,8 +519,20 @@ class AffinityIndex:
             # not one conversation's history.
             if child_of.setdefault(key, after) != after:
                 forks.add(key)
-            if key in lru:
+            mark = lru.get(key, _MISSING)
+            if mark is not _MISSING:
                 lru.move_to_end(key)
+                if mark is not None and key_weights is not None:
+                    # An earlier prompt ended here (a conversation's last turn): its weight also
+                    # carried that prompt past its keys, which this record's next key covers now.
+                    weight = standard if i >= special else weight_of(i)  # type: ignore[misc]
+                    held = key_weights.get(key, standard)
+                    if weight < held:
+                        used -= held - weight
+                        if weight == standard:
+                            del key_weights[key]
+                        else:
+                            key_weights[key] = weight
             else:
                 lru[key] = None
                 holders[key] = holders.get(key, 0) | bit

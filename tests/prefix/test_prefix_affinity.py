@@ -86,6 +86,24 @@ def test_sparse_keys_weigh_the_tokens_they_cover() -> None:
     assert [weight_of(i) for i in range(3)] == [200 - 128, 64, 64]
 
 
+def test_a_conversation_weighs_its_tokens_once_however_many_turns() -> None:
+    """Each turn's deepest key also carries the text past its keys; the next turn's keys cover
+    that text, so the modelled cache must not count it again (8 turns would count 7 tails
+    twice and evict the conversation's head early)."""
+    index = AffinityIndex(max_entries=10_000, stride=4)
+    index.default_weight = 64
+    index.set_token_capacity("A", 1_000_000)
+
+    def tokens_at(depth: int) -> int:  # 256 blocks of 16 tokens, then 250 tokens per text key
+        return 16 * depth if depth <= 256 else 4096 + 250 * (depth - 256)
+
+    history = chain(256 + 80, 3)
+    for turn in range(8):
+        keys = history[: 256 + 20 + 8 * turn]
+        index.record("A", keys, tokens_at(len(keys)) + 300, tokens_at, (256, 16))
+    assert index.tokens_held("A") == tokens_at(len(keys)) + 300  # the last turn's prompt, once
+
+
 def test_token_capacity_applies_to_keys_recorded_before_and_from_peers() -> None:
     index = AffinityIndex(max_entries=1000, stride=2)
     index.default_weight = 32
