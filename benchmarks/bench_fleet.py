@@ -162,6 +162,19 @@ def row_numbers(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def pooled_prediction(stats: Sequence[dict[str, Any] | None]) -> float | None:
+    """The gateways' predicted hit rate over all of them (their predicted cached tokens over the
+    prompt tokens of the requests they predicted): each pod predicts from its own index, which
+    holds its peers' records only when they share state, so this shows how well they do."""
+    cached = prompt = 0
+    for s in stats:
+        if s is None or not s.get("predicted_prompt_tokens"):
+            continue
+        cached += s.get("predicted_cached_tokens") or 0
+        prompt += s["predicted_prompt_tokens"]
+    return cached / prompt if prompt else None
+
+
 @dataclass(frozen=True)
 class Sample:
     """One workload sample, ready to replay at the moderate level, and the clock it runs on."""
@@ -221,10 +234,15 @@ def fleet(smp: Sample, workdir: Path, tag: str) -> Iterator[Fleet]:
         yield list(zip(names, urls, strict=True)), list(urls), names
 
 
+def _pct1(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
 def print_row(row: str, r: dict[str, Any]) -> None:
     print(
-        f"  {row:<20} hit {100 * (r['hit_rate'] or 0):5.1f} %  ttft p50 {r['ttft_p50_ms'] or 0:7.0f} ms"
-        f"  balance {r['balance'] or 0:4.2f}  ok {r['ok']} errors {r['errors']}"
+        f"  {row:<20} hit {100 * (r['hit_rate'] or 0):5.1f} % (predicted {_pct1(r.get('hit_rate_predicted'))})"
+        f"  ttft p50 {r['ttft_p50_ms'] or 0:7.0f} ms  balance {r['balance'] or 0:4.2f}"
+        f"  ok {r['ok']} errors {r['errors']}"
     )
 
 
@@ -240,7 +258,8 @@ def run_base(smp: Sample, plan: Plan) -> dict[str, Any]:
                 tag = row.replace(" ", "_").replace("+", "")
                 with gateway_set(n, replicas, plan.workdir, state, tag) as gateway_urls:
                     summary = bp.run_once(smp.wire, gateway_urls, urls, names, smp.deadline_s, via_gateway=True)
-                runs[row].append(row_numbers(summary))
+                    predicted = pooled_prediction([bp.gateway_stats(u) for u in gateway_urls])
+                runs[row].append({**row_numbers(summary), "hit_rate_predicted": predicted})
                 print_row(row, runs[row][-1])
     out["rows"] = {row: median_of_runs(runs[row]) for row in ROWS}
     if plan.repeat > 1:
@@ -440,12 +459,14 @@ def _mark(ok: bool) -> str:
 
 def table(results: dict[str, Any]) -> str:
     lines = [
-        f"{'workload':<24}{'row':<22}{'hit %':>7}{'ttft p50 ms':>13}{'p90 ms':>9}{'balance':>9}{'errors':>8}",
+        f"{'workload':<24}{'row':<22}{'hit %':>7}{'pred %':>8}{'ttft p50 ms':>13}{'p90 ms':>9}{'balance':>9}"
+        f"{'errors':>8}",
     ]
 
     def row_line(name: str, row: str, r: dict[str, Any]) -> str:
         return (
-            f"{name:<24}{row:<22}{100 * (r['hit_rate'] or 0):>7.1f}{r['ttft_p50_ms'] or 0:>13.0f}"
+            f"{name:<24}{row:<22}{100 * (r['hit_rate'] or 0):>7.1f}{_pct1(r.get('hit_rate_predicted')):>8}"
+            f"{r['ttft_p50_ms'] or 0:>13.0f}"
             f"{r['ttft_p90_ms'] or 0:>9.0f}{r['balance'] or 0:>9.2f}{r['errors']:>8}"
         )
 

@@ -323,6 +323,9 @@ def gateway_stats(url: str) -> dict[str, Any] | None:
         # what the gateway expected cached against what the responses said (its own accounting)
         "hit_rate_predicted": route.get("hit_rate_predicted"),
         "hit_rate_reported": route.get("hit_rate_reported"),
+        # the prediction's own numerator and denominator, to pool several gateways' (bench_fleet)
+        "predicted_cached_tokens": route.get("predicted_cached_tokens"),
+        "predicted_prompt_tokens": route.get("predicted_prompt_tokens"),
     }
 
 

@@ -90,3 +90,16 @@ def test_join_mode_runs_end_to_end(redis_url: str, tmp_path: Path) -> None:
     assert verdict["join_excess_gap_points"] == round(with_catch_up["gap_points"] - control["gap_points"], 2)
     assert set(verdict["pass"]) == {"join"}
     assert results["targets"]["join_gap_points"] == 2.0
+
+
+def test_the_fleets_prediction_pools_every_gateways_tokens() -> None:
+    """Three pods' predictions weigh by the prompt tokens each predicted, not one vote each; a
+    pod that answered nothing (or whose stats could not be read) adds nothing."""
+    stats = [
+        {"predicted_cached_tokens": 500, "predicted_prompt_tokens": 1_000},
+        {"predicted_cached_tokens": 0, "predicted_prompt_tokens": 3_000},
+        {"predicted_cached_tokens": None, "predicted_prompt_tokens": 0},
+        None,
+    ]
+    assert bench_fleet.pooled_prediction(stats) == 500 / 4_000
+    assert bench_fleet.pooled_prediction([None]) is None
