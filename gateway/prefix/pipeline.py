@@ -121,15 +121,16 @@ class PrefixPipeline:
         salt = body.get("cache_salt")
         seed = first_block_seed(model, lora, salt if isinstance(salt, str) else None)
         keys = chain_block_keys(tokens, self.settings.block_size, seed)
-        estimate = self._estimate_total(endpoint, body, len(tokens))
         text_keys: list[int] = []
         text_tokens: list[int] = []
         if not window_ok or len(tokens) >= self.tokens.window:
             parent = keys[-1] if keys else seed
             keyed = len(keys) * self.settings.block_size  # ids continue right after the last full block
             text_keys, text_tokens, estimate = self._continue(
-                endpoint, body, parent, len(tokens), keyed, estimate, bytes_per_token
+                endpoint, body, parent, len(tokens), keyed, bytes_per_token
             )
+        else:
+            estimate = self._estimate_total(endpoint, body, len(tokens))
         return PreparedPrompt(
             body=body,
             block_keys=tuple(keys),
@@ -155,7 +156,6 @@ class PrefixPipeline:
         parent: int,
         window: int,
         keyed: int,
-        estimate: int,
         bytes_per_token: float | None = None,
     ) -> tuple[list[int], list[int], int]:
         """Keys past the window, their token estimates, and the whole prompt's estimate.
@@ -176,18 +176,30 @@ class PrefixPipeline:
             if isinstance(prompt, list):  # token ids: exact continuation
                 keys = chain_id_keys(prompt[keyed:], parent, _ID_CHUNK)
                 tokens = [min(len(prompt), keyed + (i + 1) * _ID_CHUNK) for i in range(len(keys))]
-                return keys, tokens, max(estimate, len(prompt))
+                return keys, tokens, max(window, len(prompt))
             messages: list[Sequence[str]] = [(prompt,)] if isinstance(prompt, str) else []
         else:
             messages = _message_texts(body.get("messages"), body.get("tools"))
         keys, ends = chain_text_keys(messages, parent, self.settings.chunk_bytes, skip_bytes=window)
         measured = _clamp_bytes_per_token(bytes_per_token)
         per_token = measured or _CHARS_PER_TOKEN
-        if ends and (measured is not None or not estimate):
-            # the whole text read (the window could not be rendered, or its ratio is known)
+        if ends and measured is not None:  # the whole text read, at the window's own ratio
             estimate = max(window, int(ends[-1] / per_token))
-        floor = min(window, estimate)  # keys past the window cover at least the window
-        tokens = [min(estimate, max(floor, int(end / per_token))) for end in ends]
+        else:  # content characters at ~4 per token; the text read if the window could not be rendered
+            estimate = self._estimate_total(endpoint, body, window)
+            if ends and not estimate:
+                estimate = max(window, int(ends[-1] / per_token))
+        # Each key's estimate is its end, never less than the window nor more than the prompt;
+        # ends grow, so only the first and last few can need clamping.
+        floor = min(window, estimate)
+        tokens = [int(end / per_token) for end in ends]
+        i, last = 0, len(tokens) - 1
+        while i <= last and tokens[i] < floor:
+            tokens[i] = floor
+            i += 1
+        while last >= 0 and tokens[last] > estimate:
+            tokens[last] = estimate
+            last -= 1
         return keys, tokens, estimate
 
     def _estimate_total(self, endpoint: str, body: dict[str, Any], window_tokens: int) -> int:

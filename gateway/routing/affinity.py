@@ -252,35 +252,28 @@ class AffinityIndex:
             self._trim(name, cap)
 
     def _trim(self, name: str, cap: int) -> None:
-        lru = self._lru[name]
-        if len(lru) > cap:
-            self._evict_oldest(name, len(lru) - cap)
+        """Keep ``name`` within ``cap`` keys and, when modelled, within its cache's tokens."""
+        over = len(self._lru[name]) - cap
         token_cap = self._token_cap.get(name)
-        if token_cap is not None and self._used[name] > token_cap:
-            weights = self._weight[name]
-            used = self._used[name]
-            standard = self._default_weight
-            count = 0
-            for key in lru:  # oldest first: how many keys must go for the rest to fit
-                if used <= token_cap:
-                    break
-                used -= weights.get(key, standard)
-                count += 1
-            self._evict_oldest(name, count)
+        if over > 0 or (token_cap is not None and self._used[name] > token_cap):
+            self._evict_oldest(name, over, token_cap)
 
-    def _evict_oldest(self, name: str, count: int) -> None:
-        """Drop ``name``'s ``count`` least recently used keys: deepest keys of old prompts."""
+    def _evict_oldest(self, name: str, count: int, token_cap: int | None = None) -> None:
+        """Drop ``name``'s least recently used keys (deepest keys of old prompts): at least
+        ``count``, and then as many as its keys must lose to weigh at most ``token_cap``."""
         lru = self._lru[name]
         keep = ~(1 << self._slot[name])
         holders, child, forks = self._holders, self._child, self._forks
         weights = self._weight.get(name)
         standard = self._default_weight
-        freed = 0
+        used = self._used.get(name, 0)
+        limit = used if token_cap is None or weights is None else token_cap  # by count only: no limit
         popitem = lru.popitem
-        for _ in range(count):
+        while lru and (count > 0 or used > limit):
+            count -= 1
             key = popitem(last=False)[0]
             if weights is not None:
-                freed += weights.pop(key, standard)
+                used -= weights.pop(key, standard)
             mask = holders.get(key, 0) & keep
             if mask:
                 holders[key] = mask
@@ -289,7 +282,7 @@ class AffinityIndex:
                 child.pop(key, None)
                 forks.discard(key)
         if weights is not None:
-            self._used[name] -= freed
+            self._used[name] = used
 
     # -- the hot path ------------------------------------------------------------------
     def mask_of(self, replicas: Iterable[str] | None) -> int:
