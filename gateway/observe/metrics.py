@@ -280,7 +280,8 @@ class ReplicaCollector(Collector):
 
 
 class RouteCollector(Collector):
-    """Per-route panic mode (healthy share below the threshold), read at scrape time."""
+    """Per-route panic mode (healthy share below the threshold) and the prefix policy's KV cache
+    model, read at scrape time."""
 
     def __init__(self, routes: Callable[[], Sequence[tuple[str, Any]]]) -> None:
         self._routes = routes  # (route name, its PolicyRunner)
@@ -291,11 +292,22 @@ class RouteCollector(Collector):
             p + "route_panic", "1 while the route routes over all replicas (panic mode)", labels=["route"]
         )
         decisions = CounterMetricFamily(p + "route_panic_decisions", "Decisions made in panic mode", labels=["route"])
+        kv_model = GaugeMetricFamily(
+            p + "kv_model_tokens",
+            "The prefix policy's model of each replica's KV cache (replica_cache_tokens), in prompt tokens: "
+            "its size (kind=capacity) and what it holds now (kind=held)",
+            labels=["route", "replica", "kind"],
+        )
         for name, runner in self._routes():
             panic.add_metric([name], 1.0 if runner.in_panic() else 0.0)
             decisions.add_metric([name], runner.panic_decisions)
+            caches = getattr(getattr(runner.policy, "index", None), "modelled_caches", None)
+            for replica, (capacity, held) in (caches() if callable(caches) else {}).items():
+                kv_model.add_metric([name, replica, "capacity"], capacity)
+                kv_model.add_metric([name, replica, "held"], held)
         yield panic
         yield decisions
+        yield kv_model
 
 
 class SyncCollector(Collector):

@@ -217,6 +217,11 @@ class AffinityIndex:
         """Prompt tokens ``name``'s modelled cache holds now (None: not modelled)."""
         return self._used.get(name) if name in self._token_cap else None
 
+    def modelled_caches(self) -> dict[str, tuple[int, int]]:
+        """Each modelled replica's cache size and the prompt tokens its model holds now (for
+        ``/admin/stats`` and ``/metrics``: next to the engine's own KV usage)."""
+        return {name: (cap, self._used.get(name, 0)) for name, cap in self._token_cap.items()}
+
     def held_weights(self, name: str, keys: Sequence[int]) -> list[int] | None:
         """What ``keys`` weigh in ``name``'s modelled cache, for a record that rebuilds them
         elsewhere (a catch-up snapshot): the first always, then up to the last that is not the

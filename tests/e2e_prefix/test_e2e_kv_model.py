@@ -45,6 +45,13 @@ def test_predictions_follow_the_engines_evictions(
         assert all(r.cached_tokens == 0 for r in again), "the engines evicted the oldest prompts"
         stats = api.get("/admin/stats").json()["routes"]["main"]
         held = modelled(api)
+        exposed = api.get("/metrics").text  # the same model, for Prometheus
+    for name, h in held.items():
+        for kind in ("capacity", "held"):
+            line = f'prefix_gateway_kv_model_tokens{{kind="{kind}",replica="{name}",route="main"}} {float(h[kind])}'
+            assert line in exposed, line
+    if setting is None:
+        assert "prefix_gateway_kv_model_tokens{" not in exposed
     predicted_again = stats["predicted_cached_tokens"]
     if setting == "auto":
         assert predicted_again == 0, "the model evicted them too"

@@ -492,9 +492,8 @@ class PrefixPolicy:
                 "per_replica": {name: self.index.entries(name) for name in self._weights},
                 # replica_cache_tokens: each modelled prefix cache's size and what it holds, in tokens
                 "modelled_cache_tokens": {
-                    name: {"capacity": self.index.token_capacity(name), "held": self.index.tokens_held(name)}
-                    for name in self._weights
-                    if self.index.token_capacity(name) is not None
+                    name: {"capacity": capacity, "held": held}
+                    for name, (capacity, held) in self.index.modelled_caches().items()
                 },
             },
             "starts": self.demand.snapshot(),
