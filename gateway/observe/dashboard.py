@@ -195,6 +195,18 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                 ],
                 8,
             ),
+            (
+                "Gateway's KV cache model: share held (replica_cache_tokens; near 1 = evicting)",
+                "percentunit",
+                [
+                    (
+                        "{{route}} {{replica}}",
+                        f'max by (route, replica) (prefix_gateway_kv_model_tokens{{kind="held", {ROUTE}}})'
+                        f' / max by (route, replica) (prefix_gateway_kv_model_tokens{{kind="capacity", {ROUTE}}})',
+                    )
+                ],
+                8,
+            ),
         ],
     ),
     (
