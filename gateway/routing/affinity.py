@@ -63,9 +63,9 @@ class KeyWeights:
         return [self.weight_of(i) for i in range(min(self.special, count))]
 
     @classmethod
-    def of(cls, values: Sequence[int]) -> KeyWeights | None:
+    def of(cls, values: Sequence[int] | None) -> KeyWeights | None:
         """Weights given as a list (a peer's record, a snapshot): position i weighs
-        ``values[i]``, positions past the list the standard weight; None for an empty list."""
+        ``values[i]``, positions past the list the standard weight; None for none."""
         if not values:
             return None
         return cls(values.__getitem__, len(values))

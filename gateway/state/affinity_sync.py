@@ -439,7 +439,7 @@ class AffinitySync:
             if index is None or not index.knows(replica):
                 self.stats.ignored += 1
                 continue
-            index.record_stored(replica, keys, prompt_tokens, KeyWeights.of(weights) if weights else None)
+            index.record_stored(replica, keys, prompt_tokens, KeyWeights.of(weights))
             applied += 1
         self.stats.applied += applied
         for route, head in starts:

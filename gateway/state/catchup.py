@@ -54,18 +54,13 @@ def snapshot_records(indexes: Mapping[str, AffinityIndex], keys_total: int) -> l
     per_replica = max(1, keys_total // len(lrus))
     records: list[Record] = []
     for route, name, lru, index in lrus:
-        items = list(lru.items())[-per_replica:]
-        current: list[int] | None = None
-        extent: int | None = None
-        for key, mark in items:
+        runs: list[tuple[list[int], int | None]] = []  # (keys, extent) per prompt end, oldest first
+        for key, mark in list(lru.items())[-per_replica:]:
             if mark is not None:  # a prompt ends here: a new record starts
-                if current:
-                    records.append(Record(route, name, current, extent, index.held_weights(name, current)))
-                current, extent = [key], mark or None
-            elif current is not None:
-                current.append(key)
-        if current:
-            records.append(Record(route, name, current, extent, index.held_weights(name, current)))
+                runs.append(([key], mark or None))
+            elif runs:
+                runs[-1][0].append(key)
+        records.extend(Record(route, name, keys, extent, index.held_weights(name, keys)) for keys, extent in runs)
     return records
 
 

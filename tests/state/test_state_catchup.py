@@ -68,7 +68,7 @@ def test_a_snapshot_fills_a_newcomers_kv_cache_model_as_the_senders() -> None:
     records = snapshot_records({"chat": source}, keys_total=100_000)
     assert any(record.weights and max(record.weights) >= 900 for record in records)
     for record in records:
-        target.record_stored(record.replica, record.keys, record.prompt_tokens, KeyWeights.of(record.weights or []))
+        target.record_stored(record.replica, record.keys, record.prompt_tokens, KeyWeights.of(record.weights))
     for name in NAMES:
         assert target.tokens_held(name) == source.tokens_held(name) > 30_000
 
