@@ -17,7 +17,7 @@ COPY config ./config
 # Install, then write the tokenizer vocabularies into the image so pods never download
 # them and never need a writable filesystem for them (air-gapped clusters work as is).
 RUN pip install --no-cache-dir . \
- && python -c "from gateway.tokenizer import materialize_encoding as m; m('cl100k_base'); m('o200k_base')" \
+ && python -c "from gateway.tokens.tokenizer import materialize_encoding as m; m('cl100k_base'); m('o200k_base')" \
  && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin gateway
 
 USER 10001

@@ -23,10 +23,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gateway.chat_template import chat_tokens
 from gateway.prefix.normalize import Normalizer
 from gateway.prefix.settings import NormalizeSettings
-from gateway.tokenizer import get_tokenizer
+from gateway.tokens.chat_template import chat_tokens
+from gateway.tokens.tokenizer import get_tokenizer
 
 BLOCK = 16
 STEPS = 10

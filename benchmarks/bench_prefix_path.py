@@ -49,7 +49,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.replay import median_of_runs  # noqa: E402
-from gateway.chat_template import chat_tokens  # noqa: E402
 from gateway.config import HealthSettings, ReplicaConfig  # noqa: E402
 from gateway.prefix.blocks import chain_block_keys, first_block_seed  # noqa: E402
 from gateway.prefix.pipeline import PrefixPipeline  # noqa: E402
@@ -59,7 +58,8 @@ from gateway.replicas.pool import Replica  # noqa: E402
 from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings  # noqa: E402
 from gateway.routing.routes import request_view  # noqa: E402
 from gateway.routing.runner import PolicyRunner  # noqa: E402
-from gateway.tokenizer import get_tokenizer  # noqa: E402
+from gateway.tokens.chat_template import chat_tokens  # noqa: E402
+from gateway.tokens.tokenizer import get_tokenizer  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_prefix_path.json"
 TARGET_P99_MS = 1.0

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway.tokenizer import get_reference_tokenizer, get_tokenizer  # noqa: E402
+from gateway.tokens.tokenizer import get_reference_tokenizer, get_tokenizer  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_tokenize.json"
 WORDS = (  # noqa: SIM905

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.faultload import Load  # noqa: E402
 from gateway.config import parse_config  # noqa: E402
-from gateway.server import RunningGateway, serve_in_thread  # noqa: E402
+from gateway.http.server import RunningGateway, serve_in_thread  # noqa: E402
 from gateway.sim.launcher import ReplicaGroup  # noqa: E402
 
 SIM = {

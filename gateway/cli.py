@@ -95,7 +95,7 @@ def _exit_cleanly_on_signals() -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from gateway.server import serve
+    from gateway.http.server import serve
 
     config = build_serve_config(args)
     if config.state.backend == "redis":
@@ -105,7 +105,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise SystemExit("prefix-gateway serve: --workers must be at least 1")
     if args.workers > 1:
-        from gateway.workers import serve_workers
+        from gateway.http.workers import serve_workers
 
         return serve_workers(config, args.workers, config_path)
     _exit_cleanly_on_signals()
@@ -191,7 +191,7 @@ Metrics: {url}/metrics    Readiness: {url}/ready    Ctrl-C stops everything.
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from gateway.server import serve
+    from gateway.http.server import serve
     from gateway.sim.launcher import run_replicas
 
     path = Path(args.config) if args.config else default_config_path()
@@ -301,8 +301,8 @@ def _explain_remote(args: argparse.Namespace, payload: Any) -> dict[str, Any] | 
 
 
 def _explain_offline(args: argparse.Namespace, payload: Any) -> dict[str, Any] | None:
+    from gateway.admin.explain import explain, offline_gateway, parse_input
     from gateway.errors import GatewayError
-    from gateway.explain import explain, offline_gateway, parse_input
 
     path = Path(args.config) if args.config else default_config_path()
     gateway = offline_gateway(load_config(path))
@@ -314,7 +314,7 @@ def _explain_offline(args: argparse.Namespace, payload: Any) -> dict[str, Any] |
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    from gateway.explain import render_text
+    from gateway.admin.explain import render_text
 
     payload = _explain_payload(args)
     report = _explain_remote(args, payload) if args.gateway else _explain_offline(args, payload)

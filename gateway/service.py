@@ -20,11 +20,12 @@ from typing import Any
 
 from gateway.auth import KeyChecker
 from gateway.config import GatewayConfig
+from gateway.config.reload import Reloader, prefix_demands, prefix_indexes, prefix_learners
 from gateway.discovery.build import build_sources
+from gateway.discovery.membership import Membership
 from gateway.errors import ModelNotFound
 from gateway.limits.admission import KeyLimiter
 from gateway.limits.context import ContextLimits
-from gateway.membership import Membership
 from gateway.observe.logs import AccessLog
 from gateway.observe.metrics import (
     GatewayMetrics,
@@ -40,7 +41,6 @@ from gateway.observe.samples import SampleBuffer
 from gateway.observe.stats import StatsBook, normalization_section
 from gateway.observe.summary import SummaryReporter
 from gateway.prefix.pipeline import PreparedPrompt
-from gateway.reload import Reloader, prefix_demands, prefix_indexes, prefix_learners
 from gateway.replicas.monitor import ReplicaMonitor
 from gateway.replicas.outlier import Fleet
 from gateway.replicas.pool import Replica
@@ -84,7 +84,7 @@ class Plan:
 
     @property
     def predicted_units(self) -> str | None:
-        """What the prediction is counted in (see :mod:`gateway.alignment`), when there is one."""
+        """What the prediction is counted in (see :mod:`gateway.tokens.alignment`), when there is one."""
         return self.prepared.units if self.prepared is not None else None
 
     @property
@@ -115,7 +115,7 @@ class Gateway:
             self.replicas[rc.name] = Replica(rc, client, config.health, rc.resolved_api_key(env), fleet=self.fleet)
         self.routes = RouteTable(
             [build_route(rc, [self.replicas[r.name] for r in config.pool_of(rc)]) for rc in config.routes]
-            # discovered replicas join these pools once their sources answer (gateway.membership)
+            # discovered replicas join these pools once their sources answer (gateway.discovery.membership)
         )
         self.monitor = ReplicaMonitor(list(self.replicas.values()), config.health, config.scrape)
         # warm restarts (off unless warm_restart.enabled): hot prefixes in, replays out
@@ -150,7 +150,7 @@ class Gateway:
         self.environ = env
         self.membership = Membership(self, client_factory, env)
         self.reloads: dict[str, int] = {"ok": 0, "rejected": 0, "unchanged": 0}
-        self.draining = False  # set on SIGTERM (gateway.drain): /ready answers 503
+        self.draining = False  # set on SIGTERM (gateway.http.drain): /ready answers 503
         self.reloader: Reloader | None = None  # set by the server when serving from a file
         self.metrics.registry.register(MembershipCollector(self.membership, lambda: self.reloads))
         self.metrics.registry.register(WarmupCollector(self.warmer))

@@ -29,8 +29,8 @@ from datetime import UTC, datetime, timedelta
 
 from benchmarks.workloads import BenchRequest, Workload
 from benchmarks.workloads.text import words
-from gateway.chat_template import chat_tokens
-from gateway.tokenizer import get_tokenizer
+from gateway.tokens.chat_template import chat_tokens
+from gateway.tokens.tokenizer import get_tokenizer
 
 _EPOCH = datetime(2025, 6, 2, 9, 0, 0, tzinfo=UTC)
 

@@ -28,8 +28,8 @@ from typing import Any
 from benchmarks.workloads import BenchRequest, Workload
 from benchmarks.workloads.agent import _EPOCH, _poisson_times
 from benchmarks.workloads.text import words
-from gateway.chat_template import GENERATION_PROMPT, render_message
-from gateway.tokenizer import get_tokenizer
+from gateway.tokens.chat_template import GENERATION_PROMPT, render_message
+from gateway.tokens.tokenizer import get_tokenizer
 
 TOOL_NAMES = ("search_docs", "read_file", "run_query", "http_get", "create_ticket", "list_jobs", "get_metrics")
 

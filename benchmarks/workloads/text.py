@@ -16,7 +16,7 @@ from functools import cache
 import numpy as np
 
 from benchmarks.workloads import BenchRequest
-from gateway.tokenizer import get_tokenizer
+from gateway.tokens.tokenizer import get_tokenizer
 
 # Search only ordinary ids (well clear of the special tokens at the top of the vocabulary).
 _ID_RANGE = range(256, 100_000)

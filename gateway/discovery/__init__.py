@@ -1,5 +1,5 @@
 """Replica discovery: sources that tell the gateway which replicas a pool has right now.
 
-A source (DNS, Kubernetes EndpointSlices) only *reports* endpoints; ``gateway.membership``
+A source (DNS, Kubernetes EndpointSlices) only *reports* endpoints; ``gateway.discovery.membership``
 turns reports into replicas, pools and drains.  Sources never touch routing state.
 """

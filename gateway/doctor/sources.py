@@ -149,7 +149,7 @@ def read_jsonl(path: str | Path) -> tuple[list[Any], list[str]]:
 
 def from_jsonl(path: str | Path, config: GatewayConfig, cache_blocks: int | None = None) -> Corpus:
     """Key every request of ``path`` through its route's pipeline, as configured and relocating."""
-    from gateway.explain import offline_gateway, parse_input
+    from gateway.admin.explain import offline_gateway, parse_input
 
     payloads, problems = read_jsonl(path)
     corpus = Corpus(source=str(path), config=config)

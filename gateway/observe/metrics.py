@@ -351,7 +351,7 @@ class SyncCollector(Collector):
 class MembershipCollector(Collector):
     """Discovery sources, draining replicas and config reloads, read at scrape time.
 
-    ``membership`` is duck-typed (``gateway.membership.Membership``: ``sources``, ``draining``,
+    ``membership`` is duck-typed (``gateway.discovery.membership.Membership``: ``sources``, ``draining``,
     ``drained``) and ``reloads`` a mapping outcome -> count, so this module imports neither.
     """
 

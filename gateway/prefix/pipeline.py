@@ -23,7 +23,7 @@ from typing import Any
 from gateway.prefix.blocks import chain_block_keys, chain_id_keys, chain_text_keys, first_block_seed
 from gateway.prefix.normalize import Kept, Normalizer, NormalizeResult, Relocation
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
-from gateway.prefix.tokenize import ModelWindows
+from gateway.tokens.window import ModelWindows
 
 _CHARS_PER_TOKEN = 4  # estimate past the window when the window measured none (see PrefixPipeline._continue)
 # A measured ratio outside this range is a window of odd text (one long number, a base64

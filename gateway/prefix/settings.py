@@ -193,6 +193,6 @@ class PrefixSettings(BaseModel):
     @field_validator("tokenizer")
     @classmethod
     def _tokenizer_ok(cls, value: str) -> str:
-        from gateway.alignment import validate_setting
+        from gateway.tokens.alignment import validate_setting
 
         return validate_setting(value)

@@ -45,7 +45,7 @@ from gateway.upstream.client import UpstreamResponse
 
 log = logging.getLogger("prefix_gateway.proxy")
 
-#: keys this module reads from / writes to the ASGI scope (set by ``gateway.middleware``)
+#: keys this module reads from / writes to the ASGI scope (set by ``gateway.http.middleware``)
 REQUEST_ID_KEY = "prefix_gateway.request_id"
 LOG_INFO_KEY = "prefix_gateway.log"
 

@@ -2,7 +2,7 @@
 
 A replica must behave like a vLLM engine serving its model, not like the gateway: if both
 used the same code, no test could notice the gateway predicting the wrong tokens.  So this
-module never imports ``gateway.tokenizer``, ``gateway.chat_template`` or the gateway's block
+module never imports ``gateway.tokens.tokenizer``, ``gateway.tokens.chat_template`` or the gateway's block
 hashing.  It loads vocabularies straight from ``quicktok`` (or a ``tokenizer.json`` with the
 ``tokenizers`` package) and renders chat the way vLLM does:
 

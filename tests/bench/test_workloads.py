@@ -27,8 +27,8 @@ from benchmarks.workloads.mooncake import (
 )
 from benchmarks.workloads.rag import RagSpec, build_rag_workload
 from benchmarks.workloads.text import words
-from gateway.chat_template import chat_tokens
-from gateway.tokenizer import get_tokenizer
+from gateway.tokens.chat_template import chat_tokens
+from gateway.tokens.tokenizer import get_tokenizer
 
 SMALL_AGENT = AgentSpec(tenants=3, system_tokens=(200, 400), conversations=6, oneoffs=4, span_s=20.0)
 ISO = re.compile(r"^Current time: \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z\nRequest ID: [0-9a-f-]{36}\n\n")

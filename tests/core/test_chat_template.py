@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.chat_template import chat_tokens, render_content, render_message
-from gateway.tokenizer import get_tokenizer
+from gateway.tokens.chat_template import chat_tokens, render_content, render_message
+from gateway.tokens.tokenizer import get_tokenizer
 
 TOKENIZER = get_tokenizer()
 

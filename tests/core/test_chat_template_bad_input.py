@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from gateway.alignment import alignment_for_family
 from gateway.prefix.pipeline import PrefixPipeline
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
+from gateway.tokens.alignment import alignment_for_family
 
 MODELS = {
     "generic": "some-unknown-model",

@@ -5,7 +5,7 @@ README for where each came from) rendered the way transformers (and so vLLM) ren
 jinja2's immutable sandbox with ``trim_blocks``/``lstrip_blocks``, the ``loopcontrols``
 extension, transformers' ``tojson`` (no HTML escaping, keys in order) and ``raise_exception``.
 Both sides get the messages as vLLM hands them to a template (string content, tool-call
-arguments parsed from JSON): :func:`gateway.chat_template.vllm_messages`.
+arguments parsed from JSON): :func:`gateway.tokens.chat_template.vllm_messages`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest
 import quicktok
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gateway.alignment import alignment_for_family, family_for_model, resolve
-from gateway.chat_template import SpecialToken, vllm_messages, vllm_tools
-from gateway.tokenizer import get_tokenizer
+from gateway.tokens.alignment import alignment_for_family, family_for_model, resolve
+from gateway.tokens.chat_template import SpecialToken, vllm_messages, vllm_tools
+from gateway.tokens.tokenizer import get_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 SPECIAL_TOKENS = {
@@ -196,7 +196,7 @@ def test_family_names() -> None:
 
 
 def test_completions_get_llamas_bos_like_vllm() -> None:
-    from gateway.prefix.tokenize import ModelWindows
+    from gateway.tokens.window import ModelWindows
 
     windows = ModelWindows("auto", 4096, 0)
     llama = list(windows.for_model("meta-llama/Llama-3.1-8B-Instruct").text("The capital of France is"))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gateway import tokenizer as tok
+from gateway.tokens import tokenizer as tok
 
 
 def test_encodings_roundtrip_and_known_ids() -> None:
@@ -36,7 +36,7 @@ def test_works_with_network_disabled_and_empty_cache(tmp_path) -> None:
         "def _no(*a, **k): raise OSError('network disabled in test')\n"
         "socket.socket.connect = _no\n"
         "socket.create_connection = _no\n"
-        "from gateway.tokenizer import get_tokenizer\n"
+        "from gateway.tokens.tokenizer import get_tokenizer\n"
         "print(get_tokenizer('o200k_base').encode('offline'))\n"
     )
     env = {

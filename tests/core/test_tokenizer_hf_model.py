@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.alignment import alignment_for_setting
 from gateway.config import parse_config
 from gateway.prefix.pipeline import PrefixPipeline
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
-from gateway.tokenizer import TokenizerUnavailable
+from gateway.tokens.alignment import alignment_for_setting
+from gateway.tokens.tokenizer import TokenizerUnavailable
 
 tokenizers = pytest.importorskip("tokenizers", reason="the [hf] extra is not installed")
 

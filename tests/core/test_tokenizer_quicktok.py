@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway import tokenizer as tok
+from gateway.tokens import tokenizer as tok
 
 CORPUS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

@@ -20,7 +20,7 @@ import httpx
 import yaml
 from openai import OpenAI
 
-from gateway.server import RunningGateway, serve_in_thread
+from gateway.http.server import RunningGateway, serve_in_thread
 from tests.configs import gateway_config
 
 MODEL = "demo-model"

@@ -93,8 +93,8 @@ def test_buffer_is_bounded_by_count_and_bytes() -> None:
 
 async def test_the_buffer_follows_a_config_reload() -> None:
     """A reload swaps routes: the snapshot and the shadow pipeline follow the new settings."""
+    from gateway.config.reload import apply_config
     from gateway.observe.outcome import Outcome
-    from gateway.reload import apply_config
     from gateway.service import Gateway
     from tests.configs import gateway_config
 

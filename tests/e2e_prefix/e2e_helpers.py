@@ -11,10 +11,10 @@ import httpx
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.chat_template import chat_tokens
 from gateway.config import GatewayConfig
-from gateway.server import RunningGateway, serve_in_thread
-from gateway.tokenizer import get_tokenizer
+from gateway.http.server import RunningGateway, serve_in_thread
+from gateway.tokens.chat_template import chat_tokens
+from gateway.tokens.tokenizer import get_tokenizer
 from tests.configs import gateway_config
 from tests.polling import wait_for as _wait_for
 

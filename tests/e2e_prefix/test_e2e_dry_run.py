@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from e2e_helpers import MODEL, config, prefix_route
 
+from gateway.admin.explain import offline_gateway, parse_input
 from gateway.errors import BadRequest
-from gateway.explain import offline_gateway, parse_input
 from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings
 

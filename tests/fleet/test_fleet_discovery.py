@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import gateway.discovery.dns as dns_module
-from gateway.server import RunningGateway, serve_in_thread
+from gateway.http.server import RunningGateway, serve_in_thread
 from tests.configs import gateway_config
 from tests.fleet.fleet_helpers import MODEL, Load, loopback_replicas
 from tests.fleet.kube_api import endpoint_slice, run_kube_api

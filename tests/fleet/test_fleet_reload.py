@@ -21,7 +21,7 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from gateway.server import RunningGateway, serve_in_thread
+from gateway.http.server import RunningGateway, serve_in_thread
 from gateway.sim.launcher import ReplicaGroup
 from tests.configs import gateway_config
 from tests.fleet.fleet_helpers import MODEL, SLOW, Load

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from gateway.server import RunningGateway, serve_in_thread
+from gateway.http.server import RunningGateway, serve_in_thread
 from gateway.sim.launcher import ReplicaGroup
 from tests.configs import gateway_config
 from tests.polling import wait_for

@@ -14,8 +14,8 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from gateway import workers
 from gateway.config import parse_config
+from gateway.http import workers
 from gateway.sim.launcher import ReplicaGroup
 from gateway.state.local_broker import LocalBroker
 from tests.fleet.fleet_helpers import MODEL, shared_free_port

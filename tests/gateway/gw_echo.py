@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from gateway.server import bind_socket
+from gateway.http.server import bind_socket
 
 
 async def echo_app(scope: dict[str, Any], receive: Any, send: Any) -> None:

@@ -10,7 +10,7 @@ import httpx
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.server import RunningGateway, serve_in_thread
+from gateway.http.server import RunningGateway, serve_in_thread
 from tests.configs import gateway_config
 from tests.polling import wait_for  # noqa: F401  (re-exported to the tests)
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 from gw_helpers import MODEL, chat, client, metric_sum, running_gateway, set_faults, wait_for
 
-from gateway.server import RunningGateway
+from gateway.http.server import RunningGateway
 from gateway.sim.launcher import run_replicas
 
 

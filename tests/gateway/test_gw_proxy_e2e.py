@@ -10,7 +10,7 @@ import openai
 import pytest
 from gw_helpers import MODEL, chat, client, running_gateway, wait_for
 
-from gateway.server import RunningGateway
+from gateway.http.server import RunningGateway
 
 _VOLATILE = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
 

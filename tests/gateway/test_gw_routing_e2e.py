@@ -9,7 +9,7 @@ import openai
 import pytest
 from gw_helpers import MODEL, chat, client, metric_sum, running_gateway, wait_for
 
-from gateway.server import RunningGateway
+from gateway.http.server import RunningGateway
 
 
 def replica_of(gw: RunningGateway, **headers: str) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 import uvicorn
 
-from gateway.server import bind_socket
+from gateway.http.server import bind_socket
 
 MODEL = "demo-model"
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from benchmarks.fuzz_cases import Tally, run_bodies, run_hostile, run_raw, run_slow
-from gateway.server import RunningGateway, serve_in_thread
+from gateway.http.server import RunningGateway, serve_in_thread
 from tests.configs import gateway_config
 
 MAX_BODY = 1024 * 1024

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.server import RunningGateway, serve_in_thread
+from gateway.http.server import RunningGateway, serve_in_thread
 from tests.configs import gateway_config
 
 LIMITS = {"port": 0, "header_timeout_s": 0.5, "body_timeout_s": 0.5, "max_header_bytes": 16384, "max_headers": 50}

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from gateway.http.server import RunningGateway, serve_in_thread
 from gateway.proxy.usage import StreamRelay
-from gateway.server import RunningGateway, serve_in_thread
 from tests.configs import gateway_config
 from tests.hardening.hostile_upstream import MODEL, run_upstream
 

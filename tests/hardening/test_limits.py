@@ -11,9 +11,9 @@ import openai
 import pytest
 from openai import OpenAI
 
+from gateway.http.server import RunningGateway, serve_in_thread
 from gateway.limits.context import prompt_tokens_lower_bound
 from gateway.limits.local import LocalBuckets
-from gateway.server import RunningGateway, serve_in_thread
 from tests.configs import gateway_config
 from tests.hardening.hostile_upstream import MODEL, run_upstream
 from tests.polling import wait_for

@@ -18,9 +18,9 @@ import pytest
 import redis as redis_sync
 
 from gateway.config import HealthSettings, ReplicaConfig
+from gateway.http.server import serve_in_thread
 from gateway.replicas.pool import Replica
 from gateway.routing.affinity import AffinityIndex
-from gateway.server import serve_in_thread
 from gateway.state.affinity_sync import AffinitySync, encode_load
 from gateway.state.peer_load import PeerLoad
 from gateway.state.signing import Signer

@@ -14,7 +14,7 @@ from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings
-from gateway.tokenizer import get_tokenizer
+from gateway.tokens.tokenizer import get_tokenizer
 from tests.prefix.policy_helpers import NAMES, chain, policy
 
 

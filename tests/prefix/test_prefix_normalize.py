@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.chat_template import chat_tokens
 from gateway.prefix.normalize import Normalizer
 from gateway.prefix.settings import NormalizeSettings, RegexRule
 from gateway.prefix.volatile import BLOCK_CLOSE, BLOCK_OPEN, PLACEHOLDER_RE
-from gateway.tokenizer import get_tokenizer
+from gateway.tokens.chat_template import chat_tokens
+from gateway.tokens.tokenizer import get_tokenizer
 
 # "always": move on first sight (the learner of what varies has its own tests below).
 RELOCATE = Normalizer(NormalizeSettings(mode="relocate", always=["*"]))

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from gateway.chat_template import chat_tokens
 from gateway.prefix.normalize import Normalizer
 from gateway.prefix.settings import NormalizeSettings
 from gateway.prefix.volatile import BLOCK_OPEN
-from gateway.tokenizer import get_tokenizer
+from gateway.tokens.chat_template import chat_tokens
+from gateway.tokens.tokenizer import get_tokenizer
 
 SYSTEM = "You are an agent that uses tools carefully. " * 220  # ~2,000 tokens, a typical agent prompt
 TOOL_RESULT = "Result rows: " + "alpha beta gamma delta " * 20

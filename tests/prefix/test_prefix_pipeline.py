@@ -12,12 +12,12 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.chat_template import chat_tokens, encode_segments
 from gateway.prefix.blocks import chain_block_keys, first_block_seed
 from gateway.prefix.pipeline import PrefixPipeline
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
-from gateway.prefix.tokenize import SegmentTokenCache, WindowTokenizer
-from gateway.tokenizer import get_tokenizer
+from gateway.tokens.chat_template import chat_tokens, encode_segments
+from gateway.tokens.tokenizer import get_tokenizer
+from gateway.tokens.window import SegmentTokenCache, WindowTokenizer
 
 TOK = get_tokenizer()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

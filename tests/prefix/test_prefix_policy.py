@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from gateway.explain import why
+from gateway.admin.explain import why
 from gateway.prefix.pipeline import PrefixPipeline
 from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.policies.prefix import REASONS, PrefixPolicy, PrefixPolicySettings

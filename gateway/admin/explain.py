@@ -16,7 +16,7 @@ admin request's own headers are never used).  The report holds prompt text (the
 normalization diff and the rewritten body): it is returned to the admin caller, never
 logged.
 
-This module only builds and renders reports; ``gateway.admin`` (HTTP) and ``gateway.cli``
+This module only builds and renders reports; ``gateway.admin.routes`` (HTTP) and ``gateway.cli``
 (offline or remote) call it.
 """
 

@@ -19,9 +19,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.admin import router as admin_router
+from gateway.admin.routes import router as admin_router
 from gateway.errors import GatewayError, NotFound, Unauthorized, error_bytes, status_error_body
-from gateway.middleware import RequestContextMiddleware
+from gateway.http.middleware import RequestContextMiddleware
 from gateway.proxy.handler import ProxyEndpoint
 from gateway.service import ENDPOINT_PATHS, Gateway
 

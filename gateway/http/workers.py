@@ -3,13 +3,13 @@
 One Python process tops out at one core; a pod usually has more.  The parent process here
 only supervises:
 
-- every worker is a complete gateway (``gateway.server.serve``) bound to the same port with
+- every worker is a complete gateway (``gateway.http.server.serve``) bound to the same port with
   ``SO_REUSEPORT``, so the kernel spreads incoming connections across them (no accept lock,
   no hand-off through the parent);
 - they share prefix affinity and per-replica load exactly as separate pods do
   (``gateway.state``): through the configured Redis when ``state.backend: redis``, else through
   a small broker the parent runs on a unix socket (``gateway.state.local_broker``);
-- SIGTERM/SIGINT are forwarded (each worker drains, see ``gateway.drain``) and SIGHUP too (each
+- SIGTERM/SIGINT are forwarded (each worker drains, see ``gateway.http.drain``) and SIGHUP too (each
   reloads the file); a worker that dies is started again;
 - shutdown is bounded: a worker still running well past its own drain and shutdown timeouts is
   killed (and the exit code says so), so a pod never hangs in Terminating on one stuck process.
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import GatewayConfig, parse_config
+from gateway.http.server import bind_socket
 from gateway.observe.logs import configure_logging
-from gateway.server import bind_socket
 from gateway.service import STOP_TIMEOUT_S
 from gateway.state.local_broker import LocalBroker
 
@@ -110,7 +110,7 @@ class Supervisor:
         return 1 if self.killed else 0
 
     def worker_command(self, config_file: Path) -> list[str]:
-        cmd = [sys.executable, "-m", "gateway.workers", "--worker", str(config_file)]
+        cmd = [sys.executable, "-m", "gateway.http.workers", "--worker", str(config_file)]
         return [*cmd, "--reload-from", self.config_path] if self.config_path else cmd
 
     async def _keep_running(self, index: int, config_file: Path) -> None:
@@ -185,7 +185,7 @@ def serve_workers(config: GatewayConfig, workers: int, config_path: str | None =
 
 def _worker_main(config_file: str, reload_from: str | None) -> int:
     """One worker: the config the supervisor wrote, served on the shared port."""
-    from gateway.server import serve
+    from gateway.http.server import serve
 
     config = parse_config(json.loads(Path(config_file).read_text()), "<workers>")
     # uvicorn re-raises SIGTERM after a graceful shutdown: make that a clean exit

@@ -8,7 +8,7 @@ if that passes, an in-place swap that drops nothing:
 - requests already running keep the ``Route`` and ``Replica`` objects they hold;
 - a route whose policy, policy settings and prefix settings are unchanged keeps its runner
   (ring, affinity index, round-robin turn); other routes get new ones;
-- static replicas are reconciled by ``gateway.membership`` (joiners probed, leavers drained);
+- static replicas are reconciled by ``gateway.discovery.membership`` (joiners probed, leavers drained);
 - discovery sources are restarted when their settings changed.
 
 Settings bound at start — ``server`` (but ``max_body_bytes`` and ``response_headers``, read

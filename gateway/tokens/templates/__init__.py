@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from gateway.chat_template import SpecialToken
-from gateway.tokenizer import Tokenizer, TokenizerUnavailable
+from gateway.tokens.chat_template import SpecialToken
+from gateway.tokens.tokenizer import Tokenizer, TokenizerUnavailable
 
 
 class Runs:

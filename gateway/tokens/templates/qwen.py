@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from gateway.chat_template import hf_tojson, vllm_content, vllm_message, vllm_tools
-from gateway.templates import Runs, special_tokens
-from gateway.tokenizer import Tokenizer
+from gateway.tokens.chat_template import hf_tojson, vllm_content, vllm_message, vllm_tools
+from gateway.tokens.templates import Runs, special_tokens
+from gateway.tokens.tokenizer import Tokenizer
 
 _QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 _TOOLS_HEAD = (

@@ -3,7 +3,7 @@
 tiktoken costs about 1.2 ms per 4,096 tokens here, more than the whole hot-path budget.
 But prompts repeat: a tenant's system prompt, tool definitions and a conversation's history
 come back in every request, and the chat template tokenizes each message as its own
-segment (segment boundaries are token boundaries, see :mod:`gateway.chat_template`).  So a
+segment (segment boundaries are token boundaries, see :mod:`gateway.tokens.chat_template`).  So a
 bounded LRU maps ``xxh3_128(segment text)`` to its token ids (kept as a compact
 ``array('I')``, 4 bytes per token); only new segments reach the tokenizer.
 
@@ -24,9 +24,9 @@ from typing import Any
 
 import xxhash
 
-from gateway.alignment import Alignment, alignment_for_family, alignment_for_setting, resolve
-from gateway.chat_template import GENERIC, ChatTemplate, SpecialToken
-from gateway.tokenizer import Tokenizer
+from gateway.tokens.alignment import Alignment, alignment_for_family, alignment_for_setting, resolve
+from gateway.tokens.chat_template import GENERIC, ChatTemplate, SpecialToken
+from gateway.tokens.tokenizer import Tokenizer
 
 
 class SegmentTokenCache:
@@ -126,7 +126,7 @@ class WindowTokenizer:
         With exact cuts the segment is tokenized in chunks that end at a space after a
         non-space, so the concatenation equals tokenizing the whole segment; each chunk is
         sized for the tokens still missing.  Otherwise (or when no such space is near) the
-        rule of :func:`gateway.chat_template.encode_segments` applies: tokenize a leading slice
+        rule of :func:`gateway.tokens.chat_template.encode_segments` applies: tokenize a leading slice
         of 8 characters per token and trust all but its last two tokens.
         """
         encode = self.cache.encode
@@ -185,7 +185,7 @@ class ModelWindows:
     """The window tokenizer for each request's model under a route's ``tokenizer`` setting.
 
     With ``auto`` the served model's name picks the vocabulary and chat template
-    (:mod:`gateway.alignment`); one :class:`WindowTokenizer` (and segment cache) exists per
+    (:mod:`gateway.tokens.alignment`); one :class:`WindowTokenizer` (and segment cache) exists per
     alignment, and model names are memoized (bounded) so resolving costs one dict lookup.
     A fixed setting (an encoding name or ``hf:DIR``) is loaded here, at route build time, so a
     bad one fails at startup.

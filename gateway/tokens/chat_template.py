@@ -1,7 +1,7 @@
 """Chat templates as token-boundary segments, and the generic (ChatML-like) fallback template.
 
-Which template a request gets is decided in :mod:`gateway.alignment` (``tokenizer: auto``
-picks the served model's real template: :mod:`gateway.templates`).  This module holds what
+Which template a request gets is decided in :mod:`gateway.tokens.alignment` (``tokenizer: auto``
+picks the served model's real template: :mod:`gateway.tokens.templates`).  This module holds what
 every template shares: the :class:`ChatTemplate` protocol, :class:`SpecialToken` segments,
 the view of messages that vLLM hands to a template (:func:`vllm_messages`), and the generic
 template used when the model's family is unknown (predictions are then approximate).
@@ -36,7 +36,7 @@ import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from gateway.tokenizer import Tokenizer
+from gateway.tokens.tokenizer import Tokenizer
 
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 

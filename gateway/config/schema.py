@@ -688,7 +688,7 @@ def quick_config(
 
 def packaged_default_config() -> Path:
     """``gateway/defaults/gateway.yaml``: the demo config, shipped inside the package."""
-    return Path(__file__).parent / "defaults" / "gateway.yaml"
+    return Path(__file__).parents[1] / "defaults" / "gateway.yaml"
 
 
 def default_config_path() -> Path:

@@ -25,9 +25,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.alignment import Alignment
-from gateway.chat_template import GENERIC, SpecialToken, hf_tojson, vllm_messages, vllm_tools
-from gateway.tokenizer import HFTokenizer, TokenizerUnavailable
+from gateway.tokens.alignment import Alignment
+from gateway.tokens.chat_template import GENERIC, SpecialToken, hf_tojson, vllm_messages, vllm_tools
+from gateway.tokens.tokenizer import HFTokenizer, TokenizerUnavailable
 
 
 def _raise_exception(message: str) -> None:

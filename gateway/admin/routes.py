@@ -3,7 +3,7 @@
 Off (404, OpenAI-shaped) when no admin key is configured; 401 for a missing or wrong key.
 Endpoints get the ``Gateway`` through the :func:`require_admin` dependency and use only its
 public methods (``stats_snapshot``, ``plan``, ...); report building lives in
-:mod:`gateway.explain`.
+:mod:`gateway.admin.explain`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
+from gateway.admin.explain import explain, parse_input_bytes
 from gateway.errors import NotFound, Unauthorized
-from gateway.explain import explain, parse_input_bytes
 from gateway.service import Gateway
 
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import uvicorn
 
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.drain import DrainingServer
-from gateway.httpserver import HttpLimits, protocol_class
+from gateway.config.reload import Reloader
+from gateway.http.app import create_app
+from gateway.http.drain import DrainingServer
+from gateway.http.protocol import HttpLimits, protocol_class
 from gateway.observe.logs import configure_logging
-from gateway.reload import Reloader
 from gateway.service import Gateway
 from gateway.upstream.aiohttp_client import aiohttp_factory
 from gateway.upstream.client import ClientFactory
@@ -91,7 +91,7 @@ def serve(
 
     ``announce`` gets the base URL once the socket is bound (the demo prints its banner).
     ``config_path``: the file ``config`` came from, reloaded live on SIGHUP or when it changes.
-    ``reuse_port``: one of several worker processes on the port (``gateway.workers``).
+    ``reuse_port``: one of several worker processes on the port (``gateway.http.workers``).
     """
     configure_logging(config.logging)
     gateway = Gateway(config, client_factory=client_factory)

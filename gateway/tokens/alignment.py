@@ -12,7 +12,7 @@ the engine computes: the served model's vocabulary over its own chat template's 
 - ``cl100k_base`` / ``o200k_base`` / ``llama3`` / ``qwen3``: that vocabulary over the generic
   template, for every model (the pre-v2 behaviour; approximate).
 - ``hf:/path/to/model_dir`` (or a path to a ``tokenizer.json``): the model directory's own
-  tokenizer and ``chat_template``, rendered with jinja2's sandbox (:mod:`gateway.hf_model`): exact.
+  tokenizer and ``chat_template``, rendered with jinja2's sandbox (:mod:`gateway.tokens.hf_model`): exact.
 
 ``Alignment.units`` says what predicted cached tokens are counted in, e.g. ``exact (llama3)``
 or ``approximate (cl100k_base)``; the stats show it next to the predicted hit rate.
@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
-from gateway.chat_template import GENERIC, ChatTemplate
-from gateway.tokenizer import QUICKTOK_ENCODINGS, Tokenizer, get_tokenizer
+from gateway.tokens.chat_template import GENERIC, ChatTemplate
+from gateway.tokens.tokenizer import QUICKTOK_ENCODINGS, Tokenizer, get_tokenizer
 
 AUTO = "auto"
 HF_PREFIX = "hf:"
@@ -77,14 +77,14 @@ def family_for_model(model: str) -> str:
 def alignment_for_family(family: str) -> Alignment:
     """Process-wide (templates hold only constants); raises TokenizerUnavailable offline-less."""
     if family in ("llama3.1", "llama3"):
-        from gateway.templates.llama3 import Llama31Template
+        from gateway.tokens.templates.llama3 import Llama31Template
 
         template = Llama31Template(get_tokenizer("llama3"))
         if family == "llama3":  # other 3.x templates differ in details we do not model
             template = _Approximate(template)
         return Alignment(f"llama3/{family}", "llama3", get_tokenizer("llama3"), template)
     if family in ("qwen2.5", "qwen3"):
-        from gateway.templates.qwen import QwenTemplate
+        from gateway.tokens.templates.qwen import QwenTemplate
 
         tok = get_tokenizer("qwen3")
         return Alignment(f"qwen3/{family}", "qwen3", tok, QwenTemplate(tok, "2.5" if family == "qwen2.5" else "3"))
@@ -97,7 +97,7 @@ def alignment_for_setting(setting: str) -> Alignment | None:
     if setting == AUTO:
         return None
     if setting.startswith(HF_PREFIX) or setting.endswith(".json") or "/" in setting:
-        from gateway.hf_model import load_hf_model
+        from gateway.tokens.hf_model import load_hf_model
 
         return load_hf_model(setting.removeprefix(HF_PREFIX))
     return Alignment(f"{setting}/generic", setting, get_tokenizer(setting), GENERIC)

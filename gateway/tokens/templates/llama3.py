@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from gateway.chat_template import hf_tojson, vllm_message, vllm_tools
-from gateway.templates import Runs, special_tokens
-from gateway.tokenizer import Tokenizer
+from gateway.tokens.chat_template import hf_tojson, vllm_message, vllm_tools
+from gateway.tokens.templates import Runs, special_tokens
+from gateway.tokens.tokenizer import Tokenizer
 
 _TOOLS_PREAMBLE = (
     "Given the following functions, please respond with a JSON for a function call "
