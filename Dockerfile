@@ -12,7 +12,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
-COPY config ./config
 
 # Install, then write the tokenizer vocabularies into the image so pods never download
 # them and never need a writable filesystem for them (air-gapped clusters work as is).
@@ -23,4 +22,6 @@ RUN pip install --no-cache-dir . \
 USER 10001
 EXPOSE 8000
 ENTRYPOINT ["prefix-gateway"]
-CMD ["serve", "--config", "/app/config/gateway.yaml", "--host", "0.0.0.0", "--port", "8000"]
+# Without --config: ./config/gateway.yaml if mounted at /app/config, else the packaged default
+# (k8s/deployment.yaml mounts its ConfigMap and passes --config).
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -11,6 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_COMMAND = "python3 -m pip install -e '.[dev]' && python3 -m pytest -q"
+BENCH_TEST_COMMAND = "python3 -m pip install -e '.[dev,bench]' && python3 -m pytest -q benchmarks/tests"
 
 
 def test_readme_has_both_commands_and_ci_runs_the_test_command() -> None:
@@ -19,6 +20,47 @@ def test_readme_has_both_commands_and_ci_runs_the_test_command() -> None:
     assert TEST_COMMAND in readme
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert TEST_COMMAND in ci_lines
+    # the benchmarks' own lane: documented, and run by CI after the suite
+    assert BENCH_TEST_COMMAND in readme
+    assert BENCH_TEST_COMMAND in ci_lines
+    assert ci_lines.index(TEST_COMMAND) < ci_lines.index(BENCH_TEST_COMMAND)
+
+
+def _dist_to_imports() -> dict[str, set[str]]:
+    """Each installed distribution's top-level import names (``pyyaml`` -> ``yaml``)."""
+    from importlib.metadata import packages_distributions
+
+    out: dict[str, set[str]] = {}
+    for top, dists in packages_distributions().items():
+        for dist in dists:
+            out.setdefault(dist.lower().replace("_", "-"), set()).add(top)
+    return out
+
+
+def test_every_core_dependency_is_imported_by_the_gateway() -> None:
+    """`pip install .` pulls nothing the runtime does not import: each core dependency (and none
+    with extras, which bring packages of their own) is imported by some module of gateway/."""
+    import ast
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    imported: set[str] = set()
+    for path in (ROOT / "gateway").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.split(".")[0])
+    to_imports = _dist_to_imports()
+    unused = []
+    for spec in project["dependencies"]:
+        requirement = spec.split(";")[0]
+        assert "[" not in requirement, f"{spec}: an extra pulls packages the gateway does not import"
+        dist = re.split(r"[<>=!~ ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+        if not to_imports.get(dist, {dist.replace("-", "_")}) & imported:
+            unused.append(dist)
+    assert not unused, f"core dependencies no gateway module imports: {unused}"
 
 
 # Run without the packages only the extras bring: what the start command needs must be a core
