@@ -143,17 +143,38 @@ def add_demo(sub: Any) -> None:
         "The replicas' URLs in the config are replaced by the simulated replicas' addresses, in order.",
     )
     p.add_argument("--port", type=int, default=8080, help="gateway port (0: any free port)")
-    p.add_argument("--config", "-c", help="config to demo (default: config/gateway.yaml or the packaged copy)")
+    p.add_argument(
+        "--config",
+        "-c",
+        help="config to demo (default: ./config/gateway.yaml if any, else the packaged one)",
+    )
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated time per real second (0: instant)")
     p.set_defaults(run=run_demo)
 
 
-def demo_config(base: GatewayConfig, urls: Sequence[str], port: int, source: str) -> GatewayConfig:
-    """The demo's config: ``base`` with replica URLs replaced by the simulated ones, on loopback."""
+def demo_config(
+    base: GatewayConfig, urls: Sequence[str], port: int, source: str, admin_key: str | None = None
+) -> GatewayConfig:
+    """The demo's config: ``base`` with replica URLs replaced by the simulated ones, on loopback.
+
+    ``admin_key``: turn the admin API on with this key (the demo generates one, so ``doctor``,
+    ``explain --gateway`` and ``/admin/stats`` work on it), and record request shapes for
+    ``doctor`` unless the base config says otherwise.
+    """
     data = base.model_dump(exclude_unset=True)
     data["replicas"] = [{**r, "url": url} for r, url in zip(data["replicas"], urls, strict=True)]
     data["server"] = {**data.get("server", {}), "host": "127.0.0.1", "port": port}
+    if admin_key is not None:
+        data["admin"] = {**data.get("admin", {}), "api_key_sha256": sha256_hex(admin_key)}
+        data.setdefault("samples", {"enabled": True})
     return parse_config(data, source)
+
+
+def demo_admin_key(base: GatewayConfig) -> str | None:
+    """A fresh admin key for the demo, or None when the config (or its env var) already sets one."""
+    import secrets
+
+    return None if base.admin.key_hashes() else secrets.token_urlsafe(24)
 
 
 def _demo_model(config: GatewayConfig) -> str:
@@ -166,8 +187,19 @@ def _demo_model(config: GatewayConfig) -> str:
     return DEFAULT_MODEL
 
 
-def demo_banner(url: str, model: str, replicas: int, log_dir: str) -> str:
+def demo_banner(url: str, model: str, replicas: int, log_dir: str, admin_key: str | None = None) -> str:
     base = f"{url}/v1"
+    admin = (
+        f"""
+Admin API (stats, explain, doctor): key {admin_key}
+(generated for this run; `prefix-gateway doctor|explain --gateway {url}` on this machine read it by themselves)
+
+    prefix-gateway doctor --gateway {url}
+    curl -s {url}/admin/stats -H 'Authorization: Bearer {admin_key}'
+"""
+        if admin_key
+        else ""
+    )
     return f"""
 prefix-gateway demo: {replicas} simulated vLLM replicas behind {base}
 (replica logs: {log_dir})
@@ -186,11 +218,13 @@ curl:
     curl -s {base}/chat/completions -H 'Content-Type: application/json' \\
       -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
+{admin}
 Metrics: {url}/metrics    Readiness: {url}/ready    Ctrl-C stops everything.
 """
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from gateway.admin.local_key import remove_demo_key, write_demo_key
     from gateway.http.server import serve
     from gateway.sim.launcher import run_replicas
 
@@ -199,13 +233,24 @@ def run_demo(args: argparse.Namespace) -> int:
     model = _demo_model(base)
     log_dir = tempfile.mkdtemp(prefix="prefix-gateway-demo-")
     print(f"starting {len(base.replicas)} simulated replicas ...", flush=True)
+    admin_key = demo_admin_key(base)
+    ports: list[int] = []
     with run_replicas(len(base.replicas), time_scale=args.time_scale, model=model, log_dir=log_dir) as urls:
-        config = demo_config(base, urls, args.port, str(path))
-        announce: Callable[[str], None] = lambda url: print(  # noqa: E731
-            demo_banner(url, model, len(urls), log_dir), flush=True
-        )
+        config = demo_config(base, urls, args.port, str(path), admin_key)
+
+        def announce(url: str) -> None:
+            if admin_key is not None:
+                port = int(url.rsplit(":", 1)[1])
+                write_demo_key(port, admin_key)
+                ports.append(port)
+            print(demo_banner(url, model, len(urls), log_dir, admin_key), flush=True)
+
         _exit_cleanly_on_signals()
-        serve(config, announce=announce)
+        try:
+            serve(config, announce=announce)
+        finally:
+            for port in ports:
+                remove_demo_key(port)
     return 0
 
 
@@ -227,6 +272,15 @@ def run_hash_key(args: argparse.Namespace) -> int:
 
 
 # -- explain -------------------------------------------------------------------------------
+def admin_key_for(args: argparse.Namespace) -> str | None:
+    """``--admin-key``, else the env var, else the key a demo on that loopback address wrote."""
+    from gateway.admin.local_key import demo_key_for
+
+    if args.admin_key is not None:
+        return args.admin_key
+    return os.environ.get(DEFAULT_ADMIN_KEY_ENV) or demo_key_for(args.gateway)
+
+
 def add_explain(sub: Any) -> None:
     p = sub.add_parser(
         "explain",
@@ -241,7 +295,11 @@ def add_explain(sub: Any) -> None:
     p.add_argument("file", metavar="FILE.json")
     p.add_argument("--gateway", metavar="URL", help="a running gateway's base URL, e.g. http://127.0.0.1:8080")
     p.add_argument("--admin-key", help=f"admin key for --gateway (default: env {DEFAULT_ADMIN_KEY_ENV})")
-    p.add_argument("--config", "-c", help="offline: config to plan with (default: config/gateway.yaml or packaged)")
+    p.add_argument(
+        "--config",
+        "-c",
+        help="offline: config to plan with (default: ./config/gateway.yaml if any, else packaged)",
+    )
     p.add_argument("--endpoint", choices=["chat", "completions", "embeddings"], help="instead of inferring it")
     p.add_argument(
         "--header", action="append", default=[], metavar="NAME=VALUE", help="a client header to assume (repeat)"
@@ -281,7 +339,7 @@ def _explain_remote(args: argparse.Namespace, payload: Any) -> dict[str, Any] | 
     import httpx
 
     base = args.gateway.rstrip("/").removesuffix("/v1")
-    key = args.admin_key if args.admin_key is not None else os.environ.get(DEFAULT_ADMIN_KEY_ENV)
+    key = admin_key_for(args)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         response = httpx.post(f"{base}/admin/explain", json=payload, headers=headers, timeout=args.timeout)
@@ -345,7 +403,11 @@ def add_doctor(sub: Any) -> None:
     source.add_argument("--gateway", metavar="URL", help="a running gateway's base URL, e.g. http://127.0.0.1:8080")
     source.add_argument("--file", metavar="FILE.jsonl", help="one request body (or explain wrapper) per line")
     p.add_argument("--admin-key", help=f"admin key for --gateway (default: env {DEFAULT_ADMIN_KEY_ENV})")
-    p.add_argument("--config", "-c", help="--file: the config whose routes key the requests (default: as explain)")
+    p.add_argument(
+        "--config",
+        "-c",
+        help="--file: the config whose routes key the requests (default: the default one + a route for any model)",
+    )
     p.add_argument(
         "--cache-blocks",
         type=int,
@@ -359,17 +421,34 @@ def add_doctor(sub: Any) -> None:
 
 def run_doctor(args: argparse.Namespace) -> int:
     from gateway.doctor import diagnose, render_json, render_text
-    from gateway.doctor.sources import SourceError, from_gateway, from_jsonl
+    from gateway.doctor.sources import CATCH_ALL_ROUTE, SourceError, from_gateway, from_jsonl, with_catch_all
 
     try:
         if args.gateway:
-            key = args.admin_key if args.admin_key is not None else os.environ.get(DEFAULT_ADMIN_KEY_ENV)
-            corpus = from_gateway(args.gateway, key, args.timeout)
-        else:
-            path = Path(args.config) if args.config else default_config_path()
-            corpus = from_jsonl(args.file, load_config(path), args.cache_blocks)
+            corpus = from_gateway(args.gateway, admin_key_for(args), args.timeout)
+        elif args.config:
+            corpus = from_jsonl(args.file, load_config(Path(args.config)), args.cache_blocks)
+        else:  # no config of the user's: every model's requests are keyed, with the default settings
+            corpus = from_jsonl(args.file, with_catch_all(load_config(default_config_path())), args.cache_blocks)
+            if CATCH_ALL_ROUTE in corpus.routes:
+                corpus.notes.append(
+                    f"no --config given: requests for models the default config does not route were keyed by route "
+                    f"{CATCH_ALL_ROUTE!r} with default settings (tokenizer: auto, from the model's name); pass "
+                    "--config FILE to key them as your gateway does"
+                )
     except SourceError as exc:
         print(f"prefix-gateway doctor: {exc}", file=sys.stderr)
+        return 1
+    if corpus.requests is not None and not corpus.samples:
+        # nothing was keyed: "no cause found" would be a clean bill of health for traffic never analysed
+        print(
+            f"prefix-gateway doctor: none of the {corpus.requests} requests of {args.file} could be analysed:",
+            file=sys.stderr,
+        )
+        for note in corpus.notes or ["the file holds no request"]:
+            print(f"  {note}", file=sys.stderr)
+        if corpus.unrouted:
+            print("  pass --config with the config your gateway runs, or add a route for these models", file=sys.stderr)
         return 1
     diagnosis = diagnose(corpus)
     print(render_json(diagnosis) if args.json else render_text(diagnosis), end="" if not args.json else "\n")

@@ -73,6 +73,8 @@ class Corpus:
     routes: dict[str, RouteInfo] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what doctor could not see, for the report
     config: Any = None  # GatewayConfig when known (JSONL source): lets analyses replay new rules
+    requests: int | None = None  # JSONL source: requests read (samples holds those that could be keyed)
+    unrouted: dict[str, int] = field(default_factory=dict)  # JSONL source: model -> requests no route took
 
     def by_route(self) -> dict[str, list[Sample]]:
         out: dict[str, list[Sample]] = {}

@@ -46,7 +46,12 @@ def render_text(diagnosis: Diagnosis) -> str:
         )
     lines.append("")
     if not diagnosis.findings:
-        lines.append("No cause of misses found.")
+        analysed = sum(route.requests or 0 for route in diagnosis.routes)
+        lines.append(
+            f"The {analysed} requests analysed show no cause of misses."
+            if analysed
+            else "No request could be analysed, so no cause of misses can be named (see the notes below)."
+        )
     for n, finding in enumerate(diagnosis.findings, 1):
         gain = ""
         if finding.gain is not None:

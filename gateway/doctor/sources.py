@@ -12,6 +12,7 @@ Both yield the same :class:`~gateway.doctor.model.Corpus`.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -157,12 +158,17 @@ def from_jsonl(path: str | Path, config: GatewayConfig, cache_blocks: int | None
     fp = Fingerprinter()
     current: dict[str, Rekeyer | None] = {}
     relocated: dict[str, Rekeyer | None] = {}
+    unrouted: Counter[str] = Counter()  # model -> requests no route took (one note per model, not per line)
     for i, payload in enumerate(payloads, 1):
         try:
             request = parse_input(payload)
-            route = gateway.route_for(request.endpoint, request.body["model"], request.headers)
         except GatewayError as exc:
             problems.append(f"request {i}: {exc.status}: {exc.message}")
+            continue
+        try:
+            route = gateway.route_for(request.endpoint, request.body["model"], request.headers)
+        except GatewayError:
+            unrouted[str(request.body.get("model"))] += 1
             continue
         rc = route.config
         if route.name not in current:
@@ -199,5 +205,37 @@ def from_jsonl(path: str | Path, config: GatewayConfig, cache_blocks: int | None
                 body=body,
             )
         )
+    corpus.unrouted = dict(unrouted)
+    problems.extend(
+        f"{count} request{'s' if count != 1 else ''} for model {model!r} matched no route of the config: not analysed"
+        for model, count in unrouted.most_common()
+    )
     corpus.notes.extend(problems)
+    corpus.requests = len(payloads)
     return corpus
+
+
+#: the route :func:`with_catch_all` adds: it takes every model the config's own routes do not
+CATCH_ALL_ROUTE = "any-model"
+
+
+def with_catch_all(config: GatewayConfig) -> GatewayConfig:
+    """``config`` plus a last route that takes every model, with the first prefix route's settings.
+
+    ``doctor --file`` without ``--config`` keys the sample with the default config, whose routes
+    serve only the demo's model: without this, another model's traffic would match nothing and
+    the report would have nothing to say about it.
+    """
+    from gateway.config import parse_config
+
+    data = config.model_dump(exclude_unset=True)
+    routes = list(data.get("routes") or [])
+    if any(r.name == CATCH_ALL_ROUTE for r in config.routes):
+        return config
+    template = next((r for r in routes if r.get("policy", "prefix") == "prefix"), {})
+    catch_all = {"name": CATCH_ALL_ROUTE, "policy": "prefix"}
+    for section in ("normalize", "prefix", "policy_settings"):
+        if section in template:
+            catch_all[section] = template[section]
+    data["routes"] = [*routes, catch_all]
+    return parse_config(data, "the default config + a route for every model")

@@ -11,12 +11,13 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from gw_helpers import MODEL, chat, wait_for
 from openai import OpenAI
 
 from gateway.cli import build_parser, build_serve_config, main
-from gateway.config import sha256_hex
+from gateway.config import packaged_default_config, sha256_hex
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +40,7 @@ def test_serve_builds_quick_start_and_file_configs() -> None:
     config = build_serve_config(args)
     assert [r.url for r in config.replicas] == ["http://a:1", "http://b:2"]
     assert config.routes[0].policy == "round_robin" and config.server.port == 9999
-    args = build_parser().parse_args(["serve", "--config", str(ROOT / "config" / "gateway.yaml"), "--port", "0"])
+    args = build_parser().parse_args(["serve", "--config", str(packaged_default_config()), "--port", "0"])
     config = build_serve_config(args)
     assert config.server.port == 0 and len(config.replicas) == 4 and config.routes[0].name == "demo"
 
@@ -104,7 +105,11 @@ def test_serve_quick_start(sim_urls: list[str], popen_cli: list[subprocess.Popen
     assert proc.wait(20) == 0
 
 
-def test_demo_starts_replicas_and_gateway(popen_cli: list[subprocess.Popen[str]]) -> None:
+def test_demo_starts_replicas_and_gateway(
+    popen_cli: list[subprocess.Popen[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFIX_GATEWAY_STATE_DIR", str(tmp_path))  # where the demo leaves its admin key
+    monkeypatch.delenv("PREFIX_GATEWAY_ADMIN_KEY", raising=False)
     proc = start_cli(popen_cli, "demo", "--port", "0", "--time-scale", "0")
     match, _ = read_until(proc, r"4 simulated vLLM replicas behind (http://127\.0\.0\.1:\d+/v1)")
     base = match.group(1)
@@ -122,6 +127,20 @@ def test_demo_starts_replicas_and_gateway(popen_cli: list[subprocess.Popen[str]]
         first[text] = replica_for(text)
     assert len(set(first.values())) > 1  # several simulated replicas behind it
     assert all(replica_for(text) == replica for text, replica in first.items())
+    # The admin API is on with a key the demo generated and printed: /admin/stats answers it, and
+    # `doctor --gateway` on this machine finds the key by itself and prints a report.
+    url = base.removesuffix("/v1")
+    key = re.search(r"Admin API \(stats, explain, doctor\): key (\S+)", banner).group(1)
+    assert httpx.get(f"{url}/admin/stats", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    assert httpx.get(f"{url}/admin/stats").status_code == 401
+    doctor = subprocess.run(
+        [sys.executable, "-m", "gateway", "doctor", "--gateway", url],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert doctor.returncode == 0, doctor.stderr
+    assert f"prefix-gateway doctor: {url}" in doctor.stdout and "route demo" in doctor.stdout
+    key_files = list(tmp_path.glob("demo-admin-key-*"))
+    assert len(key_files) == 1 and key_files[0].stat().st_mode & 0o077 == 0  # only its user can read it
     replica_pids = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                    text=True).stdout.split()]  # fmt: skip
     assert len(replica_pids) == 4
@@ -129,6 +148,7 @@ def test_demo_starts_replicas_and_gateway(popen_cli: list[subprocess.Popen[str]]
     assert proc.wait(30) == 0
     for pid in replica_pids:  # the simulated replicas were stopped too
         wait_for(lambda pid=pid: not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), what=f"replica {pid} to exit")
+    assert not list(tmp_path.glob("demo-admin-key-*"))  # the key goes with the demo
 
 
 def _state(pid: int) -> str:
