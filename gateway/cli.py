@@ -441,6 +441,8 @@ def run_doctor(args: argparse.Namespace) -> int:
         return 1
     if corpus.requests is not None and not corpus.samples:
         # nothing was keyed: "no cause found" would be a clean bill of health for traffic never analysed
+        if args.json:
+            print(render_json(diagnose(corpus)))
         print(
             f"prefix-gateway doctor: none of the {corpus.requests} requests of {args.file} could be analysed:",
             file=sys.stderr,

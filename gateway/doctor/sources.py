@@ -148,6 +148,10 @@ def read_jsonl(path: str | Path) -> tuple[list[Any], list[str]]:
     return payloads, problems
 
 
+#: requests no route took that get a note of their own (the rest are counted per model)
+UNROUTED_EXAMPLES = 10
+
+
 def from_jsonl(path: str | Path, config: GatewayConfig, cache_blocks: int | None = None) -> Corpus:
     """Key every request of ``path`` through its route's pipeline, as configured and relocating."""
     from gateway.admin.explain import offline_gateway, parse_input
@@ -158,7 +162,7 @@ def from_jsonl(path: str | Path, config: GatewayConfig, cache_blocks: int | None
     fp = Fingerprinter()
     current: dict[str, Rekeyer | None] = {}
     relocated: dict[str, Rekeyer | None] = {}
-    unrouted: Counter[str] = Counter()  # model -> requests no route took (one note per model, not per line)
+    unrouted: Counter[str] = Counter()  # model -> requests no route took
     for i, payload in enumerate(payloads, 1):
         try:
             request = parse_input(payload)
@@ -167,8 +171,10 @@ def from_jsonl(path: str | Path, config: GatewayConfig, cache_blocks: int | None
             continue
         try:
             route = gateway.route_for(request.endpoint, request.body["model"], request.headers)
-        except GatewayError:
+        except GatewayError as exc:
             unrouted[str(request.body.get("model"))] += 1
+            if sum(unrouted.values()) <= UNROUTED_EXAMPLES:  # the first few verbatim, then one line per model
+                problems.append(f"request {i}: {exc.status}: {exc.message}")
             continue
         rc = route.config
         if route.name not in current:

@@ -133,7 +133,12 @@ def test_doctor_reports_what_it_cannot_see(
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"model": "demo-model", "messages": []}\nnot json\n{"model": "nope", "prompt": "x"}\n')
     config = write_config(tmp_path / "gateway.yaml", shared_fleet.urls, [route("report")])
-    report = doctor(capsys, "--file", str(bad), "--config", str(config))
+    capsys.readouterr()
+    # nothing in it can be analysed: said plainly, with a non-zero status (JSON still printed for tools)
+    assert main(["doctor", "--file", str(bad), "--config", str(config), "--json"]) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert "none of the 2 requests" in captured.err
     notes = "\n".join(report["notes"])
     assert "line 2: not valid JSON" in notes and "request 1: 400" in notes and "request 2: 404" in notes
     assert main(["doctor", "--file", str(tmp_path / "missing.jsonl"), "--config", str(config)]) == 1
