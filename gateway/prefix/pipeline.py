@@ -1,6 +1,6 @@
 """Turn a request body into what routing needs: (normalized body, token window, prefix keys).
 
-normalize (:mod:`.normalize`) → tokenize the bounded leading window (:mod:`.tokenize`) →
+normalize (:mod:`.normalize`) → tokenize the bounded leading window (:mod:`gateway.tokens.window`) →
 hash it into chained block keys (:mod:`.blocks`) → continue the chain over the rest of the
 prompt's text in character chunks (:func:`~gateway.prefix.blocks.chain_text_keys`), so two
 prompts get different keys wherever they first differ, however deep, while only the window

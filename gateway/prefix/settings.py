@@ -159,7 +159,7 @@ class NormalizeSettings(BaseModel):
 
 
 class PrefixSettings(BaseModel):
-    """How the leading window of a prompt is tokenized and hashed into routing keys."""
+    """How a prompt becomes routing keys: its leading window tokenized and hashed in blocks, the rest in text chunks."""
 
     model_config = {"extra": "forbid"}
 
@@ -169,7 +169,14 @@ class PrefixSettings(BaseModel):
         "Qwen2.5/Qwen3; others cl100k_base/o200k_base), cl100k_base, o200k_base, llama3, qwen3, "
         "or hf:/path/to/model_dir (a local Hugging Face model: tokenizer.json + chat_template)",
     )
-    window_tokens: int = Field(4096, ge=16, description="only this many leading tokens are tokenized and hashed")
+    window_tokens: int = Field(
+        4096,
+        ge=16,
+        description=(
+            "leading tokens tokenized exactly and hashed in blocks; past them the key chain goes on over "
+            "the rest of the prompt in text chunks"
+        ),
+    )
     block_size: int = Field(16, ge=1, description="tokens per hashed block (vLLM's default is 16)")
     lora_from_model: bool = Field(
         False,
