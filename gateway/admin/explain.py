@@ -31,7 +31,8 @@ from gateway.config import GatewayConfig, ReplicaConfig, UpstreamSettings
 from gateway.errors import BadRequest, PayloadTooLarge
 from gateway.observe.stats import normalization_section
 from gateway.proxy.parse import parse_body
-from gateway.service import ENDPOINT_PATHS, Gateway, Plan
+from gateway.routing.plan import Plan
+from gateway.service import ENDPOINT_PATHS, Gateway
 from gateway.upstream.errors import UpstreamConnectError
 
 #: body field → endpoint, in the order they are tried

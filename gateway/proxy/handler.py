@@ -35,8 +35,9 @@ from gateway.proxy.parse import parse_body, read_body
 from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
 from gateway.replicas.pool import Replica
 from gateway.routing.base import Decision
+from gateway.routing.plan import Plan
 from gateway.routing.runner import PolicyRunner
-from gateway.service import ENDPOINT_PATHS, Gateway, Plan
+from gateway.service import ENDPOINT_PATHS, Gateway
 from gateway.upstream.client import UpstreamResponse
 from gateway.upstream.errors import UpstreamAbandoned, UpstreamError, UpstreamReadTimeout, UpstreamStalled
 
