@@ -1,10 +1,34 @@
-"""One error hierarchy for the gateway, rendered in OpenAI's error format.
+"""The gateway's one exception tree, and the renderer of OpenAI-shaped error bodies.
 
-Every failure a client can see is a :class:`GatewayError` with an HTTP status, an OpenAI
-``type`` and a machine-readable ``code``.  Upstream (HTTP client) exceptions are translated
-into these at the boundary (``raise ... from exc``) so the request path never leaks a
-library's exception, and one renderer turns them into ``{"error": {...}}`` bodies: clients
-never see a traceback.
+Every exception the gateway raises on purpose descends from :class:`GatewayException`, so
+its branches say what kind of failure it is (modelled on httpx's ``_exceptions.py``)::
+
+    GatewayException
+    ├── GatewayError                 what a client sees: status, OpenAI type and code, metric kind
+    │   ├── BadRequest                 400 invalid_request
+    │   ├── Unauthorized               401 invalid_api_key
+    │   ├── NotFound                   404 not_found
+    │   │   └── ModelNotFound            404 model_not_found
+    │   ├── PayloadTooLarge            413 request_too_large
+    │   ├── RateLimited                429 rate_limit_exceeded (with retry-after headers)
+    │   ├── InternalError              500 internal_error
+    │   ├── BadGateway                 502 upstream_unavailable: every attempt failed before an answer
+    │   ├── RedirectRefused            502 upstream_redirect: a replica's redirect, never followed
+    │   ├── StreamFailed               502 upstream_stream_failed: sent as the last SSE event
+    │   ├── NoHealthyReplica           503 no_healthy_replica
+    │   └── GatewayTimeout             504 upstream_timeout
+    ├── UpstreamError                transport failure with one replica (gateway.upstream.errors)
+    │   ├── UpstreamConnectError, UpstreamDisconnected, UpstreamAbandoned   (before_send: retry)
+    │   └── UpstreamReadTimeout, UpstreamStalled, UpstreamBroken
+    ├── ClientDisconnected           the client went away: nothing can be answered
+    └── SetupError                   what the config asks for cannot be set up
+        ├── TokenizerUnavailable       (gateway.tokens.tokenizer; also a RuntimeError)
+        └── ConfigError                (gateway.config; also a ValueError)
+
+Upstream clients raise only ``UpstreamError``s (no library exception leaks past
+``gateway.upstream``); the proxy handler turns them into ``GatewayError``s in one place
+(``raise ... from exc``), and one renderer turns those into ``{"error": {...}}`` bodies:
+clients never see a traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +37,11 @@ import json
 from typing import Any
 
 
-class GatewayError(Exception):
+class GatewayException(Exception):
+    """The root of every exception the gateway raises on purpose (see the tree above)."""
+
+
+class GatewayError(GatewayException):
     """An error the gateway answers with; subclasses fix status, type and code."""
 
     status: int = 500
@@ -96,7 +124,7 @@ class NoHealthyReplica(GatewayError):
     kind = "no_replica"
 
 
-class UpstreamUnavailable(GatewayError):
+class BadGateway(GatewayError):
     """Every attempt failed before a response started (connection refused, reset, ...)."""
 
     status = 502
@@ -105,7 +133,7 @@ class UpstreamUnavailable(GatewayError):
     kind = "upstream_connect"
 
 
-class UpstreamRedirect(GatewayError):
+class RedirectRefused(GatewayError):
     """A replica answered with a redirect: never followed (the prompt must not go to another host)."""
 
     status = 502
@@ -114,7 +142,9 @@ class UpstreamRedirect(GatewayError):
     kind = "upstream_redirect"
 
 
-class UpstreamTimeout(GatewayError):
+class GatewayTimeout(GatewayError):
+    """A replica did not answer (or finish answering) within ``upstream.read_timeout_s``."""
+
     status = 504
     type = "server_error"
     code = "upstream_timeout"
@@ -130,7 +160,7 @@ class InternalError(GatewayError):
     kind = "internal"
 
 
-class UpstreamStreamFailed(GatewayError):
+class StreamFailed(GatewayError):
     """The replica failed after the stream started: sent as a final SSE ``data:`` event, not a status."""
 
     status = 502
@@ -139,63 +169,16 @@ class UpstreamStreamFailed(GatewayError):
     kind = "upstream_broken"
 
 
-class UpstreamError(Exception):
-    """A transport failure talking to one replica (raised by ``gateway.upstream`` clients).
+class ClientDisconnected(GatewayException):
+    """The client went away; nothing can be answered (not a GatewayError on purpose: no status to send)."""
 
-    ``before_send`` is True when retrying elsewhere is safe: the request never reached the
-    replica (connection refused, DNS failure) or the replica closed the connection without
-    starting an answer.
+
+class SetupError(GatewayException):
+    """What the config asks for cannot be set up (a vocabulary that will not load, an invalid file).
+
+    Raised while building or rebuilding components, never on a request's path as such: a
+    request that needs the missing part fails with a ``GatewayError`` of its own.
     """
-
-    kind = "upstream_error"
-
-    def __init__(self, message: str, *, before_send: bool = False) -> None:
-        super().__init__(message)
-        self.before_send = before_send
-
-
-class UpstreamConnectError(UpstreamError):
-    kind = "connect"
-
-
-class UpstreamDisconnected(UpstreamError):
-    """The replica closed the connection before any response header (usually a stale keep-alive race).
-
-    Raised with ``before_send=True``: retrying elsewhere is safe, but one such close is no proof
-    the replica is down, so passive health counts it like a 5xx instead of ejecting at once.
-    """
-
-    kind = "disconnected"
-
-
-class UpstreamReadTimeout(UpstreamError):
-    kind = "timeout"
-
-
-class UpstreamAbandoned(UpstreamError):
-    """The gateway stopped waiting for a replica that went down (frozen, ejected) while a healthy one is left.
-
-    Raised with ``before_send=True`` (no byte reached the client, so retrying elsewhere is safe);
-    it says nothing new about the replica, which is already down, so passive health ignores it.
-    """
-
-    kind = "abandoned"
-
-
-class UpstreamStalled(UpstreamError):
-    """A started stream sent nothing for ``upstream.stream_idle_timeout_s``."""
-
-    kind = "stalled"
-
-
-class UpstreamBroken(UpstreamError):
-    """The connection broke after the request was sent (reset, truncated response)."""
-
-    kind = "broken"
-
-
-class ClientDisconnected(Exception):
-    """The client went away; nothing can be answered (not a GatewayError on purpose)."""
 
 
 #: machine-readable ``code`` for errors rendered from a bare HTTP status (router 404/405, ...)

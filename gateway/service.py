@@ -2,7 +2,8 @@
 
 :class:`Gateway` builds every component from a validated ``GatewayConfig`` (replicas and
 their upstream clients, routes with their policies and prefix pipelines, metrics, stats,
-auth) and owns their lifecycle.  :meth:`Gateway.plan` turns a parsed body into a routing
+auth) and owns their lifecycle; :meth:`Gateway.apply` is the one place a later config (a
+reload) becomes the running state.  :meth:`Gateway.plan` turns a parsed body into a routing
 decision — the request handler and ``/admin/explain`` both call it, so what explain shows
 is what the handler does.  Nothing here knows about ASGI.
 """
@@ -10,17 +11,18 @@ is what the handler does.  Nothing here knows about ASGI.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from gateway.auth import KeyChecker
 from gateway.config import GatewayConfig
-from gateway.config.reload import Reloader, prefix_demands, prefix_indexes, prefix_learners
+from gateway.config.reload import Reloader
 from gateway.discovery.build import build_sources
 from gateway.discovery.membership import Membership
 from gateway.errors import ModelNotFound
@@ -40,13 +42,13 @@ from gateway.observe.outcome import Outcome
 from gateway.observe.samples import SampleBuffer
 from gateway.observe.stats import StatsBook, normalization_section
 from gateway.observe.summary import SummaryReporter
-from gateway.prefix.pipeline import PreparedPrompt
 from gateway.replicas.monitor import ReplicaMonitor
 from gateway.replicas.outlier import Fleet
 from gateway.replicas.pool import Replica
 from gateway.replicas.warmup import Warmer
-from gateway.routing.base import Decision, RequestView
-from gateway.routing.routes import Route, RouteTable, build_route, request_view
+from gateway.routing.plan import Plan
+from gateway.routing.routes import Route, RouteTable, build_route, carry_route, request_view
+from gateway.routing.shared import prefix_demands, prefix_indexes, prefix_learners
 from gateway.state.affinity_sync import AffinitySync
 from gateway.state.catchup import CatchUp
 from gateway.state.peer_load import PeerLoad
@@ -58,39 +60,18 @@ from gateway.upstream.client import ClientFactory
 log = logging.getLogger("prefix_gateway")
 
 STOP_TIMEOUT_S = 10.0  # how long shutdown waits for background tasks and connections to close
+# how long a replica removed from the file keeps its connections for running requests
+STATIC_DRAIN_TIMEOUT_S = 600.0
+#: config sections bound at start: a reload leaves them as they are until a restart
+RESTART_ONLY = ("state", "logging", "health", "scrape", "upstream", "limits", "samples")
+#: the ``server:`` settings the request path reads per request, so a reload changes them live
+SERVER_LIVE = ("max_body_bytes", "response_headers")
 
 ENDPOINT_PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
     "embeddings": "/v1/embeddings",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """Everything decided about a request before it is sent."""
-
-    route: Route
-    endpoint: str
-    prepared: PreparedPrompt | None  # None when the route's policy needs no prefix keys
-    request: RequestView
-    decision: Decision
-    replica: Replica
-
-    @property
-    def body(self) -> dict[str, Any] | None:
-        """The body to forward when preparation rewrote it, else None (forward the client's bytes)."""
-        return self.prepared.body if self.prepared is not None and self.prepared.relocated else None
-
-    @property
-    def predicted_units(self) -> str | None:
-        """What the prediction is counted in (see :mod:`gateway.tokens.alignment`), when there is one."""
-        return self.prepared.units if self.prepared is not None else None
-
-    @property
-    def predicted_cached_tokens(self) -> int | None:
-        value = self.decision.detail.get("predicted_cached_tokens") if self.decision.detail else None
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class Gateway:
@@ -192,6 +173,44 @@ class Gateway:
             self.catch_up = CatchUp(sync, state.catch_up_keys, ready_wait_s=state.catch_up_ready_wait_s)
             peer_load.on_new_peer = self.catch_up.new_peer
         return sync
+
+    # -- reconfiguration ---------------------------------------------------------------
+    async def apply(self, new: GatewayConfig) -> list[str]:
+        """Swap a validated config in without dropping a request; returns notes on what waits for a restart.
+
+        - requests already running keep the ``Route`` and ``Replica`` objects they hold;
+        - a route whose policy, policy settings and prefix settings are unchanged keeps its
+          runner (ring, affinity index, round-robin turn); other routes get new ones
+          (:func:`~gateway.routing.routes.carry_route`);
+        - static replicas are reconciled by ``gateway.discovery.membership`` (joiners probed,
+          leavers drained); discovery sources are restarted when their settings changed;
+        - the :data:`RESTART_ONLY` sections and ``server:`` (but :data:`SERVER_LIVE`) keep
+          their old values, each noted.
+
+        Everything that can fail is built before anything changes: an exception leaves the
+        running state as it was.
+        """
+        effective, notes = live_config(self.config, new)
+        routes = [
+            carry_route(self.routes.get(rc.name), rc, partial(self.membership.pool, rc, effective))
+            for rc in effective.routes
+        ]
+        admin_keys = KeyChecker(effective.admin.key_hashes(self.environ))
+        client_keys = KeyChecker(effective.auth.key_hashes(self.environ))
+
+        self.config = effective
+        await self.membership.set_static(effective.replicas, STATIC_DRAIN_TIMEOUT_S)
+        # no await from here to the pool refresh: leavers' drains start only after it
+        old_routes = self.routes.routes
+        self.routes = RouteTable(routes)
+        self.membership.refresh_pools()
+        self.admin_keys, self.client_keys = admin_keys, client_keys
+        _redeclare_routes(self.metrics, old_routes, self.routes.routes)
+        if self.state_sync is not None:
+            routes = self.routes.routes
+            self.state_sync.set_indexes(prefix_indexes(routes), prefix_demands(routes), prefix_learners(routes))
+        await self.membership.set_sources(effective.discovery)
+        return notes
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -414,6 +433,39 @@ class Gateway:
             {"snapshots_sent": self.catch_up.sent, "records_sent": self.catch_up.records} if self.catch_up else {}
         )
         return {"backend": "redis", "channel": sync.channel, "pod": sync.pod_id, **sync.stats.as_dict(), **catch_up}
+
+
+def live_config(old: GatewayConfig, new: GatewayConfig) -> tuple[GatewayConfig, list[str]]:
+    """What of ``new`` a running gateway takes now (settings bound at start keep ``old``'s
+    values), and a note for each part that waits for a restart."""
+    notes = []
+    keep: dict[str, Any] = {}
+    for section in RESTART_ONLY:
+        if getattr(new, section) != getattr(old, section):
+            notes.append(f"{section} changes at restart")
+            keep[section] = getattr(old, section)
+    # of server:, only what the request path reads per request changes live
+    live = {name: getattr(new.server, name) for name in SERVER_LIVE}
+    server = old.server.model_copy(update=live)
+    if server != new.server:
+        notes.append("server listen address, timeouts and HTTP limits change at restart")
+    return new.model_copy(update={"server": server, **keep}), notes
+
+
+def _redeclare_routes(metrics: GatewayMetrics, old_routes: list[Route], routes: list[Route]) -> None:
+    """Route info series after a reload: gone routes (and changed policies) removed, the rest declared."""
+    current = {r.name: r for r in routes}
+    for route in old_routes:
+        now = current.get(route.name)
+        if now is None or now.policy != route.policy:
+            with contextlib.suppress(KeyError):
+                metrics.route_info.remove(route.name, route.policy)
+        if now is None:
+            for replica in route.runner.replicas:
+                with contextlib.suppress(KeyError):
+                    metrics.route_replica_info.remove(route.name, replica.name)
+    for route in routes:
+        metrics.declare_route(route.name, route.policy, [r.name for r in route.runner.replicas])
 
 
 def _policy_state(route: Route) -> dict[str, Any] | None:

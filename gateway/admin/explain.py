@@ -28,10 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config import GatewayConfig, ReplicaConfig, UpstreamSettings
-from gateway.errors import BadRequest, PayloadTooLarge, UpstreamConnectError
+from gateway.errors import BadRequest, PayloadTooLarge
 from gateway.observe.stats import normalization_section
 from gateway.proxy.parse import parse_body
-from gateway.service import ENDPOINT_PATHS, Gateway, Plan
+from gateway.routing.plan import Plan
+from gateway.service import ENDPOINT_PATHS, Gateway
+from gateway.upstream.errors import UpstreamConnectError
 
 #: body field → endpoint, in the order they are tried
 ENDPOINT_BY_FIELD = (("messages", "chat"), ("prompt", "completions"), ("input", "embeddings"))

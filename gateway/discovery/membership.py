@@ -22,29 +22,44 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from gateway.config import ReplicaConfig, RouteConfig
+from gateway.config import GatewayConfig, ReplicaConfig, RouteConfig
 from gateway.discovery.build import build_sources
 from gateway.discovery.settings import DiscoveryConfig
 from gateway.discovery.source import Endpoint
 from gateway.discovery.stats import SourceStats
+from gateway.observe.metrics import GatewayMetrics
+from gateway.replicas.monitor import ReplicaMonitor
+from gateway.replicas.outlier import Fleet
 from gateway.replicas.pool import Replica
+from gateway.routing.routes import RouteTable
 from gateway.tasks import cancel_and_wait
 from gateway.upstream.client import ClientFactory
-
-if TYPE_CHECKING:
-    from gateway.service import Gateway
 
 log = logging.getLogger("prefix_gateway.membership")
 
 STATIC = ""  # the owner key of replicas from the config file
 
 
+class Host(Protocol):
+    """What membership reads and changes of the gateway it serves (``gateway.service.Gateway``).
+
+    Read on each use, never kept: a reload replaces ``config`` and ``routes``.
+    """
+
+    config: GatewayConfig
+    replicas: dict[str, Replica]
+    routes: RouteTable
+    metrics: GatewayMetrics
+    monitor: ReplicaMonitor
+    fleet: Fleet
+
+
 class Membership:
     """Owns ``gateway.replicas``'s contents after start: adds, drains and re-pools replicas."""
 
-    def __init__(self, gateway: Gateway, client_factory: ClientFactory, environ: Mapping[str, str]) -> None:
+    def __init__(self, gateway: Host, client_factory: ClientFactory, environ: Mapping[str, str]) -> None:
         self.gw = gateway
         self.client_factory = client_factory
         self.environ = environ
@@ -62,9 +77,12 @@ class Membership:
         self._source_configs: list[dict[str, Any]] = []
 
     # -- pools -------------------------------------------------------------------------
-    def pool(self, route: RouteConfig) -> list[Replica]:
-        """``route``'s pool now: its static replicas (config order), then each source's (by name)."""
-        config = self.gw.config
+    def pool(self, route: RouteConfig, config: GatewayConfig | None = None) -> list[Replica]:
+        """``route``'s pool now: its static replicas (config order), then each source's (by name).
+
+        ``config``: the one the route comes from, when it is not yet the running one (a reload
+        builds its routes before swapping them in)."""
+        config = self.gw.config if config is None else config
         static = self.owned[STATIC]
         pool = [static[r.name] for r in config.pool_of(route) if r.name in static]
         for source in config.sources_of(route):

@@ -40,8 +40,8 @@ from gateway.prefix.pipeline import PrefixPipeline
 
 if TYPE_CHECKING:
     from gateway.observe.outcome import Outcome
+    from gateway.routing.plan import Plan
     from gateway.routing.routes import Route
-    from gateway.service import Plan
 
 log = logging.getLogger("prefix_gateway.samples")
 

@@ -18,19 +18,15 @@ from time import perf_counter
 from typing import Any
 
 from gateway.errors import (
+    BadGateway,
     ClientDisconnected,
     GatewayError,
+    GatewayTimeout,
     InternalError,
     NoHealthyReplica,
+    RedirectRefused,
+    StreamFailed,
     Unauthorized,
-    UpstreamAbandoned,
-    UpstreamError,
-    UpstreamReadTimeout,
-    UpstreamRedirect,
-    UpstreamStalled,
-    UpstreamStreamFailed,
-    UpstreamTimeout,
-    UpstreamUnavailable,
     error_bytes,
 )
 from gateway.limits.admission import Ticket, client_key
@@ -39,9 +35,11 @@ from gateway.proxy.parse import parse_body, read_body
 from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
 from gateway.replicas.pool import Replica
 from gateway.routing.base import Decision
+from gateway.routing.plan import Plan
 from gateway.routing.runner import PolicyRunner
-from gateway.service import ENDPOINT_PATHS, Gateway, Plan
+from gateway.service import ENDPOINT_PATHS, Gateway
 from gateway.upstream.client import UpstreamResponse
+from gateway.upstream.errors import UpstreamAbandoned, UpstreamError, UpstreamReadTimeout, UpstreamStalled
 
 log = logging.getLogger("prefix_gateway.proxy")
 
@@ -292,7 +290,8 @@ class Exchange:
                     self.outcome.retries += 1
                     continue
                 self._note_decision()
-                raise self._translate(exc, plan, tried) from exc
+                log.warning("request %s: upstream %s failed: %s", self.request_id, tried[-1], exc)
+                raise self._client_error(exc, tried=tried) from exc
             if response.status in settings.retry_on_status and len(tried) < settings.max_retries:
                 following = self._next_replica(plan, [*tried, replica.name])
                 if following is not None:
@@ -360,18 +359,37 @@ class Exchange:
             o.predicted_cached_tokens = self.plan.predicted_cached_tokens
             o.predicted_units = self.plan.predicted_units
 
-    def _translate(self, exc: UpstreamError, plan: Plan, tried: list[str]) -> GatewayError:
-        # the detail (addresses, ports, OS errors) goes to the log; the client gets names only
-        rid = self.request_id
-        log.warning("request %s: upstream %s failed: %s", rid, tried[-1], exc)
-        if isinstance(exc, UpstreamReadTimeout):
-            return UpstreamTimeout(f"replica {tried[-1]!r} did not answer in time (request id {rid})")
-        if plan.route.runner.healthy_count() == 0:
+    def _client_error(
+        self, exc: UpstreamError, *, tried: list[str] | None = None, streaming: bool = False
+    ) -> GatewayError:
+        """The one place a transport failure becomes what the client is told.
+
+        ``tried``: no answer started (the replicas attempted, in order); else the answer broke
+        while being read, whole or (``streaming``) after the stream started.  The detail
+        (addresses, ports, OS errors) went to the log; the client gets names only.
+        """
+        rid, name = self.request_id, self.outcome.replica
+        if streaming:
+            if isinstance(exc, UpstreamStalled):
+                return StreamFailed(
+                    f"upstream stream stalled: replica {name!r} sent nothing for "
+                    f"{self.gw.config.upstream.stream_idle_timeout_s:g} s (request id {rid})",
+                    code="upstream_stream_idle_timeout",
+                )
+            return StreamFailed(f"upstream stream failed: replica {name!r} (request id {rid})")
+        timed_out = isinstance(exc, UpstreamReadTimeout)
+        if tried is None:
+            message = f"replica {name!r} failed while answering (request id {rid})"
+            return GatewayTimeout(message) if timed_out else BadGateway(message)
+        if timed_out:
+            return GatewayTimeout(f"replica {tried[-1]!r} did not answer in time (request id {rid})")
+        route = self.plan.route if self.plan is not None else None
+        if route is not None and route.runner.healthy_count() == 0:
             return NoHealthyReplica(
-                f"no healthy replica for route {plan.route.name!r}: every attempt failed "
+                f"no healthy replica for route {route.name!r}: every attempt failed "
                 f"({', '.join(tried)}; request id {rid})"
             )
-        return UpstreamUnavailable(f"could not get an answer from {', '.join(tried)} (request id {rid})")
+        return BadGateway(f"could not get an answer from {', '.join(tried)} (request id {rid})")
 
     # -- relaying ----------------------------------------------------------------------
     def _response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
@@ -397,9 +415,7 @@ class Exchange:
             if replica is not None:
                 report_failure(replica, exc)
             log.warning("request %s: replica %s failed while answering: %s", self.request_id, self.outcome.replica, exc)
-            raise (UpstreamTimeout if isinstance(exc, UpstreamReadTimeout) else UpstreamUnavailable)(
-                f"replica {self.outcome.replica!r} failed while answering (request id {self.request_id})"
-            ) from exc
+            raise self._client_error(exc) from exc
         response.release()
         status = response.status
         t_back = perf_counter()
@@ -434,9 +450,9 @@ class Exchange:
         """
         name, rid = self.outcome.replica, self.request_id
         if status < 400:
-            self.outcome.error_kind = UpstreamRedirect.kind
+            self.outcome.error_kind = RedirectRefused.kind
             message = f"replica {name!r} answered with a redirect (HTTP {status}; request id {rid})"
-            return UpstreamRedirect(message).to_bytes()
+            return RedirectRefused(message).to_bytes()
         return error_bytes(status, f"replica {name!r} answered HTTP {status} (request id {rid})")
 
     async def _relay_stream(self, response: UpstreamResponse, strip: bool) -> None:
@@ -490,16 +506,7 @@ class Exchange:
         if self.replica is not None:
             report_failure(self.replica, exc)
         log.warning("request %s: stream from replica %s failed: %s", self.request_id, self.outcome.replica, exc)
-        if isinstance(exc, UpstreamStalled):
-            error = UpstreamStreamFailed(
-                f"upstream stream stalled: replica {self.outcome.replica!r} sent nothing for "
-                f"{self.gw.config.upstream.stream_idle_timeout_s:g} s (request id {self.request_id})",
-                code="upstream_stream_idle_timeout",
-            )
-        else:
-            error = UpstreamStreamFailed(
-                f"upstream stream failed: replica {self.outcome.replica!r} (request id {self.request_id})"
-            )
+        error = self._client_error(exc, streaming=True)
         self.done = True
         event = b"data: " + error.to_bytes() + b"\n\n"
         await self.send({"type": "http.response.body", "body": event, "more_body": False})

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.config import HealthSettings, ScrapeSettings
-from gateway.errors import UpstreamError
 from gateway.replicas.engine import parse_engine_metrics
 from gateway.replicas.pool import Replica
 from gateway.tasks import cancel_and_wait
+from gateway.upstream.errors import UpstreamError
 
 log = logging.getLogger("prefix_gateway.replicas")
 

@@ -22,56 +22,15 @@ Membership is read through a callable so that replicas added or removed at run t
 from __future__ import annotations
 
 import statistics
-from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from gateway.config import HealthSettings
+from gateway.replicas.pool import Replica
 
-if TYPE_CHECKING:
-    from gateway.replicas.pool import Replica
-
-#: smoothing of the time-to-first-byte average (weight of the newest sample)
-TTFB_ALPHA = 0.2
 #: samples a replica needs before it can be judged slow (or serve as a reference)
 TTFB_MIN_SAMPLES = 5
-#: tokens of prefill a request costs beyond its own and the work queued ahead of it (the engine
-#: step it waits for, scheduling): keeps time per token of work finite for fully cached prompts
-TTFB_WORK_FLOOR_TOKENS = 1024
 #: how often (seconds) the slow flags are recomputed, at most
 SLOW_REFRESH_S = 0.25
-#: bound on one replica's failure-rate window, whatever the request rate
-WINDOW_MAX_EVENTS = 4096
-
-
-class FailureWindow:
-    """Outcomes of real requests over the last ``window_s`` seconds (bounded)."""
-
-    __slots__ = ("_events", "failed", "window_s")
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self._events: deque[tuple[float, bool]] = deque()
-        self.failed = 0
-
-    def add(self, failed: bool, now: float) -> None:
-        events = self._events
-        events.append((now, failed))
-        self.failed += failed
-        horizon = now - self.window_s
-        while events and (events[0][0] < horizon or len(events) > WINDOW_MAX_EVENTS):
-            self.failed -= events.popleft()[1]
-
-    @property
-    def total(self) -> int:
-        return len(self._events)
-
-    def rate(self) -> float:
-        return self.failed / len(self._events) if self._events else 0.0
-
-    def clear(self) -> None:
-        self._events.clear()
-        self.failed = 0
 
 
 class Fleet:

@@ -36,16 +36,13 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from gateway.config import HealthSettings, ReplicaConfig
 from gateway.replicas.engine import EngineStats
-from gateway.replicas.outlier import TTFB_ALPHA, TTFB_WORK_FLOOR_TOKENS, FailureWindow
+from gateway.replicas.window import FailureWindow
 from gateway.routing.base import ReplicaView
 from gateway.upstream.client import UpstreamClient
-
-if TYPE_CHECKING:
-    from gateway.replicas.outlier import Fleet
 
 log = logging.getLogger("prefix_gateway.replicas")
 
@@ -53,6 +50,11 @@ log = logging.getLogger("prefix_gateway.replicas")
 RESET_COUNTERS = ("prefix_cache_queries", "prompt_tokens", "generation_tokens")
 #: why a replica is thought to have an empty cache (a metric label: keep it small)
 COLD_CAUSES = ("counters_reset", "rejoined")
+#: smoothing of the time-to-first-byte average (weight of the newest sample)
+TTFB_ALPHA = 0.2
+#: tokens of prefill a request costs beyond its own and the work queued ahead of it (the engine
+#: step it waits for, scheduling): keeps time per token of work finite for fully cached prompts
+TTFB_WORK_FLOOR_TOKENS = 1024
 
 
 def counters_went_back(before: EngineStats | None, after: EngineStats) -> bool:
@@ -64,6 +66,19 @@ def counters_went_back(before: EngineStats | None, after: EngineStats) -> bool:
         if old is not None and new is not None and new < old:
             return True
     return False
+
+
+class FleetRules(Protocol):
+    """What a replica asks of the fleet it belongs to (``gateway.replicas.outlier.Fleet``)."""
+
+    def may_eject(self, replica: Replica, now: float) -> bool:
+        """Whether ejecting ``replica`` now keeps the ejected share within the cap."""
+
+    def note_cold(self, replica: Replica, cause: str) -> None:
+        """``replica`` may have come back with an empty prefix cache (``cause``: one of COLD_CAUSES)."""
+
+    def note_ttfb(self, now: float) -> None:
+        """A replica has a new time-to-first-byte sample."""
 
 
 class ReplicaWatcher(Protocol):
@@ -143,7 +158,7 @@ class Replica:
         client: UpstreamClient,
         health: HealthSettings,
         api_key: str | None = None,
-        fleet: Fleet | None = None,
+        fleet: FleetRules | None = None,
     ) -> None:
         self.config = config
         self.name = config.name
@@ -173,7 +188,7 @@ class Replica:
         self.engine_error: str | None = None
         self.health_changes = 0
         # -- outlier detection (see the module docstring and gateway.replicas.outlier) --
-        self.fleet: Fleet | None = fleet
+        self.fleet: FleetRules | None = fleet
         self.window = FailureWindow(health.failure_rate_window_s)
         self.ejections = 0  # ejections in a row: the back-off exponent
         self.ejections_total = 0

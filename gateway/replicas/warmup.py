@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gateway.config import GatewayConfig, WarmRestartSettings
-from gateway.errors import UpstreamError
 from gateway.replicas.hotset import HotPrefix, HotSet
 from gateway.replicas.pool import COLD_CAUSES, Replica
 from gateway.tasks import cancel_and_wait
+from gateway.upstream.errors import UpstreamError
 
 if TYPE_CHECKING:
     from gateway.routing.base import RequestView

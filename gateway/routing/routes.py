@@ -7,7 +7,8 @@ its :class:`PolicyRunner`, and — for policies that need prefix keys — its
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,28 @@ def build_route(config: RouteConfig, pool: Sequence[Replica]) -> Route:
         endpoints=frozenset(config.endpoints),
         session_header=config.session_header.lower(),
     )
+
+
+def carry_route(old: Route | None, config: RouteConfig, pool: Callable[[], Sequence[Replica]]) -> Route:
+    """The route to serve ``config`` with after a reload: ``old`` itself when its config is
+    unchanged; old's runner (ring, affinity index, round-robin turn) with the new matching
+    when policy, policy settings and prefix settings are unchanged; else a new route over ``pool()``."""
+    if old is not None and old.config == config:
+        return old
+    if old is not None and _same_policy(old.config, config):
+        pipeline = PrefixPipeline(config.normalize, config.prefix) if old.pipeline is not None else None
+        return dataclasses.replace(
+            old,
+            config=config,
+            pipeline=pipeline,
+            endpoints=frozenset(config.endpoints),
+            session_header=config.session_header.lower(),
+        )
+    return build_route(config, pool())
+
+
+def _same_policy(old: RouteConfig, new: RouteConfig) -> bool:
+    return (old.policy, old.policy_settings, old.prefix) == (new.policy, new.policy_settings, new.prefix)
 
 
 class RouteTable:

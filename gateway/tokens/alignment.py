@@ -14,39 +14,22 @@ the engine computes: the served model's vocabulary over its own chat template's 
 - ``hf:/path/to/model_dir`` (or a path to a ``tokenizer.json``): the model directory's own
   tokenizer and ``chat_template``, rendered with jinja2's sandbox (:mod:`gateway.tokens.hf_model`): exact.
 
-``Alignment.units`` says what predicted cached tokens are counted in, e.g. ``exact (llama3)``
-or ``approximate (cl100k_base)``; the stats show it next to the predicted hit rate.
+``Alignment`` is the pair (defined beside ``ChatTemplate``, so ``hf_model`` builds one without
+importing this module); its ``units`` say what predicted cached tokens are counted in, e.g.
+``exact (llama3)`` or ``approximate (cl100k_base)``; the stats show it next to the predicted
+hit rate.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from functools import cache
 
-from gateway.tokens.chat_template import GENERIC, ChatTemplate
-from gateway.tokens.tokenizer import QUICKTOK_ENCODINGS, Tokenizer, get_tokenizer
+from gateway.tokens.chat_template import GENERIC, Alignment, ChatTemplate
+from gateway.tokens.tokenizer import QUICKTOK_ENCODINGS, get_tokenizer
 
 AUTO = "auto"
 HF_PREFIX = "hf:"
-
-
-@dataclass(frozen=True, slots=True)
-class Alignment:
-    """A tokenizer plus the template rendered with it; ``key`` identifies the pair."""
-
-    key: str
-    vocab: str  # how the vocabulary is named to operators: "llama3", "cl100k_base", "hf:/models/x"
-    tokenizer: Tokenizer
-    template: ChatTemplate
-
-    @property
-    def exact(self) -> bool:
-        return self.template.exact
-
-    @property
-    def units(self) -> str:
-        return f"{'exact' if self.exact else 'approximate'} ({self.vocab})"
 
 
 # Family rules on the lower-cased name without its org prefix, first match wins.

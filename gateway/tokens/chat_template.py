@@ -2,7 +2,8 @@
 
 Which template a request gets is decided in :mod:`gateway.tokens.alignment` (``tokenizer: auto``
 picks the served model's real template: :mod:`gateway.tokens.templates`).  This module holds what
-every template shares: the :class:`ChatTemplate` protocol, :class:`SpecialToken` segments,
+every template shares: the :class:`ChatTemplate` protocol, the :class:`Alignment` pairing a
+template with its tokenizer, :class:`SpecialToken` segments,
 the view of messages that vLLM hands to a template (:func:`vllm_messages`), and the generic
 template used when the model's family is unknown (predictions are then approximate).
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.tokens.tokenizer import Tokenizer
@@ -63,6 +65,24 @@ class ChatTemplate(Protocol):
     def segments(
         self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True
     ) -> Iterator[str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Alignment:
+    """A tokenizer plus the template rendered with it; ``key`` identifies the pair."""
+
+    key: str
+    vocab: str  # how the vocabulary is named to operators: "llama3", "cl100k_base", "hf:/models/x"
+    tokenizer: Tokenizer
+    template: ChatTemplate
+
+    @property
+    def exact(self) -> bool:
+        return self.template.exact
+
+    @property
+    def units(self) -> str:
+        return f"{'exact' if self.exact else 'approximate'} ({self.vocab})"
 
 
 def _compact_json(value: Any) -> str:

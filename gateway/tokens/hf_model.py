@@ -25,8 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.tokens.alignment import Alignment
-from gateway.tokens.chat_template import GENERIC, SpecialToken, hf_tojson, vllm_messages, vllm_tools
+from gateway.tokens.chat_template import GENERIC, Alignment, SpecialToken, hf_tojson, vllm_messages, vllm_tools
 from gateway.tokens.tokenizer import HFTokenizer, TokenizerUnavailable
 
 

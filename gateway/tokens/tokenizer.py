@@ -31,6 +31,8 @@ from typing import Any, Protocol
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+from gateway.errors import SetupError
+
 DEFAULT_ENCODING = "cl100k_base"
 CACHE_DIR_ENV = "PREFIX_GATEWAY_TOKENIZER_DIR"
 
@@ -89,8 +91,11 @@ QUICKTOK_ENCODINGS = ("cl100k_base", "o200k_base", "llama3", "qwen3")
 SUPPORTED_ENCODINGS = QUICKTOK_ENCODINGS
 
 
-class TokenizerUnavailable(RuntimeError):
-    """An encoding cannot be loaded offline; the message names the fix."""
+class TokenizerUnavailable(SetupError, RuntimeError):
+    """An encoding cannot be loaded offline; the message names the fix.
+
+    Also a ``RuntimeError``: callers that guard a tokenizer load with ``except RuntimeError``
+    (the simulator, quicktok's broken-install fallback) keep catching it."""
 
 
 class Tokenizer(Protocol):

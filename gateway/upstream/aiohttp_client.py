@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Mapping
 import aiohttp
 
 from gateway.config import ReplicaConfig, UpstreamSettings
-from gateway.errors import (
+from gateway.upstream.errors import (
     UpstreamBroken,
     UpstreamConnectError,
     UpstreamDisconnected,

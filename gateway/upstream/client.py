@@ -11,7 +11,7 @@ from gateway.config import ReplicaConfig, UpstreamSettings
 class UpstreamResponse(Protocol):
     """A response whose headers have arrived; the body is read or streamed afterwards.
 
-    Every method raises only ``gateway.errors.UpstreamError`` subclasses.
+    Every method raises only ``gateway.upstream.errors.UpstreamError`` subclasses.
     """
 
     status: int

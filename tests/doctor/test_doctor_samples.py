@@ -93,7 +93,6 @@ def test_buffer_is_bounded_by_count_and_bytes() -> None:
 
 async def test_the_buffer_follows_a_config_reload() -> None:
     """A reload swaps routes: the snapshot and the shadow pipeline follow the new settings."""
-    from gateway.config.reload import apply_config
     from gateway.observe.outcome import Outcome
     from gateway.service import Gateway
     from tests.configs import gateway_config
@@ -104,7 +103,7 @@ async def test_the_buffer_follows_a_config_reload() -> None:
     outcome = Outcome(route="main", endpoint="chat", status=200, prompt_tokens=900)
     assert gw.samples is not None
     gw.samples.record(gw.plan("chat", body, {}), body, outcome)
-    await apply_config(gw, gateway_config(urls, routes=[route("relocate")], samples={"enabled": True}))
+    await gw.apply(gateway_config(urls, routes=[route("relocate")], samples={"enabled": True}))
     gw.samples.record(gw.plan("chat", body, {}), body, outcome)
     snap = gw.samples.snapshot()
     assert snap["routes"]["main"]["normalize"] == "relocate"

@@ -10,10 +10,10 @@ import pytest
 from aiohttp import web
 
 from gateway.config import HealthSettings, ReplicaConfig, UpstreamSettings
-from gateway.errors import UpstreamBroken, UpstreamConnectError, UpstreamDisconnected, UpstreamReadTimeout
 from gateway.proxy.handler import report_failure
 from gateway.replicas.pool import Replica
 from gateway.upstream.aiohttp_client import AiohttpUpstream, _translate
+from gateway.upstream.errors import UpstreamBroken, UpstreamConnectError, UpstreamDisconnected, UpstreamReadTimeout
 
 
 def test_connect_timeout_is_a_retryable_connect_error() -> None:

@@ -1,0 +1,43 @@
+"""The stateful parts of the routes' policies that gateway processes share with each other.
+
+With ``state.backend: redis`` each process publishes what these learn and applies its peers'
+(``gateway.state.affinity_sync``).  They are looked up per route here, once when the gateway
+is built and again after a config reload rebuilt routes, so the sync always holds the parts
+of the routes that serve now.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from gateway.prefix.learn import VarianceLearner
+from gateway.routing.affinity import AffinityIndex
+from gateway.routing.routes import Route
+from gateway.routing.starts import HeadDemand
+
+T = TypeVar("T")
+
+
+def _policy_parts(routes: list[Route], attribute: str, kind: type[T]) -> dict[str, T]:
+    """Each route's policy ``attribute``, for the policies whose one is a ``kind``."""
+    parts = {}
+    for route in routes:
+        part = getattr(route.runner.policy, attribute, None)
+        if isinstance(part, kind):
+            parts[route.name] = part
+    return parts
+
+
+def prefix_indexes(routes: list[Route]) -> dict[str, AffinityIndex]:
+    """Each route's affinity index, for the policies that have one (shared through Redis)."""
+    return _policy_parts(routes, "index", AffinityIndex)
+
+
+def prefix_learners(routes: list[Route]) -> dict[str, VarianceLearner]:
+    """Each route's normalization learner (places seen to vary), for routes that normalize prompts."""
+    return {route.name: route.pipeline.normalizer.learner for route in routes if route.pipeline is not None}
+
+
+def prefix_demands(routes: list[Route]) -> dict[str, HeadDemand]:
+    """Each route's shared-head start counts, for the policies that keep them (shared through Redis)."""
+    return _policy_parts(routes, "demand", HeadDemand)
