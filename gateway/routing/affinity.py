@@ -21,7 +21,8 @@ Recording a request touches its keys on the replica that serves it, shallow keys
 like vLLM, which frees a finished request's blocks tail first — a replica "forgets" the
 tails of old prompts before their shared heads.  Only every ``stride``-th key (and the
 deepest) is stored; lookups still probe every key, so a request that extends an earlier one
-always finds the earlier one's deepest key.
+always finds the earlier one's deepest key.  What a stored key weighs is
+:mod:`gateway.routing.key_weights`.
 
 Not thread-safe; the gateway runs it on one event loop.
 """
@@ -31,8 +32,9 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from itertools import pairwise
+
+from gateway.routing.key_weights import KeyWeights, even_weights, stride_weights
 
 # Bytes one (key, replica) pair costs at most, with up to 30 replicas: the key's int (36),
 # its share of the holders dict (<= 110 just after a resize), the replica's OrderedDict
@@ -46,29 +48,7 @@ WEIGHT_BYTES = 140
 
 _MISSING = object()
 
-
-@dataclass(frozen=True, slots=True)
-class KeyWeights:
-    """What the stored keys of one record weigh in a modelled KV cache (deepest first): the
-    first ``special`` by ``weight_of(position)``, the rest the standard weight (a stride of
-    whole token blocks) — most keys of a long prompt, which so cost no call."""
-
-    weight_of: Callable[[int], int]
-    special: int
-
-    def explicit(self, count: int) -> list[int]:
-        """The weights of the first ``count`` stored keys that are not the standard one, as a
-        list (a record shared with other gateway processes carries them; the rest weigh the
-        standard weight there too)."""
-        return [self.weight_of(i) for i in range(min(self.special, count))]
-
-    @classmethod
-    def of(cls, values: Sequence[int] | None) -> KeyWeights | None:
-        """Weights given as a list (a peer's record, a snapshot): position i weighs
-        ``values[i]``, positions past the list the standard weight; None for none."""
-        if not values:
-            return None
-        return cls(values.__getitem__, len(values))
+__all__ = ["ENTRY_BYTES", "WEIGHT_BYTES", "AffinityIndex", "KeyWeights"]  # KeyWeights: re-exported
 
 
 def _depth_first(group: tuple[int, int]) -> int:
@@ -426,40 +406,8 @@ class AffinityIndex:
         blocks: tuple[int, int] = (0, 0),
     ) -> KeyWeights:
         """The weight of each of :meth:`stored_keys` for a prompt of ``depth`` keys, by its
-        position there (deepest first): the tokens it adds after the stored key before it; the
-        deepest also carries the prompt past its keys (``prompt_tokens``).  ``blocks`` =
-        (token blocks, block size): the keys that far are whole token blocks, so the stride
-        keys among them weigh the standard weight without a call (a cold 32k-token prompt: ~90
-        new keys, 60 of them there); only the others are asked for, and only when new.
-        """
-        stride = self.stride
-        last = depth // stride  # stored stride keys; one more when the deepest is not one
-        offset = 1 if depth % stride else 0
-        token_blocks, block_size = blocks
-
-        def weight_of(i: int) -> int:
-            at = depth if i == 0 else (last - i + offset) * stride
-            before = (at - 1) // stride * stride
-            if at <= token_blocks:
-                weight = (at - before) * block_size
-            else:
-                weight = max(1, tokens_at(at) - (tokens_at(before) if before else 0))
-            if i == 0 and prompt_tokens:
-                weight += max(0, prompt_tokens - tokens_at(depth))
-            return weight
-
-        # the deepest, and the stride keys past the whole blocks (text keys), need weight_of
-        special = depth
-        if block_size * stride == self._default_weight:
-            special = offset + max(0, last - token_blocks // stride)
-        return KeyWeights(weight_of, max(1, special))
-
-    def _even_weights(self, stored: int, prompt_tokens: int | None) -> KeyWeights:
-        """Weights without the prompt's token positions: :attr:`default_weight` per stored key,
-        and the deepest carries whatever of ``prompt_tokens`` the others do not cover."""
-        each = self._default_weight
-        deepest = max(each, (prompt_tokens or 0) - each * (stored - 1))
-        return KeyWeights(lambda i: deepest if i == 0 else each, 1)
+        position there (deepest first): see :func:`gateway.routing.key_weights.stride_weights`."""
+        return stride_weights(self.stride, self._default_weight, depth, tokens_at, prompt_tokens, blocks)
 
     def record_stored(
         self,
@@ -495,7 +443,7 @@ class AffinityIndex:
         weight_of, special = None, 0
         if key_weights is not None:
             if weights is None:  # a record without weights (an older peer): positions unknown
-                weights = self._even_weights(len(stored), prompt_tokens)
+                weights = even_weights(self._default_weight, len(stored), prompt_tokens)
             weight_of, special = weights.weight_of, weights.special
         standard = self._default_weight
         used = 0
