@@ -19,7 +19,8 @@ import redis.asyncio as aioredis
 from gateway.prefix.learn import VarianceLearner
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.starts import HeadDemand
-from gateway.state.affinity_sync import AffinitySync, Record, decode, decode_demand, decode_starts, encode
+from gateway.state.affinity_sync import AffinitySync
+from gateway.state.wire import Record, decode, decode_demand, decode_starts, encode
 from tests.polling import until
 from tests.state.kv_model import model_kv
 from tests.state.redis_proxy import FlakyProxy
