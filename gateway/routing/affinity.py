@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import pairwise
 
 from gateway.routing.key_weights import KeyWeights, even_weights, stride_weights
+from gateway.routing.sinks import NO_SINK, RecordSink
 
 # Bytes one (key, replica) pair costs at most, with up to 30 replicas: the key's int (36),
 # its share of the holders dict (<= 110 just after a resize), the replica's OrderedDict
@@ -90,9 +91,24 @@ class AffinityIndex:
         self._slot: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self.generation = 0  # moves whenever a slot is given or taken: masks from mask_of() expire
-        # Called with (replica, stored keys deepest first, prompt_tokens, the keys' weights in a
-        # modelled cache from KeyWeights.explicit, or None) after each local record.
-        self.listener: Callable[[str, list[int], int | None, list[int] | None], None] | None = None
+        self._sink: RecordSink = NO_SINK  # hears of each local record (see attach_sink)
+
+    # -- the seam to shared state ---------------------------------------------------------
+    @property
+    def sink(self) -> RecordSink:
+        """Where local records go (:data:`~gateway.routing.sinks.NO_SINK` when not shared)."""
+        return self._sink
+
+    def attach_sink(self, sink: RecordSink) -> None:
+        """Send every later local record to ``sink`` (``NO_SINK``: stop sharing).
+
+        A method, not a constructor argument: the index is built by its route's policy from
+        the route's settings, and the state sync that shares it is built once per gateway,
+        after the routes, and outlives config reloads, which rebuild routes (and their
+        indexes) under it; it also shares only while started.  So the sink arrives after
+        construction and changes during the index's life.
+        """
+        self._sink = sink
 
     # -- membership --------------------------------------------------------------------
     def set_members(self, names: Iterable[str]) -> None:
@@ -374,8 +390,8 @@ class AffinityIndex:
         ``tokens_at(depth)``: the prompt tokens the first ``depth`` keys cover, for the weights
         of a replica whose KV cache is modelled (default: :attr:`default_weight` per key), and
         ``blocks``: how many of the keys are whole token blocks, of what size (see
-        :meth:`stored_weights`).  A set
-        ``listener`` hears of every local record (to share it with other gateway processes).
+        :meth:`stored_weights`).  The attached sink (:meth:`attach_sink`) hears of every local
+        record (to share it with other gateway processes).
         Returns the keys ``name`` did not hold before (what :meth:`unrecord` may take back).
         """
         if not keys:
@@ -385,8 +401,7 @@ class AffinityIndex:
         if tokens_at is not None and name in self._token_cap:
             weights = self.stored_weights(len(keys), tokens_at, prompt_tokens, blocks)
         added = self.record_stored(name, stored, prompt_tokens, weights)
-        if self.listener is not None:  # peers weigh the keys as this record did
-            self.listener(name, stored, prompt_tokens, weights.explicit(len(stored)) if weights else None)
+        self._sink.recorded(name, stored, prompt_tokens, weights)  # peers weigh the keys as this record did
         return added
 
     def stored_keys(self, keys: Sequence[int]) -> list[int]:

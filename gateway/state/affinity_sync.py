@@ -34,11 +34,11 @@ import uuid
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-from gateway.prefix.learn import VarianceLearner
+from gateway.prefix.learn import NO_LEARN_SINK, VarianceLearner
 from gateway.routing.affinity import AffinityIndex, KeyWeights
+from gateway.routing.sinks import NO_SINK
 from gateway.routing.starts import HeadDemand
 from gateway.state.peer_load import PeerLoad, Report, parse_load
 from gateway.state.signing import Signer
@@ -89,6 +89,32 @@ class SyncStats:
         return dict(self.__dict__)
 
 
+class RouteSink:
+    """One route's seam into the sync: what its affinity index records, its head demand starts
+    and its normalizer learns is queued for publishing under the route's name.
+
+    Implements :class:`~gateway.routing.sinks.RecordSink`, :class:`~gateway.routing.sinks.StartSink`
+    and :class:`~gateway.prefix.learn.LearnSink`; called on the request path, so it only queues.
+    """
+
+    __slots__ = ("_route", "_sync")
+
+    def __init__(self, sync: AffinitySync, route: str) -> None:
+        self._sync = sync
+        self._route = route
+
+    def recorded(self, replica: str, stored: list[int], prompt_tokens: int | None, weights: KeyWeights | None) -> None:
+        # peers weigh the keys as this record did: the weights that are not the standard one
+        explicit = weights.explicit(len(stored)) if weights else None
+        self._sync._enqueue(self._route, replica, stored, prompt_tokens, explicit)
+
+    def started(self, head: int) -> None:
+        self._sync._enqueue_start(self._route, head)
+
+    def learned(self, place: int, value: int) -> None:
+        self._sync._enqueue_varies(self._route, place, value)
+
+
 class AffinitySync:
     """Publishes this process's affinity records and applies its peers', via one Redis channel."""
 
@@ -135,12 +161,13 @@ class AffinitySync:
         self._attach()
 
     def _attach(self) -> None:
+        """Become the sink of every shared index, start count and learner (one per route)."""
         for route, index in self._indexes.items():
-            index.listener = partial(self._enqueue, route)
+            index.attach_sink(RouteSink(self, route))
         for route, demand in self._demands.items():
-            demand.listener = partial(self._enqueue_start, route)
+            demand.attach_sink(RouteSink(self, route))
         for route, learner in self._learners.items():
-            learner.listener = partial(self._enqueue_varies, route)
+            learner.attach_sink(RouteSink(self, route))
 
     def set_indexes(
         self,
@@ -157,12 +184,13 @@ class AffinitySync:
             self._attach()
 
     def _detach(self) -> None:
+        """Give every shared object back its no-op sink: nothing more is published from them."""
         for index in self._indexes.values():
-            index.listener = None
+            index.attach_sink(NO_SINK)
         for demand in self._demands.values():
-            demand.listener = None
+            demand.attach_sink(NO_SINK)
         for learner in self._learners.values():
-            learner.listener = None
+            learner.attach_sink(NO_LEARN_SINK)
 
     @property
     def demands(self) -> Mapping[str, HeadDemand]:
