@@ -1,11 +1,10 @@
-"""The whole configuration schema (pydantic) and its loading.
+"""The whole configuration schema: the pydantic models behind ``gateway.yaml``.
 
-Loading is two-phase, like uvicorn's ``Config``: :func:`load_config` / :func:`parse_config`
-*validate* everything (types, cross references between routes and replicas, policy names
-and each policy's own settings model) and raise one :class:`ConfigError` that names the
-file, the field path and what is wrong; only then does ``gateway.service.Gateway`` *build*
-components from the validated object.  Sub-configs are passed into constructors; nothing
-reads a global.
+Only the models live here (types, defaults, descriptions, local validators); validating a
+file or mapping against them and the cross-checks between routes, replicas and policies
+are :mod:`gateway.config.loading`, and ``docs/config.md``'s generated table is
+:mod:`gateway.config.reference`.  Sub-configs are passed into constructors; nothing reads a
+global.
 
 Every field has a default and a description: ``docs/config.md`` is the reference.
 """
@@ -14,17 +13,14 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import os
-import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
+from gateway.config.errors import ConfigError
 from gateway.discovery.settings import DiscoveryConfig
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 
@@ -579,204 +575,3 @@ def _unique(names: Sequence[str], where: str) -> None:
         if name in seen:
             raise ValueError(f"{where}: duplicate name {name!r}")
         seen.add(name)
-
-
-class ConfigError(ValueError):
-    """Invalid configuration: every line names the source, the field path and the problem."""
-
-    def __init__(self, source: str, problems: Sequence[tuple[str, str]]) -> None:
-        self.source = source
-        self.problems = list(problems)
-        lines = [f"{source}: {path}: {msg}" if path else f"{source}: {msg}" for path, msg in self.problems]
-        super().__init__("\n".join(lines))
-
-
-def _loc(parts: Sequence[Any]) -> str:
-    out = ""
-    for part in parts:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def _pydantic_problems(exc: ValidationError, prefix: Sequence[Any] = ()) -> list[tuple[str, str]]:
-    problems = []
-    for err in exc.errors():
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see docs/config.md)"
-        problems.append((_loc([*prefix, *err["loc"]]), msg))
-    return problems
-
-
-def _check_routes(config: GatewayConfig) -> list[tuple[str, str]]:
-    """Cross-checks pydantic cannot express locally: pool names and policy settings."""
-    from gateway.routing import registry  # late import: the registry imports the policies
-
-    problems: list[tuple[str, str]] = []
-    names = {r.name for r in config.replicas} | {d.name for d in config.discovery}
-    for i, route in enumerate(config.routes):
-        for j, ref in enumerate(route.replicas or []):
-            if ref not in names:
-                problems.append(
-                    (
-                        f"routes[{i}].replicas[{j}]",
-                        f"unknown replica {ref!r} (nor a discovery source); known: {sorted(names)}",
-                    )
-                )
-        if route.replicas is not None and not route.replicas:
-            problems.append((f"routes[{i}].replicas", "a route needs at least one replica"))
-        if route.policy not in registry.POLICIES:
-            valid = ", ".join(registry.policy_names())
-            problems.append((f"routes[{i}].policy", f"unknown policy {route.policy!r}; valid policies: {valid}"))
-            continue
-        try:
-            registry.validate_settings(route.policy, route.policy_settings)
-        except ValidationError as exc:
-            problems.extend(_pydantic_problems(exc, ("routes", i, "policy_settings")))
-    return problems
-
-
-def parse_config(data: Any, source: str = "<config>") -> GatewayConfig:
-    """Phase one from a mapping: validate everything or raise :class:`ConfigError`."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(source, [("", "the top level must be a mapping with at least `replicas:`")])
-    try:
-        config = GatewayConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(source, _pydantic_problems(exc)) from None
-    problems = _check_routes(config)
-    if problems:
-        raise ConfigError(source, problems)
-    return config
-
-
-def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
-    """Phase one from a YAML file."""
-    source = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(source, [("", f"cannot read file: {exc.strerror or exc}")]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(source, [(where, f"invalid YAML: {problem}")]) from None
-    return parse_config(data, source)
-
-
-def quick_config(
-    replica_urls: Sequence[str],
-    policy: str = "prefix",
-    host: str = "127.0.0.1",
-    port: int = 8080,
-    policy_settings: Mapping[str, Any] | None = None,
-) -> GatewayConfig:
-    """The config behind ``prefix-gateway serve --replica URL ... --policy NAME``."""
-    data = {
-        "server": {"host": host, "port": port},
-        "replicas": [{"name": f"r{i}", "url": url} for i, url in enumerate(replica_urls)],
-        "routes": [{"name": "default", "policy": policy, "policy_settings": dict(policy_settings or {})}],
-    }
-    return parse_config(data, "<command line>")
-
-
-def packaged_default_config() -> Path:
-    """``gateway/defaults/gateway.yaml``: the demo config, shipped inside the package."""
-    return Path(__file__).parents[1] / "defaults" / "gateway.yaml"
-
-
-def default_config_path() -> Path:
-    """``./config/gateway.yaml`` when run from a checkout, else the packaged copy."""
-    local = Path.cwd() / "config" / "gateway.yaml"
-    return local if local.is_file() else packaged_default_config()
-
-
-# -- reference documentation (docs/config.md is generated from the models) -----------------------
-def _type_name(annotation: Any) -> str:
-    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
-    text = text or str(annotation).replace("typing.", "")
-    return re.sub(r"\b(gateway|pydantic)\.[\w.]+\.", "", text).replace("NoneType", "null")
-
-
-def _default_text(field: Any) -> str:
-    if field.is_required():
-        return "required"
-    value = field.default_factory() if field.default_factory is not None else field.default
-    if isinstance(value, BaseModel):
-        return "(section)"
-    if isinstance(value, list) and value and isinstance(value[0], BaseModel):
-        return "see below"
-    return "`" + json.dumps(value) + "`"
-
-
-def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]:
-    rows = []
-    for name, field in model.model_fields.items():
-        path = f"{prefix}{name}"
-        annotation = field.annotation
-        sub = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-        if sub is None:
-            for arg in getattr(annotation, "__args__", ()):
-                if isinstance(arg, type) and issubclass(arg, BaseModel):
-                    sub = arg
-        item_list = getattr(annotation, "__origin__", None) is list
-        if sub is not None and not item_list:
-            rows.extend(_rows(sub, f"{path}."))
-            continue
-        if sub is not None and item_list:
-            rows.append((path, "list", _default_text(field), field.description or sub.__doc__.split("\n")[0]))
-            rows.extend(_rows(sub, f"{path}[]."))
-            continue
-        rows.append((path, _type_name(annotation), _default_text(field), field.description or ""))
-    return rows
-
-
-def markdown_reference() -> str:
-    """The settings table of docs/config.md: every field, its type, default and meaning."""
-    from gateway.routing import registry
-
-    lines = ["| setting | type | default | meaning |", "|---|---|---|---|"]
-    for path, type_, default, text in _rows(GatewayConfig, ""):
-        lines.append(f"| `{path}` | {type_} | {default} | {text} |")
-    for name in registry.policy_names():
-        model = registry.entry(name).settings_model
-        lines += ["", f"**`policy: {name}`** — `policy_settings`:", ""]
-        rows = _rows(model, "")
-        if not rows:
-            lines.append("(none)")
-            continue
-        lines += ["| setting | type | default | meaning |", "|---|---|---|---|"]
-        lines += [f"| `{p}` | {t} | {d} | {x} |" for p, t, d, x in rows]
-    return "\n".join(lines) + "\n"
-
-
-BEGIN_MARK = "<!-- BEGIN GENERATED: python -m gateway.config --markdown -->\n"
-END_MARK = "<!-- END GENERATED -->"
-
-
-def update_reference(path: str | os.PathLike[str]) -> bool:
-    """Rewrite the generated block of ``docs/config.md``; True if it changed."""
-    text = Path(path).read_text()
-    begin = text.index(BEGIN_MARK) + len(BEGIN_MARK)
-    end = text.index(END_MARK)
-    updated = text[:begin] + markdown_reference() + text[end:]
-    if updated != text:
-        Path(path).write_text(updated)
-    return updated != text
-
-
-if __name__ == "__main__":  # python -m gateway.config --markdown | --update docs/config.md
-    import sys
-
-    if sys.argv[1:] == ["--markdown"]:
-        print(markdown_reference(), end="")
-    elif sys.argv[1:2] == ["--update"] and len(sys.argv) == 3:
-        print("updated" if update_reference(sys.argv[2]) else "already current", sys.argv[2])
-    else:
-        raise SystemExit("usage: python -m gateway.config --markdown | --update docs/config.md")

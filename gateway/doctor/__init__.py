@@ -8,7 +8,10 @@ One module per job:
 - :mod:`.replay`: the hit rate an LRU cache of blocks would see for a sequence of key chains;
 - :mod:`.spans`: find volatile spans no rule knows by diffing requests that share a template,
   and suggest a regex rule for each;
-- :mod:`.analyses`: one function per cause, each returning findings with evidence and a fix;
+- :mod:`.replayed`: the causes the samples show, each fix's gain replayed on their key chains;
+- :mod:`.live_stats`: the causes read from a running gateway's ``/admin/stats``;
+- :mod:`.evidence`: the wording findings share (percentages, a route's YAML fix);
+- :mod:`.analyses`: :func:`diagnose` runs both families over every route and ranks the findings;
 - :mod:`.report`: rank the findings and render them as text or JSON.
 """
 

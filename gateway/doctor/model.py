@@ -1,4 +1,5 @@
-"""The data every doctor module shares: request samples, the corpus they form, and findings.
+"""The data every doctor module shares: request samples, the corpus they form, findings, and
+each route's summary of hit rates.
 
 A :class:`Sample` is the same whether it came from the gateway's redacted sample buffer or
 from a JSONL file: keys are opaque hashables (keyed fingerprints from the gateway, raw chain
@@ -129,4 +130,29 @@ class Finding:
             "evidence": self.evidence,
             "fix": {"summary": self.fix.summary, "yaml": self.fix.yaml, "patch": self.fix.patch},
             "data": self.data,
+        }
+
+
+@dataclass(slots=True)
+class RouteSummary:
+    name: str
+    normalize: str
+    requests: int = 0
+    hit_rate_reported: float | None = None  # stats (replicas' usage), else the samples' usage
+    hit_rate_predicted: float | None = None  # the gateway's own prediction, from stats
+    hit_rate_replayed: float | None = None  # the samples through a pooled LRU, as they are
+    hit_rate_all_fixes: float | None = None  # the same with every replayable fix applied
+
+    def as_dict(self) -> dict[str, Any]:
+        def r(v: float | None) -> float | None:
+            return None if v is None else round(v, 4)
+
+        return {
+            "name": self.name,
+            "normalize": self.normalize,
+            "requests": self.requests,
+            "hit_rate_reported": r(self.hit_rate_reported),
+            "hit_rate_predicted": r(self.hit_rate_predicted),
+            "hit_rate_replayed": r(self.hit_rate_replayed),
+            "hit_rate_all_fixes": r(self.hit_rate_all_fixes),
         }

@@ -19,7 +19,7 @@ vary is counted in ``warmup_misses``.
 
 Several gateway processes share what they learn (``gateway.state.affinity_sync``): a new
 place (with a stable hash of its first value) and a place seen to vary are announced to
-``listener`` as a stable 64-bit digest of (rule, field, context) — no prompt text leaves the
+the learner's sink (:class:`LearnSink`) as a stable 64-bit digest of (rule, field, context) — no prompt text leaves the
 process — and the peers' announcements come in through ``learn_peer``.  A process that sees a
 place first with another value than a peer saw there knows at once that it varies: a
 template's warm-up is paid once per fleet, not once per process.  A process that joins gets
@@ -32,8 +32,8 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import xxhash
 
@@ -142,6 +142,29 @@ class Place:
         return self.changes > 0
 
 
+class LearnSink(Protocol):
+    """Hears what this process learns, to share it with other gateway processes (the state sync).
+
+    Defined here, on the learner's side, so the normalizer never imports the state layer; the
+    default :data:`NO_LEARN_SINK` tells nobody.  Called synchronously: it must queue, never wait.
+    """
+
+    def learned(self, place: int, value: int) -> None:
+        """A place seen first here (``value``: its first value's digest) or newly seen to vary (0)."""
+
+
+class NoLearnSink:
+    """The default sink: one gateway process, nothing to tell anyone."""
+
+    __slots__ = ()
+
+    def learned(self, place: int, value: int) -> None:
+        return None
+
+
+NO_LEARN_SINK = NoLearnSink()
+
+
 class VarianceLearner:
     """Bounded, expiring map place → value history; thread-safe, O(1) per span."""
 
@@ -158,7 +181,21 @@ class VarianceLearner:
         # places peers have seen but not (yet) vary: digest -> the value's digest there
         self._peer_values: OrderedDict[int, int] = OrderedDict()
         # hears (place digest, first value's digest) for a new place, (place digest, 0) once it varies
-        self.listener: Callable[[int, int], None] | None = None
+        self._sink: LearnSink = NO_LEARN_SINK
+
+    @property
+    def sink(self) -> LearnSink:
+        """Where this process's sightings go (:data:`NO_LEARN_SINK` when not shared)."""
+        return self._sink
+
+    def attach_sink(self, sink: LearnSink) -> None:
+        """Announce every later new place and newly varying place to ``sink`` (``NO_LEARN_SINK``: stop).
+
+        A method, not a constructor argument: the route's normalizer builds its learner, and
+        the state sync that shares it is built once per gateway, after the routes, and
+        outlives config reloads, which rebuild them; it also shares only while started.
+        """
+        self._sink = sink
 
     def varies(self, rule: str, where: str, context: str, value: str) -> bool:
         """Would this span be moved now (its place has changed, or changes with this value)?  Pure."""
@@ -230,8 +267,7 @@ class VarianceLearner:
                 place = Place(rule, where, digest(context), value_hash, example, 1, int(peers_saw), now, place_id)
                 self._places[key] = place
                 self._evict(now)
-                if self.listener is not None:
-                    announce = 0 if peers_saw else value_digest(value)
+                announce = 0 if peers_saw else value_digest(value)
             else:
                 self._places.move_to_end(key)
                 place.seen += 1
@@ -245,8 +281,8 @@ class VarianceLearner:
                     place.example = self._example(value)
                 elif place.changes == 0 and self._peers_heard() and self._peers_saw_vary(place.place_id, value):
                     place.changes = 1  # a peer saw it change: as if this process had
-        if announce is not None and self.listener is not None:
-            self.listener(place.place_id, announce)
+        if announce is not None:
+            self._sink.learned(place.place_id, announce)
         return place.changes > 0
 
     def _example(self, value: str) -> str:

@@ -21,7 +21,8 @@ Recording a request touches its keys on the replica that serves it, shallow keys
 like vLLM, which frees a finished request's blocks tail first — a replica "forgets" the
 tails of old prompts before their shared heads.  Only every ``stride``-th key (and the
 deepest) is stored; lookups still probe every key, so a request that extends an earlier one
-always finds the earlier one's deepest key.
+always finds the earlier one's deepest key.  What a stored key weighs is
+:mod:`gateway.routing.key_weights`.
 
 Not thread-safe; the gateway runs it on one event loop.
 """
@@ -31,8 +32,10 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from itertools import pairwise
+
+from gateway.routing.key_weights import KeyWeights, even_weights, stride_weights
+from gateway.routing.sinks import NO_SINK, RecordSink
 
 # Bytes one (key, replica) pair costs at most, with up to 30 replicas: the key's int (36),
 # its share of the holders dict (<= 110 just after a resize), the replica's OrderedDict
@@ -46,29 +49,7 @@ WEIGHT_BYTES = 140
 
 _MISSING = object()
 
-
-@dataclass(frozen=True, slots=True)
-class KeyWeights:
-    """What the stored keys of one record weigh in a modelled KV cache (deepest first): the
-    first ``special`` by ``weight_of(position)``, the rest the standard weight (a stride of
-    whole token blocks) — most keys of a long prompt, which so cost no call."""
-
-    weight_of: Callable[[int], int]
-    special: int
-
-    def explicit(self, count: int) -> list[int]:
-        """The weights of the first ``count`` stored keys that are not the standard one, as a
-        list (a record shared with other gateway processes carries them; the rest weigh the
-        standard weight there too)."""
-        return [self.weight_of(i) for i in range(min(self.special, count))]
-
-    @classmethod
-    def of(cls, values: Sequence[int] | None) -> KeyWeights | None:
-        """Weights given as a list (a peer's record, a snapshot): position i weighs
-        ``values[i]``, positions past the list the standard weight; None for none."""
-        if not values:
-            return None
-        return cls(values.__getitem__, len(values))
+__all__ = ["ENTRY_BYTES", "WEIGHT_BYTES", "AffinityIndex", "KeyWeights"]  # KeyWeights: re-exported
 
 
 def _depth_first(group: tuple[int, int]) -> int:
@@ -110,9 +91,24 @@ class AffinityIndex:
         self._slot: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self.generation = 0  # moves whenever a slot is given or taken: masks from mask_of() expire
-        # Called with (replica, stored keys deepest first, prompt_tokens, the keys' weights in a
-        # modelled cache from KeyWeights.explicit, or None) after each local record.
-        self.listener: Callable[[str, list[int], int | None, list[int] | None], None] | None = None
+        self._sink: RecordSink = NO_SINK  # hears of each local record (see attach_sink)
+
+    # -- the seam to shared state ---------------------------------------------------------
+    @property
+    def sink(self) -> RecordSink:
+        """Where local records go (:data:`~gateway.routing.sinks.NO_SINK` when not shared)."""
+        return self._sink
+
+    def attach_sink(self, sink: RecordSink) -> None:
+        """Send every later local record to ``sink`` (``NO_SINK``: stop sharing).
+
+        A method, not a constructor argument: the index is built by its route's policy from
+        the route's settings, and the state sync that shares it is built once per gateway,
+        after the routes, and outlives config reloads, which rebuild routes (and their
+        indexes) under it; it also shares only while started.  So the sink arrives after
+        construction and changes during the index's life.
+        """
+        self._sink = sink
 
     # -- membership --------------------------------------------------------------------
     def set_members(self, names: Iterable[str]) -> None:
@@ -394,8 +390,8 @@ class AffinityIndex:
         ``tokens_at(depth)``: the prompt tokens the first ``depth`` keys cover, for the weights
         of a replica whose KV cache is modelled (default: :attr:`default_weight` per key), and
         ``blocks``: how many of the keys are whole token blocks, of what size (see
-        :meth:`stored_weights`).  A set
-        ``listener`` hears of every local record (to share it with other gateway processes).
+        :meth:`stored_weights`).  The attached sink (:meth:`attach_sink`) hears of every local
+        record (to share it with other gateway processes).
         Returns the keys ``name`` did not hold before (what :meth:`unrecord` may take back).
         """
         if not keys:
@@ -405,8 +401,7 @@ class AffinityIndex:
         if tokens_at is not None and name in self._token_cap:
             weights = self.stored_weights(len(keys), tokens_at, prompt_tokens, blocks)
         added = self.record_stored(name, stored, prompt_tokens, weights)
-        if self.listener is not None:  # peers weigh the keys as this record did
-            self.listener(name, stored, prompt_tokens, weights.explicit(len(stored)) if weights else None)
+        self._sink.recorded(name, stored, prompt_tokens, weights)  # peers weigh the keys as this record did
         return added
 
     def stored_keys(self, keys: Sequence[int]) -> list[int]:
@@ -426,40 +421,8 @@ class AffinityIndex:
         blocks: tuple[int, int] = (0, 0),
     ) -> KeyWeights:
         """The weight of each of :meth:`stored_keys` for a prompt of ``depth`` keys, by its
-        position there (deepest first): the tokens it adds after the stored key before it; the
-        deepest also carries the prompt past its keys (``prompt_tokens``).  ``blocks`` =
-        (token blocks, block size): the keys that far are whole token blocks, so the stride
-        keys among them weigh the standard weight without a call (a cold 32k-token prompt: ~90
-        new keys, 60 of them there); only the others are asked for, and only when new.
-        """
-        stride = self.stride
-        last = depth // stride  # stored stride keys; one more when the deepest is not one
-        offset = 1 if depth % stride else 0
-        token_blocks, block_size = blocks
-
-        def weight_of(i: int) -> int:
-            at = depth if i == 0 else (last - i + offset) * stride
-            before = (at - 1) // stride * stride
-            if at <= token_blocks:
-                weight = (at - before) * block_size
-            else:
-                weight = max(1, tokens_at(at) - (tokens_at(before) if before else 0))
-            if i == 0 and prompt_tokens:
-                weight += max(0, prompt_tokens - tokens_at(depth))
-            return weight
-
-        # the deepest, and the stride keys past the whole blocks (text keys), need weight_of
-        special = depth
-        if block_size * stride == self._default_weight:
-            special = offset + max(0, last - token_blocks // stride)
-        return KeyWeights(weight_of, max(1, special))
-
-    def _even_weights(self, stored: int, prompt_tokens: int | None) -> KeyWeights:
-        """Weights without the prompt's token positions: :attr:`default_weight` per stored key,
-        and the deepest carries whatever of ``prompt_tokens`` the others do not cover."""
-        each = self._default_weight
-        deepest = max(each, (prompt_tokens or 0) - each * (stored - 1))
-        return KeyWeights(lambda i: deepest if i == 0 else each, 1)
+        position there (deepest first): see :func:`gateway.routing.key_weights.stride_weights`."""
+        return stride_weights(self.stride, self._default_weight, depth, tokens_at, prompt_tokens, blocks)
 
     def record_stored(
         self,
@@ -495,7 +458,7 @@ class AffinityIndex:
         weight_of, special = None, 0
         if key_weights is not None:
             if weights is None:  # a record without weights (an older peer): positions unknown
-                weights = self._even_weights(len(stored), prompt_tokens)
+                weights = even_weights(self._default_weight, len(stored), prompt_tokens)
             weight_of, special = weights.weight_of, weights.special
         standard = self._default_weight
         used = 0

@@ -21,7 +21,7 @@ Starts decay geometrically (``window`` recent starts weigh ~1/e), lazily, in O(1
 (:mod:`gateway.routing.decay`).  Heads are kept in an LRU of bounded size.
 
 Several gateway processes share their starts (``gateway.state.affinity_sync``): each one's
-local starts go to its ``listener`` and its peers' come back through ``record_peer``, so every
+local starts go to its sink (:mod:`gateway.routing.sinks`) and its peers' come back through ``record_peer``, so every
 process judges a head by the fleet's starts, not by the third of them it placed itself; a
 process that joins takes its peers' counts from their catch-up snapshot (``export``/``merge``).
 """
@@ -29,9 +29,10 @@ process that joins takes its peers' counts from their catch-up snapshot (``expor
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from gateway.routing.decay import DecayedCounts, Token
+from gateway.routing.sinks import NO_SINK, StartSink
 
 
 class HeadDemand(DecayedCounts):
@@ -43,12 +44,26 @@ class HeadDemand(DecayedCounts):
     rarer than it is among the conversations that could pile up.
     """
 
-    __slots__ = ("_max_heads", "listener")
+    __slots__ = ("_max_heads", "_sink")
 
     def __init__(self, window: int, max_heads: int = 8192) -> None:
         super().__init__(window)
         self._max_heads = max_heads
-        self.listener: Callable[[int], None] | None = None  # hears each local start (shared state)
+        self._sink: StartSink = NO_SINK  # hears each local start (shared state; see attach_sink)
+
+    @property
+    def sink(self) -> StartSink:
+        """Where local starts go (:data:`~gateway.routing.sinks.NO_SINK` when not shared)."""
+        return self._sink
+
+    def attach_sink(self, sink: StartSink) -> None:
+        """Send every later local start to ``sink`` (``NO_SINK``: stop sharing).
+
+        A method, not a constructor argument, for the affinity index's reason
+        (:meth:`gateway.routing.affinity.AffinityIndex.attach_sink`): the policy builds the
+        counts, the state sync comes later and outlives the routes it shares.
+        """
+        self._sink = sink
 
     def recent_starts(self) -> float:
         """Recent starts in the pool (decayed: the newest weighs 1)."""
@@ -72,12 +87,11 @@ class HeadDemand(DecayedCounts):
     def record(self, head: int) -> Token:
         """Count a start behind ``head``; returns the undo token."""
         token = self.record_peer(head)
-        if self.listener is not None:
-            self.listener(head)
+        self._sink.started(head)
         return token
 
     def record_peer(self, head: int) -> Token:
-        """Count a start another gateway process placed (not passed on to ``listener``)."""
+        """Count a start another gateway process placed (not passed on to the sink)."""
         token = self._add(head, 1.0)
         self._bound()
         return token

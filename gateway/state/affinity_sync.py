@@ -15,34 +15,10 @@ retries with backoff, and says so once in the log and in ``prefix_gateway_state_
 metrics.  A pod that starts later gets a snapshot of its peers' recent records
 (:mod:`gateway.state.catchup`) and, until it has, answers ``/ready`` with 503.
 
-Wire format (one pub/sub message per batch, JSON)::
-
-    {"v": 1, "pod": "<id>", "records": [[route, replica, prompt_tokens or 0, "<keys>"], ...]}
-
-where ``<keys>`` is the base64 of the stored block keys as little-endian u64, deepest first.
-Where the sender models the replica's KV cache (``replica_cache_tokens``), the batch also
-carries what the keys weigh there — ``"weights": [[record_position, "<u32s>"], ...]``, the
-base64 of little-endian u32 token counts for the first keys of that record (the rest weigh
-one stride of blocks) — so a peer's model of the same replica fills as the sender's does
-instead of weighing every key alike (a 32k-token prompt's text keys each stand for ~1,000
-tokens, its window keys for 64).  A separate field, so older versions read the records and
-ignore it.
-A batch may also carry the conversation starts placed behind shared heads since the last one,
-``"starts": [[route, head_key], ...]`` (:mod:`gateway.routing.starts`: every process then counts
-the fleet's starts), and the normalization places new to the sender or newly seen to vary,
-``"varies": [[route, place_digest, value_digest or 0 (varies)], ...]`` (:mod:`gateway.prefix.learn`:
-a template's warm-up is paid once per fleet).  The last message of a catch-up snapshot
-(:mod:`gateway.state.catchup`) also carries
-``"catch_up_end": true`` (with no records when the sender had none), the sender's whole list of
-varying places and its start counts, ``"demand": {route: [recent_starts, [[head_key, count],
-...]]}``: a process that has just joined takes the first it hears and is ready
-(``CatchUp.readiness``).  Older versions ignore these fields.
-The channel ``<channel>:load`` carries each process's load reports
-(:mod:`gateway.state.peer_load`),
-``{"v": 1, "pod": "<id>", "load": {"<replica>": [in_flight, queued_prefill_tokens], ...}}``,
-published every ``load_interval_ms`` when ``state.share_load`` is on.
-Messages from this process, for unknown routes or replicas, or malformed, are skipped and
-counted; none of them can raise into the gateway.  With a shared secret every message is
+What travels (one JSON batch per publish; load reports on their own channel) is
+:mod:`gateway.state.wire`; this module is the transport.  Messages from this process, for
+unknown routes or replicas, or malformed, are skipped and counted; none of them can raise
+into the gateway.  With a shared secret every message is
 wrapped in an HMAC envelope (:mod:`gateway.state.signing`) and anything unsigned or badly
 signed is dropped and counted (``rejected``): another client of the same Redis cannot forge
 load or affinity.
@@ -51,58 +27,46 @@ load or affinity.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
-import json
 import logging
-import struct
 import time
 import uuid
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
-from gateway.prefix.learn import VarianceLearner
+from gateway.prefix.learn import NO_LEARN_SINK, VarianceLearner
 from gateway.routing.affinity import AffinityIndex, KeyWeights
+from gateway.routing.sinks import NO_SINK
 from gateway.routing.starts import HeadDemand
-from gateway.state.peer_load import PeerLoad, Report, load_rows, parse_load
+from gateway.state.peer_load import PeerLoad, Report, parse_load
 from gateway.state.signing import Signer
+from gateway.state.wire import (
+    MAX_KEYS_PER_RECORD,
+    MAX_RECORDS_PER_MESSAGE,
+    MAX_VARIES_PER_MESSAGE,
+    Demand,
+    Record,
+    Sighting,
+    Start,
+    decode_demand,
+    decode_records,
+    decode_starts,
+    decode_varies,
+    encode,
+    encode_load,
+    parse_message,
+)
 from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_gateway.state")
 
-WIRE_VERSION = 1
-MAX_RECORDS_PER_MESSAGE = 512
-MAX_KEYS_PER_RECORD = 65_536
-MAX_MESSAGE_BYTES = 8 << 20
 _LOAD_HEARTBEAT_S = 1.0  # a load report goes out at least this often, changed or not
 _SILENCE_PING_S = 15.0  # no message for this long: ping the server ...
 _PONG_WAIT_S = 5.0  # ... and reconnect if nothing answers within this
 _BACKOFF_START_S = 0.5
 _BACKOFF_MAX_S = 10.0
-
-
-class Record(NamedTuple):
-    """One affinity record: ``replica`` of ``route`` holds these stored keys (deepest first)."""
-
-    route: str
-    replica: str
-    keys: list[int]
-    prompt_tokens: int | None
-    weights: list[int] | None = None  # the first keys' weights in a modelled cache (KeyWeights.explicit)
-
-
-Start = tuple[str, int]  # route, shared head key
-Sighting = tuple[str, int, int]  # route, normalization place digest, its value's digest (0: varies)
-Demand = dict[str, tuple[float, list[tuple[int, float]]]]  # route -> HeadDemand.export()
-MAX_DEMAND_HEADS = 1024  # per route in a catch-up snapshot
-MAX_VARYING_PLACES = 4096  # per route in a catch-up snapshot
-MAX_VARIES_PER_MESSAGE = 65_536
-_U64 = 1 << 64
-_U32_MAX = (1 << 32) - 1
 
 
 @dataclass
@@ -125,158 +89,30 @@ class SyncStats:
         return dict(self.__dict__)
 
 
-def encode(
-    pod: str,
-    records: Sequence[Record],
-    *,
-    starts: Sequence[Start] = (),
-    varies: Sequence[Sighting] = (),
-    catch_up_end: bool = False,
-    demand: Demand | None = None,
-) -> bytes:
-    """One batch as a pub/sub payload (see the module docstring)."""
-    rows = [
-        [r.route, r.replica, r.prompt_tokens or 0, base64.b64encode(struct.pack(f"<{len(r.keys)}Q", *r.keys)).decode()]
-        for r in records
-    ]
-    message: dict[str, Any] = {"v": WIRE_VERSION, "pod": pod, "records": rows}
-    weights = [
-        [i, base64.b64encode(struct.pack(f"<{len(r.weights)}I", *(min(w, _U32_MAX) for w in r.weights))).decode()]
-        for i, r in enumerate(records)
-        if r.weights
-    ]
-    if weights:
-        message["weights"] = weights
-    if starts:
-        message["starts"] = [[route, head] for route, head in starts]
-    if varies:
-        message["varies"] = [list(row) for row in varies]
-    if catch_up_end:
-        message["catch_up_end"] = True
-        if demand:
-            message["demand"] = {
-                route: [round(total, 3), [[head, round(count, 3)] for head, count in heads]]
-                for route, (total, heads) in demand.items()
-            }
-    return json.dumps(message, separators=(",", ":")).encode()
+class RouteSink:
+    """One route's seam into the sync: what its affinity index records, its head demand starts
+    and its normalizer learns is queued for publishing under the route's name.
 
+    Implements :class:`~gateway.routing.sinks.RecordSink`, :class:`~gateway.routing.sinks.StartSink`
+    and :class:`~gateway.prefix.learn.LearnSink`; called on the request path, so it only queues.
+    """
 
-def _is_u64(value: Any) -> bool:
-    return type(value) is int and 0 <= value < _U64
+    __slots__ = ("_route", "_sync")
 
+    def __init__(self, sync: AffinitySync, route: str) -> None:
+        self._sync = sync
+        self._route = route
 
-def _is_count(value: Any) -> bool:
-    return type(value) in (int, float) and 0 <= value < 1e12
+    def recorded(self, replica: str, stored: list[int], prompt_tokens: int | None, weights: KeyWeights | None) -> None:
+        # peers weigh the keys as this record did: the weights that are not the standard one
+        explicit = weights.explicit(len(stored)) if weights else None
+        self._sync._enqueue(self._route, replica, stored, prompt_tokens, explicit)
 
+    def started(self, head: int) -> None:
+        self._sync._enqueue_start(self._route, head)
 
-def _route_u64_rows(message: Mapping[str, Any], field: str, width: int, limit: int) -> list[tuple[Any, ...]]:
-    """``message[field]``: at most ``limit`` rows ``[route, u64, ...]`` of ``width`` items; ``ValueError`` else."""
-    rows = message.get(field, [])
-    if not isinstance(rows, list) or len(rows) > limit:
-        raise ValueError(f"bad {field}")
-    for row in rows:
-        if not (isinstance(row, list) and len(row) == width and isinstance(row[0], str) and all(map(_is_u64, row[1:]))):
-            raise ValueError(f"a row of {field} must be [route, {width - 1} u64 values]")
-    return [tuple(row) for row in rows]
-
-
-def decode_starts(message: Mapping[str, Any]) -> list[Start]:
-    """``[[route, head key], ...]``."""
-    return _route_u64_rows(message, "starts", 2, MAX_RECORDS_PER_MESSAGE)  # type: ignore[return-value]
-
-
-def decode_varies(message: Mapping[str, Any]) -> list[Sighting]:
-    """``[[route, place digest, value digest or 0], ...]``."""
-    return _route_u64_rows(message, "varies", 3, MAX_VARIES_PER_MESSAGE)  # type: ignore[return-value]
-
-
-def decode_demand(message: Mapping[str, Any]) -> Demand:
-    routes = message.get("demand", {})
-    if not isinstance(routes, dict) or len(routes) > 1024:
-        raise ValueError("bad demand")
-    out: Demand = {}
-    for route, row in routes.items():
-        if not (isinstance(row, list) and len(row) == 2 and _is_count(row[0]) and isinstance(row[1], list)):
-            raise ValueError("a route's demand must be [recent_starts, [[head, count], ...]]")
-        heads = row[1]
-        if len(heads) > MAX_DEMAND_HEADS or not all(
-            isinstance(h, list) and len(h) == 2 and _is_u64(h[0]) and _is_count(h[1]) for h in heads
-        ):
-            raise ValueError("bad demand heads")
-        out[route] = (float(row[0]), [(head, float(count)) for head, count in heads])
-    return out
-
-
-def encode_load(pod: str, report: Report) -> bytes:
-    """This process's per-replica load as a pub/sub payload (see :mod:`gateway.state.peer_load`)."""
-    return json.dumps({"v": WIRE_VERSION, "pod": pod, "load": load_rows(report)}, separators=(",", ":")).encode()
-
-
-def parse_message(payload: bytes | str) -> dict[str, Any]:
-    """A version-1 message with a string ``pod``; ``ValueError`` otherwise."""
-    if len(payload) > MAX_MESSAGE_BYTES:
-        raise ValueError(f"message of {len(payload)} bytes is over {MAX_MESSAGE_BYTES}")
-    try:
-        message = json.loads(payload)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise ValueError(f"not JSON: {type(exc).__name__}") from None
-    if not isinstance(message, dict) or message.get("v") != WIRE_VERSION or not isinstance(message.get("pod"), str):
-        raise ValueError("not a version-1 message from a pod")
-    return message
-
-
-def decode(payload: bytes | str) -> tuple[str, list[Record]]:
-    """``(pod, records)`` from an affinity batch; ``ValueError`` if it is not a valid one."""
-    message = parse_message(payload)
-    return message["pod"], decode_records(message)
-
-
-def decode_records(message: Mapping[str, Any]) -> list[Record]:
-    rows = message.get("records")
-    if not isinstance(rows, list) or len(rows) > MAX_RECORDS_PER_MESSAGE:
-        raise ValueError("bad records")
-    records: list[Record] = []
-    for row in rows:
-        if not (isinstance(row, list) and len(row) == 4):
-            raise ValueError("a record must be [route, replica, prompt_tokens, keys]")
-        route, replica, prompt_tokens, packed = row
-        if not (isinstance(route, str) and isinstance(replica, str) and isinstance(packed, str)):
-            raise ValueError("bad record field types")
-        if type(prompt_tokens) is not int or prompt_tokens < 0:
-            raise ValueError("prompt_tokens must be an int >= 0")
-        try:
-            raw = base64.b64decode(packed, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("keys are not base64") from None
-        if len(raw) % 8 or not raw or len(raw) // 8 > MAX_KEYS_PER_RECORD:
-            raise ValueError(f"keys must be 1..{MAX_KEYS_PER_RECORD} u64 values")
-        keys = list(struct.unpack(f"<{len(raw) // 8}Q", raw))
-        records.append(Record(route, replica, keys, prompt_tokens or None))
-    return _with_weights(records, message.get("weights"))
-
-
-def _with_weights(records: list[Record], rows: Any) -> list[Record]:
-    """``records`` with the weights a message carries for them (see the module docstring)."""
-    if rows is None:
-        return records
-    if not isinstance(rows, list) or len(rows) > len(records):
-        raise ValueError("bad weights")
-    for row in rows:
-        if not (isinstance(row, list) and len(row) == 2 and type(row[0]) is int and isinstance(row[1], str)):
-            raise ValueError("a weights row must be [record_position, packed u32s]")
-        position, packed = row
-        if not 0 <= position < len(records):
-            raise ValueError("weights for a record the message does not hold")
-        try:
-            raw = base64.b64decode(packed, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("weights are not base64") from None
-        count = len(raw) // 4
-        if len(raw) % 4 or not count or count > len(records[position].keys):
-            raise ValueError("weights must be 1..len(keys) u32 values")
-        values = [max(1, w) for w in struct.unpack(f"<{count}I", raw)]
-        records[position] = records[position]._replace(weights=values)
-    return records
+    def learned(self, place: int, value: int) -> None:
+        self._sync._enqueue_varies(self._route, place, value)
 
 
 class AffinitySync:
@@ -325,12 +161,13 @@ class AffinitySync:
         self._attach()
 
     def _attach(self) -> None:
+        """Become the sink of every shared index, start count and learner (one per route)."""
         for route, index in self._indexes.items():
-            index.listener = partial(self._enqueue, route)
+            index.attach_sink(RouteSink(self, route))
         for route, demand in self._demands.items():
-            demand.listener = partial(self._enqueue_start, route)
+            demand.attach_sink(RouteSink(self, route))
         for route, learner in self._learners.items():
-            learner.listener = partial(self._enqueue_varies, route)
+            learner.attach_sink(RouteSink(self, route))
 
     def set_indexes(
         self,
@@ -347,12 +184,13 @@ class AffinitySync:
             self._attach()
 
     def _detach(self) -> None:
+        """Give every shared object back its no-op sink: nothing more is published from them."""
         for index in self._indexes.values():
-            index.listener = None
+            index.attach_sink(NO_SINK)
         for demand in self._demands.values():
-            demand.listener = None
+            demand.attach_sink(NO_SINK)
         for learner in self._learners.values():
-            learner.listener = None
+            learner.attach_sink(NO_LEARN_SINK)
 
     @property
     def demands(self) -> Mapping[str, HeadDemand]:

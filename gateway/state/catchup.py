@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.routing.affinity import AffinityIndex
-from gateway.state.affinity_sync import MAX_DEMAND_HEADS, MAX_VARYING_PLACES, Record
+from gateway.state.wire import MAX_DEMAND_HEADS, MAX_VARYING_PLACES, Record
 
 log = logging.getLogger("prefix_gateway.state")
 

@@ -21,9 +21,10 @@ from gateway.config import HealthSettings, ReplicaConfig
 from gateway.http.server import serve_in_thread
 from gateway.replicas.pool import Replica
 from gateway.routing.affinity import AffinityIndex
-from gateway.state.affinity_sync import AffinitySync, encode_load
+from gateway.state.affinity_sync import AffinitySync
 from gateway.state.peer_load import PeerLoad
 from gateway.state.signing import Signer
+from gateway.state.wire import encode_load
 from tests.configs import gateway_config
 from tests.polling import until, wait_for
 from tests.redis_server import find_redis_server, free_port

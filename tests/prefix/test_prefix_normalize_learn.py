@@ -167,14 +167,16 @@ def test_gateway_processes_share_what_varies_so_the_warm_up_is_paid_once_per_fle
     a, b = Normalizer(NormalizeSettings(mode="relocate")), Normalizer(NormalizeSettings(mode="relocate"))
     heard: list[tuple[int, int]] = []
 
-    def wire(to: Normalizer) -> Any:
-        def listener(place: int, value: int) -> None:
+    class Wire:  # a LearnSink, as the shared state's
+        def __init__(self, to: Normalizer) -> None:
+            self.to = to
+
+        def learned(self, place: int, value: int) -> None:
             heard.append((place, value))
-            to.learner.learn_peer(place, value)
+            self.to.learner.learn_peer(place, value)
 
-        return listener
-
-    a.learner.listener, b.learner.listener = wire(b), wire(a)
+    a.learner.attach_sink(Wire(b))
+    b.learner.attach_sink(Wire(a))
     assert not a.apply("chat", chat(stamped(0))).relocated  # the fleet's first sighting stays in place
     # b's first sighting of the place has another value than a saw there: it varies, moved at once
     first_at_b = b.apply("chat", chat(stamped(1)))

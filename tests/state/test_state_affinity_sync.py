@@ -18,8 +18,10 @@ import redis.asyncio as aioredis
 
 from gateway.prefix.learn import VarianceLearner
 from gateway.routing.affinity import AffinityIndex
+from gateway.routing.sinks import NO_SINK
 from gateway.routing.starts import HeadDemand
-from gateway.state.affinity_sync import AffinitySync, Record, decode, decode_demand, decode_starts, encode
+from gateway.state.affinity_sync import AffinitySync
+from gateway.state.wire import Record, decode, decode_demand, decode_starts, encode
 from tests.polling import until
 from tests.state.kv_model import model_kv
 from tests.state.redis_proxy import FlakyProxy
@@ -166,7 +168,7 @@ async def test_a_record_made_by_one_gateway_reaches_the_other(redis_url: str) ->
         await until(lambda: b.stats.errors == 1)
         a_index.record("r0", chain(8, 3))
         await until(lambda: b.stats.applied == 2)
-    assert a_index.listener is None  # stop() detaches from the index
+    assert a_index.sink is NO_SINK  # stop() detaches from the index
 
 
 async def test_conversation_starts_behind_shared_heads_are_counted_by_every_gateway(redis_url: str) -> None:
@@ -201,7 +203,7 @@ async def test_conversation_starts_behind_shared_heads_are_counted_by_every_gate
     finally:
         await a.stop()
         await b.stop()
-    assert a_demand.listener is None  # stop() detaches from the start counts too
+    assert a_demand.sink is NO_SINK  # stop() detaches from the start counts too
 
 
 def test_starts_and_demand_on_the_wire_are_validated() -> None:

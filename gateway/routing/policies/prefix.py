@@ -68,7 +68,11 @@ shared head's key and never list position — so gateway processes with the same
 and state choose the same replica, and conversations behind one head spread.
 
 ``Decision.detail`` carries ``predicted_cached_tokens`` and everything ``/admin/explain``
-shows.  No HTTP, metrics or logging here.
+shows.  No HTTP, metrics or logging here.  Beside this module: the settings
+(:mod:`~gateway.routing.policies.prefix_settings`), how many prompt tokens a request's keys
+cover (:mod:`~gateway.routing.policies.prefix_keys`), the per-group fleet view the decision
+reads load from (:mod:`~gateway.routing.policies.prefix_fleet`) and the explain-only
+candidate table (:mod:`~gateway.routing.policies.prefix_explain`).
 """
 
 from __future__ import annotations
@@ -76,153 +80,23 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, ClassVar, Literal
-
-import xxhash
-from pydantic import Field, field_validator
+from typing import Any, ClassVar
 
 from gateway.routing.affinity import AffinityIndex
-from gateway.routing.base import Decision, PolicySettings, ReplicaView, RequestView
+from gateway.routing.base import Decision, ReplicaView, RequestView
 from gateway.routing.decay import Token
 from gateway.routing.load import FleetLoad, fleet_load
+from gateway.routing.policies.prefix_explain import candidate_table
 from gateway.routing.policies.prefix_fleet import LIST_AT_MOST, Cheapest, Cost, DecisionFleet, Group
+from gateway.routing.policies.prefix_keys import beyond_window, depth_tokens, ring_key_of, token_blocks
+from gateway.routing.policies.prefix_settings import PrefixPolicySettings
 from gateway.routing.ring import HashRing
 from gateway.routing.starts import HeadDemand
 from gateway.routing.work import RecentWork
 
 REASONS = ("affinity", "ring", "spill", "fallback")
 
-
-class PrefixPolicySettings(PolicySettings):
-    """Settings of the ``prefix`` policy (all optional)."""
-
-    load_factor: float = Field(
-        2.0, ge=1.0, le=100.0, description="CHWBL bound c: in-flight must stay below ceil(c x mean load)"
-    )
-    key_depth_tokens: int = Field(
-        256, ge=1, description="ring key = chain key of the block at this depth (or the deepest full block)"
-    )
-    virtual_nodes: int = Field(160, ge=1, le=10_000, description="ring points per replica per unit of weight")
-    affinity_max_bytes: int = Field(
-        64 * 1024 * 1024,
-        ge=4096,
-        description="memory bound of the affinity index in bytes, shared by the replicas (LRU eviction per "
-        "replica; budgeted at 560 bytes per stored (key, replica) pair, 700 with replica_cache_tokens' "
-        "weights: 64 MiB hold ~96,000 pairs, ~1,000 32k-token prompts at the default stride)",
-    )
-    affinity_max_entries: int | None = Field(
-        None, ge=1, description="optional extra bound: (prefix key, replica) pairs in the affinity index"
-    )
-    affinity_stride_blocks: int = Field(
-        4, ge=1, description="index every n-th block key (and the deepest): memory / n, match depth granularity x n"
-    )
-    replica_cache_tokens: int | Literal["auto"] | None = Field(
-        "auto",
-        description="model each replica's prefix cache as an LRU of this many prompt tokens, so the index "
-        "forgets what the engine evicted: auto = each replica's num_gpu_blocks x block_size from its "
-        "scraped vllm:cache_config_info (unmodelled until a scrape tells it); null: bounded by "
-        "affinity_max_bytes only",
-    )
-    load_cost_tokens: float = Field(
-        64.0,
-        ge=0.0,
-        description="affinity score: one more in-flight request (per unit of weight) costs as much as "
-        "this many uncached prompt tokens",
-    )
-    prefill_queue_weight: float = Field(
-        1.0,
-        ge=0.0,
-        description="among replicas holding the same cached prefix of the request, each uncached prompt token "
-        "queued on one (sent, no first byte yet; per unit of weight) counts like this many tokens of work: "
-        "1 = the shortest estimated time to first token, 0 = in-flight counts only",
-    )
-    ring_slack: int | None = Field(
-        0,
-        ge=0,
-        description="no affinity: the ring's choice may be this many in-flight requests (x load_cost_tokens, "
-        "queued prefill included) busier than the least busy replica (0: least busy, ties by ring order; "
-        "null: pure CHWBL, only the load bound)",
-    )
-    bound_extra: int = Field(
-        4,
-        ge=0,
-        description="in-flight requests a replica may hold above its CHWBL bound when it has at least "
-        "bound_extra_min_tokens of this prompt cached (0: the textbook bound everywhere)",
-    )
-    bound_extra_min_tokens: int = Field(
-        1024,
-        ge=0,
-        description="matched (cached) prompt tokens a replica needs to get bound_extra: long histories stay "
-        "home at low load, short popular prefixes cannot pile up",
-    )
-    estimate_past_window: bool = Field(
-        True,
-        description="a prompt running past its keys (they stop at the window when no text continues them): a "
-        "replica matching every key is credited with the length of the prompt that last ended there",
-    )
-    sticky_homes: bool = Field(
-        True,
-        description="a request whose deepest match is its own history (on one replica, and no other prompt went "
-        "on differently from there: a conversation's next turn) stays on that replica while it is under its load "
-        "bound; off: scored like any other request (load_cost_tokens may move it to a replica holding less of it)",
-    )
-    shared_prefix_slack: float | None = Field(
-        None,
-        ge=0.0,
-        description="a request whose deepest match is a prefix other prompts went on from differently (a new "
-        "conversation behind a tenant's system prompt) goes where its estimated time to "
-        "first token is least (queued prefill + its own uncached prompt + load_cost_tokens per request in "
-        "flight): a busy holder's queue makes another replica compute the head too (replicate, don't "
-        "hot-spot). The best holder keeps it within this many requests (x load_cost_tokens) of the cheapest. "
-        "null: such requests are scored like any other",
-    )
-    shared_recompute_weight: float = Field(
-        0.0,
-        ge=0.0,
-        description="placing a request that shares only a prefix: its uncached prompt tokens on a replica count "
-        "this much against queued prefill and in-flight requests (0: the least busy replica, by in-flight "
-        "and queued prefill; 1: this request's time to first token alone, so a holder keeps new conversations "
-        "until its queue outweighs computing the head elsewhere)",
-    )
-    head_load_factor: float | None = Field(
-        1.0,
-        ge=0.25,
-        le=100.0,
-        description="a shared head (a prefix other prompts went on from differently: a tenant's system prompt) gets "
-        "as many holders as its share of recent new conversations, in replicas: round(share x replicas / this), at "
-        "least 1; while it has fewer and every holder is busy, a new conversation behind it starts on another "
-        "replica, which computes the head. Larger: fewer copies. null: new conversations always prefer the head's "
-        "holders (up to the load bound)",
-    )
-    head_window_starts: int = Field(
-        256, ge=1, description="recent starts: a start weighs 1/e after this many more in the pool"
-    )
-    head_min_starts: int | None = Field(
-        None,
-        ge=1,
-        description="a head's share is taken over at least this many recent starts (default: 2 x replicas), so a "
-        "fresh pool does not copy heads on its first few requests",
-    )
-    start_work_factor: float | None = Field(
-        1.25,
-        ge=1.0,
-        description="a new conversation behind a shared head whose holder has recently done more than this x the "
-        "mean prefill work (uncached prompt tokens the policy sent, per unit of weight) and more than the mean + "
-        "the head's length starts on its least-worked holder under that, else on the least-worked replica, which "
-        "computes the head and shares the tenant from then on (tenants do not divide evenly over replicas: six on "
-        "four leaves one replica with 1.33x the mean; docs/prefix-routing.md has what it costs and buys). null: off",
-    )
-    start_work_window: int = Field(
-        1024, ge=1, description="recent prefill work: a request's tokens weigh 1/e after this many more requests"
-    )
-    use_session_key: bool = Field(True, description="use the route's session header value as the ring key if present")
-
-    @field_validator("replica_cache_tokens")
-    @classmethod
-    def _positive_cache(cls, value: int | str | None) -> int | str | None:
-        if isinstance(value, int) and value < 1:
-            raise ValueError("replica_cache_tokens must be >= 1, 'auto' or null")
-        return value
+__all__ = ["REASONS", "PrefixPolicy", "PrefixPolicySettings"]  # the settings: re-exported
 
 
 class PrefixPolicy:
@@ -326,7 +200,7 @@ class PrefixPolicy:
         settings = self.settings
         keys = request.block_keys
         block_size = request.block_size or 1
-        ring_key, key_source, key_depth = self._ring_key(request)
+        ring_key, key_source, key_depth = ring_key_of(request, settings.use_session_key, settings.key_depth_tokens)
         if ring_key is None:
             turn = self._turn + 1
             if commit:
@@ -427,9 +301,9 @@ class PrefixPolicy:
         added: list[int] = []
         started: Token | None = None
         if commit:
-            blocks = (_token_blocks(request), block_size)
-            tokens_at = partial(self._depth_tokens, request)
-            added = self.index.record(pick, keys, self._beyond_window(request), tokens_at, blocks)
+            blocks = (token_blocks(request), block_size)
+            tokens_at = partial(depth_tokens, request)
+            added = self.index.record(pick, keys, beyond_window(request), tokens_at, blocks)
             if start is not None:
                 started = self.demand.record(start)
         predicted = picked.tokens
@@ -460,7 +334,9 @@ class PrefixPolicy:
             detail["key"] = f"{ring_key:016x}"
             detail["load_factor"] = settings.load_factor
             detail["total_in_flight"] = load.total_in_flight
-            detail["candidates"] = self._explain(fleet, ring_key, replicas, groups, free, has_match, queue_weight)
+            detail["candidates"] = candidate_table(
+                fleet, self.ring, ring_key, replicas, groups, free, has_match, queue_weight, settings.load_cost_tokens
+            )
         return Decision(pick, reason, detail)
 
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
@@ -514,10 +390,10 @@ class PrefixPolicy:
         """
         settings = self.settings
         keys = request.block_keys
-        total = self._beyond_window(request) if settings.estimate_past_window else None
+        total = beyond_window(request) if settings.estimate_past_window else None
         groups: list[Group] = []
         for depth, mask in found:
-            tokens = self._depth_tokens(request, depth)
+            tokens = depth_tokens(request, depth)
             if total is None or depth != len(keys):
                 groups.append(Group(depth, tokens, mask))
                 continue
@@ -705,84 +581,9 @@ class PrefixPolicy:
         ties = [fleet.tie(group, order, cost, cheapest) for group, cost, cheapest in pool]
         return fleet.first_in_ring(self.ring, tie_key, ties)
 
-    def _explain(
-        self,
-        fleet: DecisionFleet,
-        ring_key: int,
-        replicas: Sequence[ReplicaView],
-        groups: list[Group],
-        free: Group,
-        has_match: bool,
-        queue_weight: float,
-    ) -> list[dict[str, Any]]:
-        """The per-candidate table of ``/admin/explain``: every replica in ring order from the
-        key (a pass over the fleet: explain only)."""
-        load = fleet.load
-        group_of = {load.names[slot]: group for group in groups for slot in fleet.members(group)}
-        lc = self.settings.load_cost_tokens
-        by_name = {r.name: r for r in replicas}
-        out = []
-        for rank, name in enumerate(self.ring.walk(ring_key, by_name)):
-            r = by_name[name]
-            slot = load.index[name]
-            group = group_of.get(name, free)
-            bound = fleet.bound(slot) + group.extra
-            entry: dict[str, Any] = {
-                "replica": name,
-                "ring_rank": rank,
-                "weight": r.weight,
-                "in_flight": r.in_flight,
-                "pending_prefill_tokens": r.pending_prefill_tokens,
-                "bound": bound,
-                "under_bound": r.in_flight < bound,
-                "matched_blocks": group.depth,
-                "matched_tokens": group.tokens,
-            }
-            if has_match and fleet.admitted(slot, group):  # the generic score, on every branch
-                entry["score"] = group.tokens - lc * fleet.busy(slot) - fleet.queued(slot, queue_weight)
-            out.append(entry)
-        return out
-
-    @staticmethod
-    def _depth_tokens(request: RequestView, depth: int) -> int:
-        """Prompt tokens covered by the request's first ``depth`` keys.
-
-        Token blocks count ``block_size`` each; keys past them (the chain continued over
-        the prompt's text) carry their own estimate in ``request.key_tokens``.
-        """
-        block_size = request.block_size or 1
-        token_blocks = _token_blocks(request)
-        if depth <= token_blocks:
-            return depth * block_size
-        extra = request.key_tokens
-        i = depth - token_blocks - 1
-        return extra[i] if i < len(extra) else depth * block_size
-
-    def _beyond_window(self, request: RequestView) -> int | None:
-        """The whole prompt's length when it runs past what the keys cover, else None."""
-        total = request.prompt_tokens_estimate
-        if not total:
-            return None
-        keyed = self._depth_tokens(request, len(request.block_keys))
-        return total if total > keyed + (request.block_size or 1) else None
-
-    def _ring_key(self, request: RequestView) -> tuple[int | None, str, int]:
-        keys = request.block_keys
-        if self.settings.use_session_key and request.session_key:
-            return xxhash.xxh3_64_intdigest(request.session_key.encode()), "session", 0
-        if keys:
-            depth = max(1, min(len(keys), self.settings.key_depth_tokens // (request.block_size or 1)))
-            return keys[depth - 1], "block", depth
-        return None, "none", 0
-
     def _sync_block_size(self, block_size: int) -> None:
         """A stored key weighs one stride of blocks in a modelled cache unless its record says
         otherwise (a peer's record cannot): set once the block size is known."""
         if block_size != self._weights_block_size:
             self._weights_block_size = block_size
             self.index.default_weight = block_size * self.settings.affinity_stride_blocks
-
-
-def _token_blocks(request: RequestView) -> int:
-    """How many of the request's keys are whole token blocks (the rest continue over its text)."""
-    return len(request.block_keys) if request.token_blocks is None else request.token_blocks
