@@ -80,6 +80,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, 
         return {name: run(tmp, name) for name in ("cl100k_base", "auto")}
 
 
+@pytest.mark.slow
 def test_misaligned_gateway_still_keeps_conversations_together(runs) -> None:
     for name in ("cl100k_base", "auto"):
         replicas = runs[name][0]
@@ -87,6 +88,7 @@ def test_misaligned_gateway_still_keeps_conversations_together(runs) -> None:
         assert len({turns[-1] for turns in replicas.values()}) >= 3, (name, replicas)  # spread, not piled
 
 
+@pytest.mark.slow
 def test_hit_rate_within_two_points_of_the_aligned_run(runs) -> None:
     _, p_mis, c_mis, _ = runs["cl100k_base"]
     _, p_al, c_al, _ = runs["auto"]
@@ -97,6 +99,7 @@ def test_hit_rate_within_two_points_of_the_aligned_run(runs) -> None:
     assert abs(aligned - mis) <= 0.02, (mis, aligned)
 
 
+@pytest.mark.slow
 def test_stats_show_units_and_the_predicted_vs_reported_gap(runs) -> None:
     mis = runs["cl100k_base"][3]
     aligned = runs["auto"][3]

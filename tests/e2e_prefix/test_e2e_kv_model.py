@@ -26,6 +26,7 @@ def modelled(gw_admin: object) -> dict[str, dict[str, int | None]]:
 
 
 @pytest.mark.parametrize("setting", ["auto", None])
+@pytest.mark.slow
 def test_predictions_follow_the_engines_evictions(
     setting: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

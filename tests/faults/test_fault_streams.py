@@ -13,6 +13,7 @@ from tests.gateway.gw_helpers import metric_samples
 MESSAGES = [{"role": "user", "content": "stream to me"}]
 
 
+@pytest.mark.slow
 def test_stalled_streams_end_with_an_error_event(fleet: ReplicaGroup) -> None:
     """A stream that goes silent after its first chunks ends with an OpenAI-style error event
     after the idle timeout (the client's own timeout is far longer: it never has to fire)."""
@@ -37,6 +38,7 @@ def test_stalled_streams_end_with_an_error_event(fleet: ReplicaGroup) -> None:
         assert errors.get("upstream_stalled") == 3
 
 
+@pytest.mark.slow
 def test_a_replica_that_drops_streams_is_held_out_instead_of_flapping(fleet: ReplicaGroup) -> None:
     """Back from an ejection a replica is on probation (one failure ejects it again) and each
     ejection lasts twice the last: after the first ejection each return costs clients at most
@@ -61,6 +63,7 @@ def test_a_replica_that_drops_streams_is_held_out_instead_of_flapping(fleet: Rep
         assert r0.ejected_until - r0.returned_at >= 4 * 0.5 - 0.01 or not r0.healthy  # backed off: 0.5, 1, 2, 4 s
 
 
+@pytest.mark.slow
 def test_aborted_requests_are_counted_on_the_replica_they_reached(fleet: ReplicaGroup) -> None:
     """A client that gives up while the replica has not answered yet: 499 on that replica, not "none"."""
     set_faults(fleet.urls[0], extra_latency_ms=3000)

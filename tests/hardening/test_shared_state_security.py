@@ -171,6 +171,7 @@ def _connected(config: Any) -> bool:
         return sync.stats.connected
 
 
+@pytest.mark.slow
 def test_redis_with_a_password(upstream: tuple[str, list[dict[str, Any]]]) -> None:
     with redis_child("--requirepass", "s3cret-pw") as (port, _):
         wait_for(lambda: _answers(redis_sync.Redis(port=port, password="s3cret-pw")), what="redis with a password")
@@ -205,6 +206,7 @@ def test_redis_acl_user_limited_to_the_gateway_channels(upstream: tuple[str, lis
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to make a test certificate")
+@pytest.mark.slow
 def test_redis_over_tls(upstream: tuple[str, list[dict[str, Any]]]) -> None:
     with redis_child("--requirepass", "tls-pw", tls=True) as (port, workdir):
         ca = workdir / "cert.pem"
