@@ -10,6 +10,7 @@ do not depend on which tests ran before it, as with a fleet of its own.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -41,9 +42,10 @@ def fresh(group: ReplicaGroup) -> ReplicaGroup:
     return group
 
 
+@contextlib.contextmanager
 def shared_group(tmp_path_factory: pytest.TempPathFactory, name: str, n: int, **options: Any) -> Iterator[ReplicaGroup]:
-    """The body of a fixture wider than one test: ``n`` replicas logging under a fresh ``name``
-    folder, stopped (thawed first) at the end."""
+    """``n`` replicas for a fixture wider than one test, logging under a fresh ``name`` folder;
+    stopped (thawed first) at the end."""
     group = ReplicaGroup(n, log_dir=tmp_path_factory.mktemp(name), **options)
     group.start()
     try:

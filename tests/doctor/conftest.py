@@ -24,13 +24,15 @@ SIM_OPTIONS = {
 @pytest.fixture(scope="package")
 def fleet_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaGroup]:
     """Four instant simulated vLLM replicas for ``fleet``."""
-    yield from shared_group(tmp_path_factory, "sims", 4, **SIM_OPTIONS)
+    with shared_group(tmp_path_factory, "sims", 4, **SIM_OPTIONS) as group:
+        yield group
 
 
 @pytest.fixture(scope="package")
 def fresh_fleet_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaGroup]:
     """Four more, for ``fresh_fleet``."""
-    yield from shared_group(tmp_path_factory, "sims2", 4, **SIM_OPTIONS)
+    with shared_group(tmp_path_factory, "sims2", 4, **SIM_OPTIONS) as group:
+        yield group
 
 
 @pytest.fixture

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 @pytest.fixture(scope="package")
 def fleet_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaGroup]:
     """Four instant simulated vLLM replicas, shared by the package's tests (use ``fleet``)."""
-    yield from shared_group(tmp_path_factory, "sims", 4, **SIM_OPTIONS)
+    with shared_group(tmp_path_factory, "sims", 4, **SIM_OPTIONS) as group:
+        yield group
 
 
 @pytest.fixture

@@ -31,7 +31,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="package")
 def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaGroup]:
-    yield from shared_group(tmp_path_factory, "fault-sims", 4, **SIM_OPTIONS)
+    with shared_group(tmp_path_factory, "fault-sims", 4, **SIM_OPTIONS) as group:
+        yield group
 
 
 @pytest.fixture
