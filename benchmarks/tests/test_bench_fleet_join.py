@@ -59,6 +59,7 @@ def test_the_snapshot_lands_when_half_of_the_smallest_one_is_applied() -> None:
     assert joiner.snapshot_landed_s([50, 60]) is None  # catch-up off: nothing sent since it started
 
 
+@pytest.mark.slow
 def test_join_mode_runs_end_to_end(redis_url: str, tmp_path: Path) -> None:
     # ~14 s of arrivals; the 3rd gateway starts 5.5 s after the peers were ready (each sends at
     # most one snapshot per 5 s, and they sent one to each other when they met)

@@ -16,6 +16,7 @@ def agent():
     return build("agent", size=0.1)
 
 
+@pytest.mark.slow
 def test_a_run_is_deterministic_and_every_request_finishes(agent):
     rows = bv.rows_for(agent, [("strict", "prefix", {"bound_extra": 0})], peers=True)
     first = bv.run_level(agent, "moderate", rows)
@@ -71,6 +72,7 @@ def test_alone_ttft_counts_one_engine_step_per_chunk_of_prefill():
     assert bv.alone_ttft(big, options) == pytest.approx(3 * step + big / options.prefill_tokens_per_s)
 
 
+@pytest.mark.slow
 def test_late_binding_rows_finish_everything_and_a_high_threshold_changes_nothing(agent):
     rows = bv.rows_for(agent, [], peers=False, hold=[1.0, 1e12, "1:1e12"])
     cells = bv.run_level(agent, "saturated", rows)
@@ -83,6 +85,7 @@ def test_late_binding_rows_finish_everything_and_a_high_threshold_changes_nothin
     assert always != cells["prefix"]
 
 
+@pytest.mark.slow
 def test_salted_rings_are_other_instances_of_the_same_policy(agent):
     rows = bv.rows_for(agent, [], peers=False, salts=3)
     assert [name for name, _, _ in rows] == ["prefix", "prefix~1", "prefix~2", "oracle"]

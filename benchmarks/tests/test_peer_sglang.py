@@ -38,6 +38,7 @@ def test_prefill_work_is_uncached_tokens_per_replica_idle_ones_included():
 
 
 @pytest.mark.skipif(peer_sglang.unavailable_reason() is not None, reason="sglang-router not installed")
+@pytest.mark.slow
 def test_sglang_router_row_serves_the_same_requests_and_reports_cached_tokens(tmp_path):
     from gateway.sim.launcher import run_replicas
 

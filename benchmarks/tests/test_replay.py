@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 
+import pytest
 from aiohttp import web
 
 from benchmarks.replay import Outcome, load_stats, prepare, replay, summarize
@@ -47,6 +48,7 @@ async def _fake_server(stall: asyncio.Event, seen: list | None = None):
     return runner, f"http://127.0.0.1:{port}"
 
 
+@pytest.mark.slow
 async def test_replay_measures_ttft_usage_replica_and_cuts_at_the_deadline():
     stall = asyncio.Event()
     runner, url = await _fake_server(stall)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+import pytest
+
 from benchmarks.report import charts, evaluate, level_table, render_text
 
 
@@ -141,6 +143,7 @@ def test_the_gateways_predicted_hit_rate_sits_beside_the_reported_one():
     assert sglang[headers.index("predicted")] == "-"  # a peer predicts nothing
 
 
+@pytest.mark.slow
 def test_render_text_and_charts(tmp_path):
     results = {
         "meta": {"mode": "test"},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +34,7 @@ def test_leading_tokens_do_not_depend_on_later_messages() -> None:
     texts=st.lists(st.text(min_size=0, max_size=400), min_size=1, max_size=4),
     window=st.integers(min_value=1, max_value=300),
 )
+@pytest.mark.slow
 def test_bounded_window_is_a_prefix_of_the_full_render(texts: list[str], window: int) -> None:
     messages = [{"role": "user", "content": t} for t in texts]
     full = chat_tokens(TOKENIZER, messages)

@@ -92,6 +92,7 @@ gateway._warm_pipelines()
 """
 
 
+@pytest.mark.slow
 def test_the_start_command_needs_only_the_core_dependencies() -> None:
     done = subprocess.run(
         [sys.executable, "-c", _START_WITHOUT_EXTRAS], cwd=ROOT, capture_output=True, text=True, timeout=120

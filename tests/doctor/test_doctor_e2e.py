@@ -64,6 +64,7 @@ def replayed_rate(urls: list[str], patch: dict[str, Any], bodies: list[dict[str,
     return cached / prompt
 
 
+@pytest.mark.slow
 def test_doctor_on_a_running_gateway_names_the_causes_and_predicts_the_fix(
     fleet: ReplicaGroup, fresh_fleet: ReplicaGroup, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,6 +97,7 @@ def test_doctor_on_a_running_gateway_names_the_causes_and_predicts_the_fix(
     assert abs(actual - volatile["hit_rate_if_fixed"]) <= TOLERANCE, (actual, volatile["hit_rate_if_fixed"])
 
 
+@pytest.mark.slow
 def test_doctor_on_a_jsonl_file_names_the_causes_and_learns_an_unknown_id(
     fleet: ReplicaGroup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -144,6 +146,7 @@ def test_doctor_reports_what_it_cannot_see(
     assert main(["doctor", "--file", str(tmp_path / "missing.jsonl"), "--config", str(config)]) == 1
 
 
+@pytest.mark.slow
 def test_doctor_learns_an_unknown_span_from_a_gateway_that_keeps_text(
     shared_fleet: ReplicaGroup, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

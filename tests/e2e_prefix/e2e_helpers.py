@@ -17,6 +17,7 @@ from gateway.tokens.chat_template import chat_tokens
 from gateway.tokens.tokenizer import get_tokenizer
 from tests.configs import gateway_config
 from tests.polling import wait_for as _wait_for
+from tests.sdk import openai_client
 
 MODEL = "demo-model"
 BLOCK = 16
@@ -56,7 +57,7 @@ def gateway(
 
 
 def client(gw: RunningGateway, **headers: str) -> OpenAI:
-    return OpenAI(base_url=gw.openai_base_url, api_key="unused", max_retries=0, timeout=30, default_headers=headers)
+    return openai_client(gw.openai_base_url, api_key="unused", timeout=30, default_headers=headers)
 
 
 def admin(gw: RunningGateway, key: str = ADMIN_KEY) -> httpx.Client:

@@ -11,13 +11,13 @@ Either way conversations must keep their replica and the fleet's hit rate must s
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from typing import Any
 
 import pytest
 from e2e_helpers import ADMIN_KEY, SIM_OPTIONS, admin, client, gateway
 
 from gateway.sim.launcher import ReplicaGroup
+from tests.replica_fleet import fresh, shared_group
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 SIMS = {**SIM_OPTIONS, "tokenizer": "llama3", "model": LLAMA}  # the replicas' own tokenizer and template
@@ -30,8 +30,9 @@ def system(topic: str) -> str:
     return head + f"Answer {topic} questions well. " * 30
 
 
-def run(tmp_path: Path, tokenizer: str) -> tuple[dict[str, list[str]], int, int, dict[str, Any]]:
-    """Eight interleaved 5-turn conversations; (replicas per conversation, prompt, cached, route stats)."""
+def run(group: ReplicaGroup, tokenizer: str) -> tuple[dict[str, list[str]], int, int, dict[str, Any]]:
+    """Eight interleaved 5-turn conversations over ``group`` (as just started: empty caches);
+    (replicas per conversation, prompt, cached, route stats)."""
     route = {
         "name": "main",
         "match": {"models": [LLAMA]},
@@ -39,12 +40,11 @@ def run(tmp_path: Path, tokenizer: str) -> tuple[dict[str, list[str]], int, int,
         "normalize": {"mode": "off"},
         "prefix": {"tokenizer": tokenizer},
     }
-    group = ReplicaGroup(4, log_dir=tmp_path / f"sims-{tokenizer}", **SIMS)
     replicas: dict[str, list[str]] = {t: [] for t in TOPICS}
     prompt = cached = 0
     # a lenient health check: on a busy machine a slow probe must not eject a replica mid-run
     health = {"timeout_s": 5.0, "unhealthy_threshold": 3}
-    with group.start(), gateway(group.urls, routes=[route], health=health) as gw:
+    with gateway(fresh(group).urls, routes=[route], health=health) as gw:
         sdk = client(gw)
         histories = {
             t: [{"role": "system", "content": system(t)}, {"role": "user", "content": f"I want to learn {t}."}]
@@ -74,12 +74,16 @@ def stable_turns(replicas: dict[str, list[str]]) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, list[str]], int, int, dict[str, Any]]]:
-    tmp = tmp_path_factory.mktemp("alignment")
-    with pytest.MonkeyPatch.context() as mp:
+    # one set of replica processes, reset between the two runs (tests/replica_fleet.py)
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        shared_group(tmp_path_factory, "alignment-sims", 4, **SIMS) as group,
+    ):
         mp.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
-        return {name: run(tmp, name) for name in ("cl100k_base", "auto")}
+        return {name: run(group, name) for name in ("cl100k_base", "auto")}
 
 
+@pytest.mark.slow
 def test_misaligned_gateway_still_keeps_conversations_together(runs) -> None:
     for name in ("cl100k_base", "auto"):
         replicas = runs[name][0]
@@ -87,6 +91,7 @@ def test_misaligned_gateway_still_keeps_conversations_together(runs) -> None:
         assert len({turns[-1] for turns in replicas.values()}) >= 3, (name, replicas)  # spread, not piled
 
 
+@pytest.mark.slow
 def test_hit_rate_within_two_points_of_the_aligned_run(runs) -> None:
     _, p_mis, c_mis, _ = runs["cl100k_base"]
     _, p_al, c_al, _ = runs["auto"]
@@ -97,6 +102,7 @@ def test_hit_rate_within_two_points_of_the_aligned_run(runs) -> None:
     assert abs(aligned - mis) <= 0.02, (mis, aligned)
 
 
+@pytest.mark.slow
 def test_stats_show_units_and_the_predicted_vs_reported_gap(runs) -> None:
     mis = runs["cl100k_base"][3]
     aligned = runs["auto"][3]

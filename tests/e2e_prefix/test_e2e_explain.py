@@ -121,6 +121,7 @@ def test_explain_shows_the_plan_and_the_handler_follows_it(
         assert embeddings["endpoint"] == "embeddings" and embeddings["key"] is None and embeddings["normalize"] is None
 
 
+@pytest.mark.slow
 def test_explain_changes_no_routing_state(fleet: ReplicaGroup, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same real requests land on the same replicas with or without explain calls in between."""
     monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)

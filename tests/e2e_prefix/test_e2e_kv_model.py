@@ -4,12 +4,13 @@ evicted — and a gateway without the model, in the same run, keeps predicting t
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 from e2e_helpers import ADMIN_KEY, SIM_OPTIONS, admin, ask, client, gateway, prefix_route, wait_for
 
 from gateway.sim.launcher import ReplicaGroup
+from tests.replica_fleet import fresh, shared_group
 
 BLOCKS = 64  # 1,024 tokens of KV per replica: three of the prompts below
 
@@ -25,14 +26,26 @@ def modelled(gw_admin: object) -> dict[str, dict[str, int | None]]:
     return stats["routes"]["main"]["policy_state"]["affinity"]["modelled_cache_tokens"]
 
 
+@pytest.fixture(scope="module")
+def small_fleet_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaGroup]:
+    with shared_group(tmp_path_factory, "small-sims", 4, **{**SIM_OPTIONS, "num_gpu_blocks": BLOCKS}) as group:
+        yield group
+
+
+@pytest.fixture
+def small_fleet(small_fleet_processes: ReplicaGroup) -> ReplicaGroup:
+    """Four replicas of BLOCKS blocks each, as just started (empty caches, zeroed counters)."""
+    return fresh(small_fleet_processes)
+
+
 @pytest.mark.parametrize("setting", ["auto", None])
+@pytest.mark.slow
 def test_predictions_follow_the_engines_evictions(
-    setting: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    setting: str | None, small_fleet: ReplicaGroup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
-    fleet = ReplicaGroup(4, log_dir=tmp_path / "sims", **{**SIM_OPTIONS, "num_gpu_blocks": BLOCKS})
     route = prefix_route("main", "report", policy_settings={"replica_cache_tokens": setting})
-    with fleet.start(), gateway(fleet.urls, routes=[route]) as gw, admin(gw) as api:
+    with gateway(small_fleet.urls, routes=[route]) as gw, admin(gw) as api:
         sdk = client(gw)
         if setting == "auto":  # the first scrape of each replica sizes its model
             sizes = wait_for(lambda: len(modelled(api)) == 4 and modelled(api), what="every replica's KV size")

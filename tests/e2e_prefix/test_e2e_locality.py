@@ -12,6 +12,7 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from e2e_helpers import BLOCK, Conversation, ask, client, gateway, prompt_tokens_of, whole_blocks
 from polling import wait_for
 
@@ -89,6 +90,7 @@ def test_a_killed_replicas_conversations_move_and_still_succeed(fleet: ReplicaGr
             assert_grows_with_history(conv)
 
 
+@pytest.mark.slow
 def test_conversations_behind_a_10k_token_shared_head_keep_their_replica_and_spread(fleet: ReplicaGroup) -> None:
     """An agent tenant: one ~10k-token system prompt (longer than the 4,096-token window),
     16 conversations at once.  Keys cover the whole prompt, so each conversation is told

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from e2e_helpers import BLOCK, MODEL, ask, client, gateway, prefix_route, prompt_tokens_of, whole_blocks
 
 from gateway.sim.launcher import ReplicaGroup
@@ -23,6 +24,7 @@ def by_header(name: str, mode: str) -> dict[str, Any]:
     return prefix_route(name, mode, match={"models": [MODEL], "header": {"name": "x-normalize", "values": [mode]}})
 
 
+@pytest.mark.slow
 def test_timestamps_hit_the_cache_with_relocate_and_miss_with_off(fleet: ReplicaGroup) -> None:
     question = {"role": "user", "content": "Can I book an appointment for tomorrow morning?"}
     stable = {

@@ -42,6 +42,7 @@ def by_header(name: str, normalize: dict[str, Any]) -> dict[str, Any]:
         ("discovered", {"mode": "relocate", "detectors": []}, {"learned"}),
     ],
 )
+@pytest.mark.slow
 def test_changing_cjk_timestamp_and_request_id_are_learned_and_hit(
     fleet: ReplicaGroup, monkeypatch: pytest.MonkeyPatch, route: str, normalize: dict[str, Any], rules: set[str]
 ) -> None:

@@ -34,6 +34,7 @@ def all_idle(gw: Any) -> dict[str, Any] | None:
     return replicas if all(r["in_flight"] == 0 for r in replicas.values()) else None
 
 
+@pytest.mark.slow
 def test_queued_prefill_is_counted_until_the_first_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
     slow = {
@@ -78,6 +79,7 @@ def test_queued_prefill_is_counted_until_the_first_chunk(tmp_path: Path, monkeyp
         assert done["pending_prefill_tokens"] == 0
 
 
+@pytest.mark.slow
 def test_every_way_an_attempt_ends_hands_the_charge_back(
     fleet: ReplicaGroup, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -64,6 +64,7 @@ def test_a_conversation_keeps_its_replica_across_gateways(
         assert state["backend"] == "redis" and state["channel"] == channel and state["applied"] >= 1
 
 
+@pytest.mark.slow
 def test_a_gateway_that_joins_is_ready_only_once_it_routes_like_its_peer(
     fleet: ReplicaGroup, monkeypatch: pytest.MonkeyPatch, redis_url: str
 ) -> None:
@@ -103,6 +104,7 @@ def test_without_shared_state_the_other_gateway_does_not_know(
             assert http.get("/admin/stats").json()["state"] == {"backend": "memory"}
 
 
+@pytest.mark.slow
 def test_a_peers_requests_count_in_this_gateways_load(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, redis_url: str
 ) -> None:

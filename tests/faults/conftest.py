@@ -3,13 +3,12 @@ freeze (SIGSTOP) and misconfigure, restored to a clean state after every test.""
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from gateway.sim.launcher import ReplicaGroup
+from tests.replica_fleet import restore, shared_group
 
 # Streams take a few hundred ms (decode steps are real time), so that some are always in
 # flight when a fault strikes; prefill is instant.
@@ -32,31 +31,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="package")
 def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaGroup]:
-    replicas = ReplicaGroup(4, log_dir=tmp_path_factory.mktemp("fault-sims"), **SIM_OPTIONS)
-    replicas.start()
-    try:
-        yield replicas
-    finally:
-        for replica in replicas.replicas:
-            replica.signal(signal.SIGCONT)  # a stopped process ignores SIGTERM until continued
-        replicas.stop()
+    with shared_group(tmp_path_factory, "fault-sims", 4, **SIM_OPTIONS) as group:
+        yield group
 
 
 @pytest.fixture
 def fleet(group: ReplicaGroup) -> Iterator[ReplicaGroup]:
     """The four replicas, all alive, running and without injected faults — before and after."""
-    _restore(group)
+    restore(group)
     try:
         yield group
     finally:
-        _restore(group)
-
-
-def _restore(group: ReplicaGroup) -> None:
-    for replica in group.replicas:
-        replica.signal(signal.SIGCONT)
-    for index in group.dead():
-        group.restart(index)
-    group.wait_healthy(30)
-    for url in group.urls:
-        httpx.post(f"{url}/sim/faults", json={"reset": True}, timeout=10).raise_for_status()
+        restore(group)

@@ -13,6 +13,7 @@ from benchmarks.faultload import MODEL, Load
 from gateway.http.server import RunningGateway, serve_in_thread
 from tests.configs import gateway_config
 from tests.polling import wait_for
+from tests.sdk import openai_client
 
 __all__ = ["MODEL", "Load", "gateway", "replica_of", "sdk", "set_faults", "wait_for"]
 
@@ -25,7 +26,7 @@ def gateway(urls: list[str], **overrides: Any) -> Iterator[RunningGateway]:
 
 
 def sdk(gw: RunningGateway, timeout: float = 30.0) -> OpenAI:
-    return OpenAI(base_url=gw.openai_base_url, api_key="unused", max_retries=0, timeout=timeout)
+    return openai_client(gw.openai_base_url, api_key="unused", timeout=timeout)
 
 
 def replica_of(gw: RunningGateway, session: str) -> str:

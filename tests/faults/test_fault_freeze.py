@@ -7,13 +7,15 @@ import threading
 import time
 
 import openai
+import pytest
 from fault_helpers import MODEL, Load, gateway, sdk, wait_for
 
 from gateway.sim.launcher import ReplicaGroup
 
-FREEZE_S = 5.0  # the scenario's length (not a wait for readiness)
+FREEZE_S = 2.5  # the scenario's length (not a wait for readiness): 12 health intervals of 0.2 s
 
 
+@pytest.mark.slow
 def test_all_replicas_frozen_then_back(fleet: ReplicaGroup) -> None:
     """Below the panic threshold the route keeps routing over all replicas: requests wait for
     the frozen fleet instead of failing with 503, and the first request after the thaw is served."""
@@ -64,6 +66,7 @@ def test_all_replicas_frozen_then_back(fleet: ReplicaGroup) -> None:
         wait_for(lambda: all(r.healthy for r in gw.gateway.replicas.values()), timeout=10, what="all healthy")
 
 
+@pytest.mark.slow
 def test_requests_stuck_on_a_frozen_replica_move_elsewhere(fleet: ReplicaGroup) -> None:
     """One replica freezes with requests waiting on it: once it is marked down they are
     retried on a healthy replica, long before it comes back."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from fault_helpers import Load, gateway, replica_of, wait_for
 
 from gateway.sim.launcher import ReplicaGroup
@@ -9,6 +10,7 @@ from gateway.sim.launcher import ReplicaGroup
 SESSIONS = [f"session-{i}" for i in range(16)]
 
 
+@pytest.mark.slow
 def test_kill_one_of_four_under_mixed_load(fleet: ReplicaGroup) -> None:
     """0 failed non-streaming requests (a reset before headers is retried), every stream in
     flight on the killed replica ends with an error event, keys move away and come back."""

@@ -41,6 +41,7 @@ def redis_proxy(redis_url: str) -> Iterator[ProxyThread]:
         proxy.close()
 
 
+@pytest.mark.slow
 def test_redis_killed_and_back_with_two_gateways(fleet: ReplicaGroup, redis_proxy: ProxyThread) -> None:
     """Requests never depend on Redis: 0 failures while it is away, and sharing resumes."""
     state = {

@@ -13,12 +13,14 @@ from tests.gateway.gw_helpers import metric_samples
 MESSAGES = [{"role": "user", "content": "stream to me"}]
 
 
+@pytest.mark.slow
 def test_stalled_streams_end_with_an_error_event(fleet: ReplicaGroup) -> None:
     """A stream that goes silent after its first chunks ends with an OpenAI-style error event
     after the idle timeout (the client's own timeout is far longer: it never has to fire)."""
     for url in fleet.urls:
         set_faults(url, stall_after_chunks=3)
-    with gateway(fleet.urls, upstream={"stream_idle_timeout_s": 1.0}) as gw:
+    # chunks come every 10 ms: a 0.3 s silence is a stall (any silence this long ends the same way)
+    with gateway(fleet.urls, upstream={"stream_idle_timeout_s": 0.3}) as gw:
         client = sdk(gw, timeout=30)
         for _ in range(3):
             chunks = 0
@@ -37,13 +39,15 @@ def test_stalled_streams_end_with_an_error_event(fleet: ReplicaGroup) -> None:
         assert errors.get("upstream_stalled") == 3
 
 
+@pytest.mark.slow
 def test_a_replica_that_drops_streams_is_held_out_instead_of_flapping(fleet: ReplicaGroup) -> None:
     """Back from an ejection a replica is on probation (one failure ejects it again) and each
     ejection lasts twice the last: after the first ejection each return costs clients at most
     the streams in flight on it, not another run of passive_5xx_threshold failures."""
     set_faults(fleet.urls[0], drop_after_chunks=2)
     concurrency = 2
-    health = {"passive_5xx_threshold": 5, "eject_s": 0.5, "max_eject_s": 30}
+    eject_s = 0.25  # ejections of 0.25, 0.5, 1, 2 s: a stream (10 chunks of 10 ms) fits many times in each
+    health = {"passive_5xx_threshold": 5, "eject_s": eject_s, "max_eject_s": 30}
     with gateway(fleet.urls, health=health) as gw:
         r0 = gw.gateway.replicas["r0"]
         load = Load(gw.openai_base_url, concurrency=concurrency, stream_share=1.0, max_tokens=10).start()
@@ -58,9 +62,10 @@ def test_a_replica_that_drops_streams_is_held_out_instead_of_flapping(fleet: Rep
         assert tally.broken == 0 and tally.hung == 0, tally.as_dict()  # every drop ended with an error event
         # three returns: flapping would pass >= 3 x 5 failures; probation passes <= in-flight per return
         assert later <= 3 * concurrency + concurrency, (later, tally.as_dict())
-        assert r0.ejected_until - r0.returned_at >= 4 * 0.5 - 0.01 or not r0.healthy  # backed off: 0.5, 1, 2, 4 s
+        assert r0.ejected_until - r0.returned_at >= 4 * eject_s - 0.01 or not r0.healthy  # backed off: x1, x2, x4, x8
 
 
+@pytest.mark.slow
 def test_aborted_requests_are_counted_on_the_replica_they_reached(fleet: ReplicaGroup) -> None:
     """A client that gives up while the replica has not answered yet: 499 on that replica, not "none"."""
     set_faults(fleet.urls[0], extra_latency_ms=3000)

@@ -71,6 +71,7 @@ def homes(gw: RunningGateway, n: int = 60) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_a_dns_name_whose_answers_change(
     replicas: tuple[int, list[str]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -131,6 +132,7 @@ def test_a_dns_name_whose_answers_change(
         assert m[("prefix_gateway_replicas_draining", ())] == 0
 
 
+@pytest.mark.slow
 def test_endpointslices_list_and_watch(replicas: tuple[int, list[str]], tmp_path: Path, monkeypatch: Any) -> None:
     port, addresses = replicas
     monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 from openai import OpenAI
 
@@ -23,6 +24,7 @@ DEADLINE_S = 30.0  # server.timeout_graceful_shutdown_s
 GRACE_S = 1.0  # server.drain_grace_s
 
 
+@pytest.mark.slow
 def test_sigterm_lets_running_streams_finish(tmp_path: Path) -> None:
     slow = {**SLOW, "decode_ms_per_token": 100.0, "max_output_tokens": 30}  # ~3 s per stream
     with ReplicaGroup(2, log_dir=tmp_path / "sims", **slow).start() as sims:

@@ -81,6 +81,7 @@ def ask(gw: RunningGateway) -> tuple[str, str]:
     return raw.headers["x-prefix-gateway-route"], raw.headers["x-prefix-gateway-replica"]
 
 
+@pytest.mark.slow
 def test_a_route_change_takes_effect_on_the_next_request(sims: list[str], configmap: ConfigMapDir) -> None:
     with serve_file(configmap, file_config(sims, ["r0"], route="first")) as gw:
         assert ask(gw) == ("first", "r0")
@@ -117,6 +118,7 @@ def test_an_invalid_file_keeps_the_old_config_and_says_why(
         assert 'prefix_gateway_config_reloads_total{outcome="rejected"} 3.0' in metrics
 
 
+@pytest.mark.slow
 def test_no_request_fails_during_20_reloads_under_load(sims: list[str], configmap: ConfigMapDir) -> None:
     variants = [
         file_config(sims, ["r0", "r1"]),
@@ -137,6 +139,7 @@ def test_no_request_fails_during_20_reloads_under_load(sims: list[str], configma
     assert set(load.replicas) == {"r0", "r1", "r2"}
 
 
+@pytest.mark.slow
 def test_sighup_reloads_the_file(sims: list[str], configmap: ConfigMapDir, tmp_path: Path) -> None:
     from tests.fleet.fleet_helpers import shared_free_port
 

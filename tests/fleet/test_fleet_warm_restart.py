@@ -105,6 +105,7 @@ def config(enabled: bool) -> dict[str, object]:
     }
 
 
+@pytest.mark.slow
 def test_restarted_replica_is_warmed_with_its_hot_prefixes(sims: list[str]) -> None:
     with serve_in_thread(gateway_config(sims, **config(True))) as gw:
         client, victim, hot = warm_traffic(gw)
@@ -136,6 +137,7 @@ def test_restarted_replica_is_warmed_with_its_hot_prefixes(sims: list[str]) -> N
         assert f'prefix_gateway_replica_restarts_detected_total{{cause="counters_reset",replica="{victim}"}}' in metrics
 
 
+@pytest.mark.slow
 def test_nothing_is_replayed_when_off(sims: list[str]) -> None:
     with serve_in_thread(gateway_config(sims, **config(False))) as gw:
         client, victim, hot = warm_traffic(gw)

@@ -50,6 +50,7 @@ async def test_the_local_broker_speaks_enough_redis_for_pub_sub(tmp_path: Path) 
     assert not os.path.exists(broker.path)
 
 
+@pytest.mark.slow
 def test_two_workers_on_one_port_share_affinity(tmp_path: Path) -> None:
     with ReplicaGroup(2, log_dir=tmp_path / "sims", time_scale=0, disable_uvicorn_access_log=True).start() as sims:
         port = shared_free_port(["127.0.0.1"])

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.http.server import RunningGateway, serve_in_thread
 from tests.configs import gateway_config
 from tests.polling import wait_for  # noqa: F401  (re-exported to the tests)
+from tests.sdk import openai_client
 
 MODEL = "demo-model"
 T = TypeVar("T")
@@ -26,7 +27,7 @@ def running_gateway(urls: Sequence[str], **overrides: Any) -> Iterator[RunningGa
 
 def client(gw: RunningGateway, **kwargs: Any) -> OpenAI:
     kwargs.setdefault("api_key", "unused")
-    return OpenAI(base_url=gw.openai_base_url, max_retries=0, timeout=30, **kwargs)
+    return openai_client(gw.openai_base_url, timeout=30, **kwargs)
 
 
 def set_faults(url: str, **faults: Any) -> None:

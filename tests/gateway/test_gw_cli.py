@@ -94,6 +94,7 @@ def read_until(proc: subprocess.Popen[str], pattern: str, timeout: float = 60.0)
     return found[0], "".join(seen)
 
 
+@pytest.mark.slow
 def test_serve_quick_start(sim_urls: list[str], popen_cli: list[subprocess.Popen[str]]) -> None:
     proc = start_cli(popen_cli, "serve", "--replica", sim_urls[0], "--replica", sim_urls[1], "--port", "0")
     match, _ = read_until(proc, r"listening on (http://127\.0\.0\.1:\d+)")
@@ -105,6 +106,7 @@ def test_serve_quick_start(sim_urls: list[str], popen_cli: list[subprocess.Popen
     assert proc.wait(20) == 0
 
 
+@pytest.mark.slow
 def test_demo_starts_replicas_and_gateway(
     popen_cli: list[subprocess.Popen[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -125,6 +125,7 @@ def running_on(url: str) -> float:
 
 
 @pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.slow
 def test_client_disconnect_cancels_the_upstream_request(
     slow_sim: str, stream: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -164,6 +165,7 @@ def test_client_disconnect_cancels_the_upstream_request(
         ({"stall_after_chunks": 3}, {"read_timeout_s": 0.3}, "upstream_timeout"),
     ],
 )
+@pytest.mark.slow
 def test_upstream_failing_mid_stream_ends_the_stream_with_an_error_event(
     sims: list[str], fault: dict[str, int], upstream: dict[str, float], kind: str
 ) -> None:

@@ -51,6 +51,7 @@ def drive(gw, n_prompts: int = 4, repeats: int = 3) -> tuple[dict[str, collectio
     return per_replica, streamed
 
 
+@pytest.mark.slow
 def test_metrics_and_stats_equal_the_responses(sim_urls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", "admin-secret")
     with running_gateway(sim_urls[:2], routes=[{"name": "main", "policy": "session"}]) as gw:

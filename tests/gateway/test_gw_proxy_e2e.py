@@ -153,6 +153,7 @@ def test_response_headers_can_be_turned_off(sim_urls: list[str]) -> None:
     assert "x-request-id" in raw.headers
 
 
+@pytest.mark.slow
 def test_client_keys_protect_v1(sim_urls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PREFIX_GATEWAY_API_KEYS", "good-key")
     with running_gateway(sim_urls[:1]) as gw:

@@ -7,7 +7,7 @@ import collections
 import httpx
 import openai
 import pytest
-from gw_helpers import MODEL, chat, client, metric_sum, running_gateway, wait_for
+from gw_helpers import MODEL, chat, client, metric_sum, running_gateway, set_faults, wait_for
 
 from gateway.http.server import RunningGateway
 
@@ -20,12 +20,14 @@ def replica_of(gw: RunningGateway, **headers: str) -> str:
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded"])
+@pytest.mark.slow
 def test_cache_blind_policies_spread_evenly(sim_urls: list[str], policy: str) -> None:
     with running_gateway(sim_urls, routes=[{"name": "main", "policy": policy}]) as gw:
         counts = collections.Counter(replica_of(gw) for _ in range(12))
     assert counts == {"r0": 3, "r1": 3, "r2": 3, "r3": 3}
 
 
+@pytest.mark.slow
 def test_random_uses_every_replica(sim_urls: list[str]) -> None:
     routes = [{"name": "main", "policy": "random", "policy_settings": {"seed": 3}}]
     with running_gateway(sim_urls, routes=routes) as gw:
@@ -33,6 +35,7 @@ def test_random_uses_every_replica(sim_urls: list[str]) -> None:
     assert set(counts) == {"r0", "r1", "r2", "r3"}
 
 
+@pytest.mark.slow
 def test_session_policy_pins_each_session(sim_urls: list[str]) -> None:
     with running_gateway(sim_urls, routes=[{"name": "main", "policy": "session"}]) as gw:
         homes = {}
@@ -43,6 +46,7 @@ def test_session_policy_pins_each_session(sim_urls: list[str]) -> None:
     assert len(set(homes.values())) > 1  # different sessions spread
 
 
+@pytest.mark.slow
 def test_routes_match_by_header_and_bind_pools(sim_urls: list[str]) -> None:
     routes = [
         {"name": "tenant-a", "match": {"models": [MODEL], "header": {"name": "x-tenant", "values": ["a"]}},
@@ -54,22 +58,24 @@ def test_routes_match_by_header_and_bind_pools(sim_urls: list[str]) -> None:
         assert {replica_of(gw) for _ in range(4)} == {"r0", "r1"}
 
 
+@pytest.mark.slow
 def test_replica_marked_down_gets_no_traffic_and_returns_when_healthy(sims: list[str]) -> None:
     with running_gateway(sims, routes=[{"name": "main", "policy": "round_robin"}]) as gw:
         replica = gw.gateway.replicas["r1"]
-        # the replica "restarts": /health and inference answer 503 for a while
-        httpx.post(
-            f"{sims[1]}/sim/restart", json={"downtime_ms": 4000}
-        ).raise_for_status()  # long enough for a busy machine
+        # the replica "restarts": /health and inference answer 503 until it is done (a minute,
+        # far more than any busy machine needs for the checks below; ended early just after)
+        httpx.post(f"{sims[1]}/sim/restart", json={"downtime_ms": 60_000}).raise_for_status()
         wait_for(lambda: not replica.healthy, what="r1 to be marked down by the active check")
         assert httpx.get(f"{gw.url}/metrics").text.count('prefix_gateway_replica_healthy{replica="r1"} 0.0') == 1
         during = collections.Counter(replica_of(gw) for _ in range(9))
         assert "r1" not in during and set(during) == {"r0", "r2", "r3"}
+        set_faults(sims[1], reset=True)  # the restart is over (instead of waiting out its downtime)
         wait_for(lambda: replica.healthy, timeout=15, what="r1 to come back")
         after = collections.Counter(replica_of(gw) for _ in range(8))
         assert after["r1"] == 2
 
 
+@pytest.mark.slow
 def test_passive_health_takes_failing_replica_out(sims: list[str]) -> None:
     """/health is fine but completions fail with 500: real traffic takes the replica out."""
     health = {"passive_5xx_threshold": 2, "eject_s": 30}
@@ -87,6 +93,7 @@ def test_passive_health_takes_failing_replica_out(sims: list[str]) -> None:
         assert statuses[-4:] == [200] * 4
 
 
+@pytest.mark.slow
 def test_connection_refused_retries_on_another_replica(sims: list[str]) -> None:
     import socket
 
@@ -107,6 +114,7 @@ def test_connection_refused_retries_on_another_replica(sims: list[str]) -> None:
         assert not r0.healthy and r0.ejections_total == 1
 
 
+@pytest.mark.slow
 def test_503_before_first_byte_is_retried_elsewhere_with_a_bound(sims: list[str]) -> None:
     routes = [{"name": "main", "policy": "round_robin"}]
     health = {"passive_5xx_threshold": 100}

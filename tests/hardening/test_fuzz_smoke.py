@@ -37,6 +37,7 @@ def _tracebacks(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
 
 
+@pytest.mark.slow
 def test_hypothesis_bodies(gw: RunningGateway, caplog: pytest.LogCaptureFixture) -> None:
     tally = Tally()
     with caplog.at_level(logging.WARNING):
@@ -46,6 +47,7 @@ def test_hypothesis_bodies(gw: RunningGateway, caplog: pytest.LogCaptureFixture)
     assert _tracebacks(caplog) == []
 
 
+@pytest.mark.slow
 def test_hostile_bodies_and_raw_garbage(gw: RunningGateway, caplog: pytest.LogCaptureFixture) -> None:
     hostile, raw = Tally(), Tally()
     host, port = gw.url.removeprefix("http://").rsplit(":", 1)
@@ -58,6 +60,7 @@ def test_hostile_bodies_and_raw_garbage(gw: RunningGateway, caplog: pytest.LogCa
     assert _tracebacks(caplog) == []
 
 
+@pytest.mark.slow
 def test_slow_partial_requests_are_closed(gw: RunningGateway) -> None:
     host, port = gw.url.removeprefix("http://").rsplit(":", 1)
     result = run_slow(host, int(port), gw.url, connections=20, deadline_s=10)

@@ -153,6 +153,7 @@ def test_background_gets_send_the_replica_key_and_models_checks_client_keys(monk
     assert background and all(r["headers"].get("authorization") == "Bearer replica-key" for r in background)
 
 
+@pytest.mark.slow
 def test_continuous_usage_without_include_usage_gets_no_usage(sim_url: str) -> None:
     with serve_in_thread(gateway_config([sim_url])) as gw:
         client = OpenAI(base_url=gw.openai_base_url, api_key="x", max_retries=0)

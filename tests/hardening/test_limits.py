@@ -97,6 +97,7 @@ def test_rate_limit_per_key_is_a_429_with_retry_after(upstream: tuple[str, list[
     assert other.status_code == 200
 
 
+@pytest.mark.slow
 def test_concurrency_limit_per_key(upstream: tuple[str, list[dict[str, Any]]]) -> None:
     with serve_in_thread(gateway_config([upstream[0]], limits={"per_key_concurrency": 1})) as gw:
         results: list[Any] = []

@@ -162,16 +162,19 @@ def _shared_gateway_state(upstream_url: str, redis_url: str) -> dict[str, Any]:
     return {"backend": "redis", "redis_url": redis_url, "channel": f"harden-{uuid.uuid4().hex[:8]}", "share_load": True}
 
 
-def _connected(config: Any) -> bool:
+def _connected(config: Any, attempts: int = 3) -> bool:
+    """Whether the gateway's state sync connects: decided once it has, or once ``attempts``
+    tries in a row failed (the sync retries after 0.5, 1, 2 s), or after 5 s at most."""
     with serve_in_thread(config) as gw:
         sync = gw.gateway.state_sync
         assert sync is not None
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not sync.stats.connected:
+        while time.monotonic() < deadline and not sync.stats.connected and sync.stats.errors < attempts:
             time.sleep(0.02)
         return sync.stats.connected
 
 
+@pytest.mark.slow
 def test_redis_with_a_password(upstream: tuple[str, list[dict[str, Any]]]) -> None:
     with redis_child("--requirepass", "s3cret-pw") as (port, _):
         wait_for(lambda: _answers(redis_sync.Redis(port=port, password="s3cret-pw")), what="redis with a password")
@@ -206,6 +209,7 @@ def test_redis_acl_user_limited_to_the_gateway_channels(upstream: tuple[str, lis
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to make a test certificate")
+@pytest.mark.slow
 def test_redis_over_tls(upstream: tuple[str, list[dict[str, Any]]]) -> None:
     with redis_child("--requirepass", "tls-pw", tls=True) as (port, workdir):
         ca = workdir / "cert.pem"

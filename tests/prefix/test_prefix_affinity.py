@@ -142,6 +142,7 @@ def test_forget_and_set_members() -> None:
     assert index.match(keys, ["D"]) == {"D": 4}
 
 
+@pytest.mark.slow
 def test_memory_stays_within_its_byte_bound_under_a_million_distinct_prompts() -> None:
     bound = 8 * 1024 * 1024
     index = AffinityIndex(stride=4, max_bytes=bound)
@@ -162,6 +163,7 @@ def test_memory_stays_within_its_byte_bound_under_a_million_distinct_prompts() -
 
 
 @pytest.mark.parametrize("modelled", [False, True])
+@pytest.mark.slow
 def test_memory_bytes_is_honest(modelled: bool) -> None:
     """``memory_bytes`` (what the bound is checked against) is at least what tracemalloc sees,
     with and without a KV cache model (which keeps a weight per key)."""

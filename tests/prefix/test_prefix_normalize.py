@@ -342,6 +342,7 @@ def test_relocation_is_idempotent(case: tuple[str, dict[str, Any]]) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
+@pytest.mark.slow
 def test_stable_prefix_is_identical_across_volatile_values(data: st.DataObject) -> None:
     template = data.draw(st.sampled_from(TEMPLATES))
     _, a = data.draw(volatile_chat(template))

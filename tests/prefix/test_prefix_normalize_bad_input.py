@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,6 +49,7 @@ NORMALIZERS = [
 
 @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
 @given(_BODY)
+@pytest.mark.slow
 def test_normalization_never_raises(body: dict[str, Any]) -> None:
     for norm in NORMALIZERS:
         for endpoint in ("chat", "completions"):

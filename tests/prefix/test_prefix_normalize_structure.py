@@ -8,6 +8,7 @@ import json
 import random
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -135,6 +136,7 @@ def _check_idempotent(body: dict[str, Any], budget: int) -> None:
     assert budgeted.apply("chat", once.body, learn=False).body is once.body
 
 
+@pytest.mark.slow
 def test_relocation_is_idempotent_on_10000_random_prompts_with_our_markers() -> None:
     """The issue's bar, as a fast seeded loop (hypothesis below shrinks failures on fewer cases)."""
     rng = random.Random(9)
@@ -153,6 +155,7 @@ def test_relocation_is_idempotent_on_10000_random_prompts_with_our_markers() -> 
     st.sampled_from(["", "user", "tool"]),
     st.integers(0, 400),
 )
+@pytest.mark.slow
 def test_relocation_is_idempotent_on_random_prompts_with_our_markers(
     system: list[str], user: list[str], role: str, budget: int
 ) -> None:

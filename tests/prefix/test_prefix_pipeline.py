@@ -9,6 +9,7 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -164,6 +165,7 @@ print(json.dumps(list(p.prepare("chat", body).block_keys)))
 """
 
 
+@pytest.mark.slow
 def test_keys_are_stable_across_processes() -> None:
     b = body("2025-03-04T05:06:07Z", cache_salt="s")
     here = list(pipeline("relocate").prepare("chat", b).block_keys)

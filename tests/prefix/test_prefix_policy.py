@@ -60,6 +60,7 @@ class Fleet:
     st.lists(st.integers(0, 20_000), min_size=6, max_size=6),
     st.sampled_from([0.0, 1.0]),
 )
+@pytest.mark.slow
 def test_bound_is_never_exceeded_when_a_replica_is_under_it(
     loads: list[int],
     history: list[tuple[int, int]],
@@ -137,6 +138,7 @@ def _conversation_stickiness(p: PrefixPolicy, hold: int, steps: int = 1200) -> f
     return stayed / (stayed + moved)
 
 
+@pytest.mark.slow
 def test_growing_conversation_stays_where_its_history_is() -> None:
     # ~24 requests in flight on 4 replicas: the load bound leaves room, history wins.
     assert _conversation_stickiness(policy(), hold=24) > 0.95
@@ -359,6 +361,7 @@ print(json.dumps(t._replay(t.policy())))
 """
 
 
+@pytest.mark.slow
 def test_choices_agree_across_processes() -> None:
     here = [list(x) for x in _replay(policy())]
     for seed in ("0", "123"):

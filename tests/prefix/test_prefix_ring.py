@@ -24,6 +24,7 @@ _names = st.lists(st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_
 
 @settings(max_examples=40, deadline=None)
 @given(_names.filter(lambda n: 3 <= len(n) <= 12), st.data())
+@pytest.mark.slow
 def test_removing_a_replica_moves_only_its_keys_about_1_over_n(names: list[str], data: st.DataObject) -> None:
     before = HashRing(dict.fromkeys(names, 1.0))
     gone = data.draw(st.sampled_from(names))
@@ -38,6 +39,7 @@ def test_removing_a_replica_moves_only_its_keys_about_1_over_n(names: list[str],
 
 @settings(max_examples=40, deadline=None)
 @given(_names.filter(lambda n: 2 <= len(n) <= 12), st.text(alphabet="XYZ_", min_size=1, max_size=8))
+@pytest.mark.slow
 def test_adding_a_replica_moves_keys_only_to_it_about_1_over_n(names: list[str], newcomer: str) -> None:
     before = HashRing(dict.fromkeys(names, 1.0))
     after = HashRing(dict.fromkeys([*names, newcomer], 1.0))
@@ -92,6 +94,7 @@ def test_load_bounds_textbook_formula() -> None:
     st.lists(st.tuples(st.integers(0, 50), st.sampled_from([0.5, 1.0, 2.0, 3.0])), min_size=1, max_size=12),
     st.floats(1.0, 3.0),
 )
+@pytest.mark.slow
 def test_some_replica_is_always_under_its_bound(loads: list[tuple[int, float]], c: float) -> None:
     in_flight = {f"r{i}": n for i, (n, _) in enumerate(loads)}
     weights = {f"r{i}": w for i, (_, w) in enumerate(loads)}
@@ -101,6 +104,7 @@ def test_some_replica_is_always_under_its_bound(loads: list[tuple[int, float]], 
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 2**64 - 1), st.integers(1, 40), st.data())
+@pytest.mark.slow
 def test_first_of_a_subset_is_the_walks_first(key: int, members: int, data: st.DataObject) -> None:
     """``first`` (one bisect per candidate) agrees with walking the ring, for any subset."""
     names = [f"m{i}" for i in range(members)]

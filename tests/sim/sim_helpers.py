@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.sim.tokenizer import PromptBuilder, SimTokenizer
 from tests.polling import wait_for
+from tests.sdk import openai_client
 
 # The replica's default tokenizer and prompt rendering (its own code, as vLLM would: Llama 3.1
 # template, specials parsed, BOS on completions): what prompt_tokens must count.
@@ -24,7 +25,7 @@ T = TypeVar("T")
 
 
 def client(url: str, **kwargs: Any) -> OpenAI:
-    return OpenAI(base_url=url + "/v1", api_key="sim", max_retries=0, **kwargs)
+    return openai_client(url + "/v1", api_key="sim", **kwargs)
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -270,6 +270,7 @@ _TWO_TOOL_CALLS = json.dumps(
         ("/detokenize", b'{"tokens": [99999999]}'),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_gets_a_400(sim: str, path: str, body: bytes) -> None:
     resp = httpx.post(sim + path, content=body, headers={"content-type": "application/json"})
     err = _error(resp, 400)

@@ -46,6 +46,7 @@ def _state(url: str) -> dict[str, Any]:
     return httpx.get(url + "/sim/state").json()
 
 
+@pytest.mark.slow
 def test_requests_queue_when_more_arrive_than_max_num_seqs(make_sim) -> None:
     url = make_sim(time_scale=0.5, decode_ms_per_token=20, max_num_seqs=2, enable_admin=True)
     load = Load(client(url))
@@ -66,6 +67,7 @@ def test_requests_queue_when_more_arrive_than_max_num_seqs(make_sim) -> None:
     assert latencies[-1] > latencies[0] * 1.5
 
 
+@pytest.mark.slow
 def test_full_kv_cache_makes_requests_wait_and_preempts(make_sim) -> None:
     # 24 blocks of 16 tokens; each request needs 10 blocks for its prompt and 13 at its end
     url = make_sim(time_scale=0.5, decode_ms_per_token=20, num_gpu_blocks=24, max_num_seqs=8, enable_admin=True)

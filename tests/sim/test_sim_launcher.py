@@ -27,6 +27,7 @@ def _refused(url: str) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_run_replicas_processes_per_replica_options_and_cleanup(tmp_path: Path) -> None:
     with run_replicas(
         2,
@@ -73,6 +74,7 @@ def test_bad_options_fail_before_anything_starts() -> None:
         pass
 
 
+@pytest.mark.slow
 def test_kill_and_restart_one_replica(tmp_path: Path) -> None:
     with ReplicaGroup(2, time_scale=0, log_dir=tmp_path, disable_uvicorn_access_log=True) as group:
         c = client(group.urls[0])
@@ -112,6 +114,7 @@ def _cli(*args: str) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.slow
 def test_cli_starts_replicas_on_consecutive_ports_and_stops_on_sigterm(tmp_path: Path) -> None:
     port = _free_port_pair()
     proc = _cli("--replicas", "2", "--port", str(port), "--time-scale", "0", "--log-dir", str(tmp_path))
