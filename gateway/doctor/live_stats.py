@@ -258,7 +258,7 @@ def imbalance_spills(info: RouteInfo, live: dict[str, Any]) -> list[Finding]:
     if total < MIN_REQUESTS or spills / total < SPILL_SHARE:
         return []
     share = spills / total
-    section = {"policy_settings": {"load_factor": 3, "bound_extra": 4}}  # above the defaults (2, 2)
+    section = {"policy_settings": {"load_factor": 3, "bound_extra": 8}}  # above the defaults (2, 4)
     return [
         Finding(
             "imbalance_spill",
