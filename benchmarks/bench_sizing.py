@@ -51,8 +51,8 @@ from gateway.routing.affinity import AffinityIndex  # noqa: E402
 from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings  # noqa: E402
 from gateway.routing.routes import request_view  # noqa: E402
 from gateway.routing.runner import PolicyRunner  # noqa: E402
-from gateway.state.affinity_sync import Record, encode  # noqa: E402
 from gateway.state.peer_load import load_rows  # noqa: E402
+from gateway.state.wire import Record, encode  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_sizing.json"
 KEYS_PER_PROMPT = 100
@@ -181,6 +181,17 @@ def chat_bodies(kind: str, tokens: int, n: int, text: Text) -> list[dict[str, An
     return bodies
 
 
+class _Collect:
+    """A record sink that keeps what the shared-state sync would publish (as its RouteSink does)."""
+
+    def __init__(self, out: list[Record]) -> None:
+        self.out = out
+
+    def recorded(self, replica: str, stored: list[int], prompt_tokens: int | None, weights: Any) -> None:
+        explicit = weights.explicit(len(stored)) if weights else None
+        self.out.append(Record("chat", replica, list(stored), prompt_tokens, explicit))
+
+
 def prefix_path(kind: str, tokens: int, n: int) -> dict[str, Any]:
     """CPU per request of normalize + key + decide, and the bytes of the records it would publish."""
     text = Text(11)
@@ -190,9 +201,7 @@ def prefix_path(kind: str, tokens: int, n: int) -> dict[str, Any]:
     policy = PrefixPolicy(PrefixPolicySettings(), [r.view() for r in pool])
     runner = PolicyRunner("sizing", "prefix", policy, pool)
     published: list[Record] = []
-    policy.index.listener = lambda name, keys, prompt_tokens, weights: published.append(
-        Record("chat", name, keys, prompt_tokens, weights)
-    )
+    policy.index.attach_sink(_Collect(published))
     cpu: list[float] = []
     parse: list[float] = []
     keys: list[int] = []

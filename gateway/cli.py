@@ -239,11 +239,14 @@ def run_demo(args: argparse.Namespace) -> int:
         config = demo_config(base, urls, args.port, str(path), admin_key)
 
         def announce(url: str) -> None:
+            print(demo_banner(url, model, len(urls), log_dir, admin_key), flush=True)
             if admin_key is not None:
                 port = int(url.rsplit(":", 1)[1])
-                write_demo_key(port, admin_key)
-                ports.append(port)
-            print(demo_banner(url, model, len(urls), log_dir, admin_key), flush=True)
+                try:
+                    write_demo_key(config.server.host, port, admin_key)
+                    ports.append(port)
+                except OSError as exc:  # a read-only or shared home: the demo still runs
+                    print(f"(admin key not saved for the CLI clients: {exc}; pass --admin-key)", flush=True)
 
         _exit_cleanly_on_signals()
         try:
@@ -433,8 +436,8 @@ def run_doctor(args: argparse.Namespace) -> int:
             if CATCH_ALL_ROUTE in corpus.routes:
                 corpus.notes.append(
                     f"no --config given: requests for models the default config does not route were keyed by route "
-                    f"{CATCH_ALL_ROUTE!r} with default settings (tokenizer: auto, from the model's name); pass "
-                    "--config FILE to key them as your gateway does"
+                    f"{CATCH_ALL_ROUTE!r}, with its first prefix route's normalize and prefix settings (tokenizer "
+                    "from the model's name when auto); pass --config FILE to key them as your gateway does"
                 )
     except SourceError as exc:
         print(f"prefix-gateway doctor: {exc}", file=sys.stderr)

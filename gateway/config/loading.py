@@ -122,6 +122,6 @@ def packaged_default_config() -> Path:
 
 
 def default_config_path() -> Path:
-    """``./config/gateway.yaml`` when run from a checkout, else the packaged copy."""
+    """``./config/gateway.yaml`` when the working directory has one (an operator's), else the packaged default."""
     local = Path.cwd() / "config" / "gateway.yaml"
     return local if local.is_file() else packaged_default_config()

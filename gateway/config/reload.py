@@ -20,11 +20,13 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.config import ConfigError, GatewayConfig, load_config
-from gateway.routing.routes import RouteTable
 from gateway.tasks import cancel_and_wait
+
+if TYPE_CHECKING:  # only to annotate Reconfigurable: the config package does not load routing
+    from gateway.routing.routes import RouteTable
 
 log = logging.getLogger("prefix_gateway.reload")
 

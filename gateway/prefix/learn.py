@@ -193,7 +193,8 @@ class VarianceLearner:
 
         A method, not a constructor argument: the route's normalizer builds its learner, and
         the state sync that shares it is built once per gateway, after the routes, and
-        outlives config reloads, which rebuild them; it also shares only while started.
+        outlives config reloads, which rebuild them, re-attaching to each new one and detaching
+        when it stops.
         """
         self._sink = sink
 
@@ -267,7 +268,8 @@ class VarianceLearner:
                 place = Place(rule, where, digest(context), value_hash, example, 1, int(peers_saw), now, place_id)
                 self._places[key] = place
                 self._evict(now)
-                announce = 0 if peers_saw else value_digest(value)
+                if self._sink is not NO_LEARN_SINK:  # the digest costs a hash: only when someone hears it
+                    announce = 0 if peers_saw else value_digest(value)
             else:
                 self._places.move_to_end(key)
                 place.seen += 1

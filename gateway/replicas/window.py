@@ -1,7 +1,8 @@
 """One replica's failure-rate window: the passive-health input that looks back in time.
 
-Its own module so that both the replica (which feeds it) and the fleet rules can name it
-without importing each other.
+The replica (:mod:`gateway.replicas.pool`) feeds it and the fleet rules
+(:mod:`gateway.replicas.outlier`) read its rate through the replica; a module of its own keeps
+the window's bookkeeping out of both.
 """
 
 from __future__ import annotations

@@ -105,8 +105,8 @@ class AffinityIndex:
         A method, not a constructor argument: the index is built by its route's policy from
         the route's settings, and the state sync that shares it is built once per gateway,
         after the routes, and outlives config reloads, which rebuild routes (and their
-        indexes) under it; it also shares only while started.  So the sink arrives after
-        construction and changes during the index's life.
+        indexes) under it, re-attaching to each new one and detaching when it stops.  So the
+        sink arrives after construction and changes during the index's life.
         """
         self._sink = sink
 

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.prefix.learn import NO_LEARN_SINK, VarianceLearner
-from gateway.routing.affinity import AffinityIndex, KeyWeights
+from gateway.routing.affinity import AffinityIndex
+from gateway.routing.key_weights import KeyWeights
 from gateway.routing.sinks import NO_SINK
 from gateway.routing.starts import HeadDemand
 from gateway.state.peer_load import PeerLoad, Report, parse_load

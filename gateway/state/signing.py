@@ -9,7 +9,7 @@ prefix onto one replica).  With a shared secret (``state.secret_env``, default
 
 and a receiver drops (and counts) anything unsigned, badly signed, or older/newer than
 ``MAX_SKEW_S`` (a recorded message replayed later is refused).  The payload itself is the
-unchanged JSON wire format of :mod:`gateway.state.affinity_sync`.
+unchanged JSON wire format of :mod:`gateway.state.wire`.
 """
 
 from __future__ import annotations
