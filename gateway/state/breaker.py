@@ -57,6 +57,7 @@ class Breaker:
         timeout_s: float = 0.05,
         backoff_s: float = 0.5,
         backoff_max_s: float = 10.0,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     ) -> None:
         self.name = name
         self.timeout_s = timeout_s
@@ -65,6 +66,7 @@ class Breaker:
         self.stats = BreakerStats()
         self.on_close: list[Callable[[], None]] = []
         self._probe = probe
+        self._sleep = sleep  # injectable: tests check the backoff without waiting it out
         self._open_since: float | None = None
         self._prober: asyncio.Task[None] | None = None
         self._last_error = ""
@@ -113,7 +115,7 @@ class Breaker:
     async def _probe_loop(self) -> None:
         backoff = self.backoff_s
         while True:
-            await asyncio.sleep(backoff)
+            await self._sleep(backoff)
             self.stats.probes += 1
             try:
                 async with asyncio.timeout(self.timeout_s):

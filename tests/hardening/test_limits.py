@@ -19,7 +19,6 @@ from tests.configs import gateway_config
 from tests.hardening.hostile_upstream import MODEL, run_upstream
 from tests.polling import wait_for
 
-
 #: two client keys: with auth on, each configured key has its own buckets
 AUTH = {"api_keys_sha256": [sha256_hex("k1"), sha256_hex("k2")]}
 
