@@ -91,6 +91,7 @@ class KeyLimiter:
         self._client: Any = None
         self._background: set[asyncio.Task[None]] = set()
         self._cleanup: asyncio.Task[None] | None = None
+        self._warming: asyncio.Task[None] | None = None
         self.breaker: Breaker | None = None
         if self.enabled and redis_url:
             self.breaker = Breaker(
@@ -112,11 +113,26 @@ class KeyLimiter:
             self.redis_url, socket_connect_timeout=1.0, socket_timeout=1.0, retry=Retry(NoBackoff(), 0), **keepalive
         )
         self.shared = RedisLimits(self._client, self.prefix, self.lease_s)
+        # warm up in the background (a Redis outage must not delay the start): a connection in
+        # the pool and the scripts loaded, so the first requests' checks fit their short bound
+        self._warming = asyncio.get_running_loop().create_task(self._warm_up(self.shared, self.breaker))
+
+    async def _warm_up(self, shared: RedisLimits, breaker: Breaker) -> None:
+        try:
+            async with asyncio.timeout(_CLEANUP_TIMEOUT_S):
+                await self._ping()
+                await shared.load_scripts()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._unsupported(exc):
+                return
+            breaker.failed(exc)  # not reachable: start open, probing (requests never wait for it)
 
     async def stop(self) -> None:
         if self.breaker is not None:
             await self.breaker.stop()
-        await cancel_and_wait(self._cleanup)
+        await cancel_and_wait(self._cleanup, self._warming)
         for task in list(self._background):
             await asyncio.gather(task, return_exceptions=True)
         if self._client is not None:
@@ -128,11 +144,17 @@ class KeyLimiter:
         if self._client is not None:
             await self._client.ping()
 
-    def _redis_failed(self, exc: BaseException) -> None:
+    def _unsupported(self, exc: BaseException) -> bool:
+        """A server without scripting (the --workers local broker): per-process limits for good."""
         if type(exc).__name__ == "ResponseError" and "unknown command" in str(exc).lower():
-            # a server without scripting (the --workers local broker): per-process limits for good
-            log.info("limits: the state server cannot run the limit scripts; limits are per process")
+            if self.shared is not None:
+                log.info("limits: the state server cannot run the limit scripts; limits are per process")
             self.shared = None
+            return True
+        return False
+
+    def _redis_failed(self, exc: BaseException) -> None:
+        self._unsupported(exc)
         self.fallbacks += 1
 
     async def admit(self, key: str) -> Ticket | None:
