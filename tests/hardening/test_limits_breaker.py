@@ -137,3 +137,22 @@ def test_a_slot_whose_reply_was_lost_is_freed_when_redis_answers(redis_url: str)
     assert leaked == 1  # the lost reply really held the slot in Redis
     assert freed == 2 and shared_again
     assert snap["lost_slots"]["pending"] == 0 and snap["redis_breaker"]["closes"] >= 1
+
+
+def test_an_unreachable_redis_at_start_opens_the_breaker_before_any_request() -> None:
+    """The start's background warm-up PING finds the blackhole: the first request skips Redis."""
+
+    async def scenario(url: str) -> tuple[dict[str, Any], bool]:
+        limiter = KeyLimiter(0, 1000, 1000, redis_url=url)
+        await limiter.start()  # returns at once: the warm-up runs in the background
+        try:
+            assert limiter.breaker is not None
+            await until(lambda: limiter.breaker.is_open, what="the warm-up's timeout opening the breaker")
+            admitted = await limiter.admit("k") is None  # no concurrency limit: no ticket, no 429
+            return dict(limiter.breaker.snapshot()), admitted
+        finally:
+            await limiter.stop()
+
+    with switchable_redis(None) as hole:
+        snap, admitted = asyncio.run(scenario(hole.url))
+    assert admitted and snap["skipped"] == 1 and snap["failures"] == 1
