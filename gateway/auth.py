@@ -23,20 +23,35 @@ class KeyChecker:
     def enabled(self) -> bool:
         return bool(self._hashes)
 
-    def check(self, presented: str | None) -> bool:
+    def match(self, presented: str | None) -> str | None:
+        """The sha256 hex of the configured key ``presented`` is, else None.
+
+        Every configured hash is compared (no early exit) so the time does not depend on
+        which one matched, nor on how much of any matched."""
         if not presented:
-            return False
+            return None
         digest = hashlib.sha256(presented.encode()).digest()
-        ok = False
+        found: bytes | None = None
         for expected in self._hashes:
-            ok |= hmac.compare_digest(digest, expected)
-        return ok
+            if hmac.compare_digest(digest, expected):
+                found = expected
+        return found.hex() if found is not None else None
+
+    def check(self, presented: str | None) -> bool:
+        return self.match(presented) is not None
+
+    def identify(self, header: str | None) -> str | None:
+        """``Authorization: Bearer <key>``: the matched configured key's sha256 hex, else None.
+
+        The identity per-key limits count against: one key however it is spelled (any case of
+        ``Bearer``, any spacing), never the raw header (see ``gateway.limits.identity``)."""
+        if not header:
+            return None
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        return self.match(value.strip())
 
     def check_authorization(self, header: str | None) -> bool:
         """``Authorization: Bearer <key>``."""
-        if not header:
-            return False
-        scheme, _, value = header.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        return self.check(value.strip())
+        return self.identify(header) is not None

@@ -28,9 +28,11 @@ from gateway.discovery.membership import Membership
 from gateway.errors import ModelNotFound
 from gateway.limits.admission import KeyLimiter
 from gateway.limits.context import ContextLimits
+from gateway.limits.identity import ClientIdentity
 from gateway.observe.logs import AccessLog
 from gateway.observe.metrics import (
     GatewayMetrics,
+    LimitsCollector,
     MembershipCollector,
     NormalizationCollector,
     ReplicaCollector,
@@ -126,6 +128,14 @@ class Gateway:
             self.metrics.registry.register(SyncCollector(self.state_sync.stats))
         self.limiter = self._build_limiter(env)
         limits = config.limits
+        #: whose bucket a request counts against (limits are restart-only: built once)
+        self.limit_identity = ClientIdentity(
+            limits.client_identity,
+            header=limits.forwarded_header,
+            trusted_proxies=limits.trusted_proxies,
+            ipv6_prefix_len=limits.ipv6_prefix_len,
+        )
+        self.metrics.registry.register(LimitsCollector(self.limiter.snapshot))
         self.context = ContextLimits(limits.context_bytes_per_token) if limits.context_check else None
         self._context_task: asyncio.Task[None] | None = None
         self.environ = env
@@ -148,6 +158,10 @@ class Gateway:
             redis_url=state.resolved_redis_url(env) if shared else None,
             prefix=f"{state.channel}:limits:",
             lease_s=limits.concurrency_lease_s,
+            redis_timeout_s=limits.redis_timeout_ms / 1000.0,
+            backoff_s=limits.redis_backoff_ms / 1000.0,
+            backoff_max_s=limits.redis_backoff_max_s,
+            max_keys=limits.max_keys,
         )
 
     def _build_state_sync(self, env: Mapping[str, str]) -> AffinitySync | None:

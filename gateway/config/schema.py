@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -386,6 +387,69 @@ class LimitsSettings(_Strict):
         gt=0,
         description="with Redis: a slot held by a gateway that died is freed after this (longer than any request)",
     )
+    max_keys: int = Field(
+        100_000,
+        ge=1,
+        le=10_000_000,
+        description="token buckets kept per process, least recently used forgotten first (about 280 bytes each: "
+        "100,000 is ~28 MB)",
+    )
+    client_identity: Literal["peer", "forwarded"] = Field(
+        "peer",
+        description="with auth off, whose bucket a request counts against: peer = the TCP peer's address; "
+        "forwarded = the right-most untrusted hop of forwarded_header, believed only from trusted_proxies "
+        "(with auth on it is always the matched API key)",
+    )
+    forwarded_header: str = Field(
+        "x-forwarded-for",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9-]+$",
+        description="the header a trusted proxy appends the client's address to (client_identity: forwarded)",
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="CIDRs (or addresses) of the proxies whose forwarded_header is believed, e.g. the ingress "
+        "pods' range 10.0.0.0/8; from any other peer the header is ignored",
+    )
+    ipv6_prefix_len: int = Field(
+        64, ge=8, le=128, description="IPv6 clients share a bucket per this prefix (one host gets a whole /64)"
+    )
+    redis_timeout_ms: float = Field(
+        50.0,
+        gt=0,
+        le=5000,
+        description="with Redis: each limit check's bound; a check that takes longer falls back to local "
+        "limits and opens the circuit breaker",
+    )
+    redis_backoff_ms: float = Field(
+        500.0,
+        gt=0,
+        le=60_000,
+        description="with Redis: after a failure Redis is skipped and PINGed in the background after this "
+        "long, doubling per failed PING",
+    )
+    redis_backoff_max_s: float = Field(
+        10.0, gt=0, le=600, description="with Redis: the longest wait between background PINGs while it fails"
+    )
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _cidrs(cls, values: list[str]) -> list[str]:
+        out = []
+        for value in values:
+            try:
+                out.append(str(ipaddress.ip_network(value.strip(), strict=False)))
+            except ValueError:
+                raise ValueError(f"{value!r} is not an IP address or CIDR (e.g. 10.0.0.0/8)") from None
+        return out
+
+    @model_validator(mode="after")
+    def _forwarded_needs_trust(self) -> LimitsSettings:
+        if self.client_identity == "forwarded" and not self.trusted_proxies:
+            raise ValueError("client_identity: forwarded needs trusted_proxies (else the header is never believed)")
+        return self
 
 
 class WarmRestartSettings(_Strict):

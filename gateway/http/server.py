@@ -74,6 +74,9 @@ def uvicorn_server(app: Any, config: GatewayConfig) -> uvicorn.Server:
         timeout_keep_alive=75,  # longer than typical client pools' idle timeouts
         server_header=False,
         date_header=False,
+        # the peer stays the peer: uvicorn would rewrite it from X-Forwarded-For for any loopback
+        # peer; whom to believe is limits.trusted_proxies' job (gateway.limits.identity)
+        proxy_headers=False,
     )
     access.handlers[:], access.propagate = saved
     return DrainingServer(ucfg, getattr(app, "gateway", None), config.server.drain_grace_s)

@@ -59,6 +59,12 @@ class RedisLimits:
         self._bucket = redis.register_script(_BUCKET)
         self._acquire = redis.register_script(_ACQUIRE)
 
+    async def load_scripts(self) -> None:
+        """Load both scripts now, so a request's first check is one EVALSHA round trip (not a
+        NOSCRIPT reply, then EVAL) within its short bound."""
+        for script in (self._bucket, self._acquire):
+            await self.redis.script_load(script.script)
+
     async def take(self, key: str, rate: float, burst: float) -> float:
         """0.0 when admitted, else the seconds until a token is available."""
         wait = await self._bucket(keys=[f"{self.prefix}rate:{key}"], args=[repr(rate), repr(burst)])

@@ -10,7 +10,7 @@ hot path pays nothing for it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -346,6 +346,47 @@ class SyncCollector(Collector):
         yield rejected
         yield peers
         yield snapshots
+
+
+class LimitsCollector(Collector):
+    """Per-key limits and their Redis circuit breaker, read at scrape time.
+
+    ``snapshot`` is ``KeyLimiter.snapshot`` (duck-typed: this module imports no limits code)."""
+
+    def __init__(self, snapshot: Callable[[], Mapping[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        p = "prefix_gateway_limits_"
+        snap = self._snapshot()
+        refused = CounterMetricFamily(p + "refused", "Requests answered 429 by per-key limits", labels=["limit"])
+        for limit, count in snap.get("refused", {}).items():
+            refused.add_metric([limit], count)
+        fallbacks = CounterMetricFamily(
+            p + "redis_fallbacks",
+            "Limit checks answered from this process's tables because Redis failed or was skipped",
+        )
+        fallbacks.add_metric([], snap.get("redis_fallbacks", 0))
+        yield refused
+        yield fallbacks
+        breaker = snap.get("redis_breaker")
+        if not breaker:
+            return
+        state = GaugeMetricFamily(p + "redis_breaker_open", "1 while Redis is skipped after a failure (probed by PING)")
+        state.add_metric([], 1.0 if breaker["state"] == "open" else 0.0)
+        trips = CounterMetricFamily(p + "redis_breaker_trips", "Times the limits' Redis breaker opened")
+        trips.add_metric([], breaker["trips"])
+        skipped = CounterMetricFamily(p + "redis_skipped", "Limit calls not sent to Redis because the breaker was open")
+        skipped.add_metric([], breaker["skipped"])
+        lost = snap.get("lost_slots", {})
+        freed = CounterMetricFamily(
+            p + "lost_slots_freed", "Redis concurrency slots whose reply or release was lost, removed once it answered"
+        )
+        freed.add_metric([], lost.get("freed", 0))
+        yield state
+        yield trips
+        yield skipped
+        yield freed
 
 
 class MembershipCollector(Collector):

@@ -29,7 +29,7 @@ from gateway.errors import (
     Unauthorized,
     error_bytes,
 )
-from gateway.limits.admission import Ticket, client_key
+from gateway.limits.admission import Ticket
 from gateway.observe.outcome import Outcome
 from gateway.proxy.parse import parse_body, read_body
 from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
@@ -186,10 +186,13 @@ class Exchange:
 
     async def _run(self) -> None:
         gw = self.gw
-        if gw.client_keys.enabled and not gw.client_keys.check_authorization(self.headers.get("authorization")):
-            raise Unauthorized("Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
+        matched: str | None = None  # the configured key presented (its hash), whatever its spelling
+        if gw.client_keys.enabled:
+            matched = gw.client_keys.identify(self.headers.get("authorization"))
+            if matched is None:
+                raise Unauthorized("Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
         if gw.limiter.enabled:
-            key = client_key(self.headers.get("authorization"), self.scope.get("client"))
+            key = gw.limit_identity.key(matched, self.scope["headers"], self.scope.get("client"))
             self.ticket = await gw.limiter.admit(key)
         raw = await read_body(self.receive, gw.config.server.max_body_bytes, self.headers.get("content-length"))
         body = self.body = parse_body(raw, self.endpoint)

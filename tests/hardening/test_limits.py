@@ -11,12 +11,16 @@ import openai
 import pytest
 from openai import OpenAI
 
+from gateway.config import sha256_hex
 from gateway.http.server import RunningGateway, serve_in_thread
 from gateway.limits.context import prompt_tokens_lower_bound
 from gateway.limits.local import LocalBuckets
 from tests.configs import gateway_config
 from tests.hardening.hostile_upstream import MODEL, run_upstream
 from tests.polling import wait_for
+
+#: two client keys: with auth on, each configured key has its own buckets
+AUTH = {"api_keys_sha256": [sha256_hex("k1"), sha256_hex("k2")]}
 
 
 def _client(gw: RunningGateway, key: str = "k1") -> OpenAI:
@@ -84,7 +88,7 @@ def _rate_limited(gw: RunningGateway, key: str) -> httpx.Response:
 
 def test_rate_limit_per_key_is_a_429_with_retry_after(upstream: tuple[str, list[dict[str, Any]]]) -> None:
     limits = {"per_key_requests_per_s": 0.01, "per_key_burst": 2}
-    with serve_in_thread(gateway_config([upstream[0]], limits=limits)) as gw:
+    with serve_in_thread(gateway_config([upstream[0]], limits=limits, auth=AUTH)) as gw:
         assert [_rate_limited(gw, "k1").status_code for _ in range(2)] == [200, 200]
         refused = _rate_limited(gw, "k1")
         other = _rate_limited(gw, "k2")
@@ -99,7 +103,7 @@ def test_rate_limit_per_key_is_a_429_with_retry_after(upstream: tuple[str, list[
 
 @pytest.mark.slow
 def test_concurrency_limit_per_key(upstream: tuple[str, list[dict[str, Any]]]) -> None:
-    with serve_in_thread(gateway_config([upstream[0]], limits={"per_key_concurrency": 1})) as gw:
+    with serve_in_thread(gateway_config([upstream[0]], limits={"per_key_concurrency": 1}, auth=AUTH)) as gw:
         results: list[Any] = []
         slow = threading.Thread(target=lambda: results.append(_chat(_client(gw, "k1"), model="slow")))
         slow.start()
@@ -116,7 +120,8 @@ def test_concurrency_limit_per_key(upstream: tuple[str, list[dict[str, Any]]]) -
 def test_rate_limit_is_shared_through_redis(upstream: tuple[str, list[dict[str, Any]]], redis_url: str) -> None:
     channel = f"harden-test-{uuid.uuid4().hex[:8]}"
     state = {"backend": "redis", "redis_url": redis_url, "channel": channel, "share_load": False}
-    limits = {"per_key_requests_per_s": 0.01, "per_key_burst": 2}
+    # a generous bound: this checks sharing, and a busy test machine must not trip the breaker
+    limits = {"per_key_requests_per_s": 0.01, "per_key_burst": 2, "redis_timeout_ms": 2000}
     config = gateway_config([upstream[0]], state=state, limits=limits)
     with serve_in_thread(config) as a, serve_in_thread(config) as b:
         statuses = [_rate_limited(a, "shared").status_code, _rate_limited(b, "shared").status_code]
