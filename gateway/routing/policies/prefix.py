@@ -61,8 +61,8 @@ uncached tokens.  The decision, in order:
 4. **Fallback.**  No keys at all (prompt shorter than one block, embeddings): least loaded.
 
 Every choice is recorded in the affinity index *at decision time* (a burst of requests with a
-new shared prefix follows the first one instead of scattering) and taken back if the attempt
-fails before the replica answers (``forget_attempt``), and every tie is broken by
+new shared prefix follows the first one instead of scattering) and taken back, here and on the
+peers, if the replica does not serve it — no 2xx answer (``forget_attempt``) — and every tie is broken by
 the ring order of the request's own key — its session header, else its deepest key, never a
 shared head's key and never list position — so gateway processes with the same membership
 and state choose the same replica, and conversations behind one head spread.
@@ -344,9 +344,13 @@ class PrefixPolicy:
         return None
 
     def forget_attempt(self, request: RequestView, decision: Decision) -> None:
-        """The attempt failed before the replica served anything (refused, reset, 5xx): take
-        back what the decision newly recorded, so a retried request's prefix is not credited to
-        the replica that failed it.  Keys the replica held before stay."""
+        """The replica did not serve the attempt (a 4xx, 5xx, transport failure, or a client
+        gone before the first byte): take back what the decision newly recorded, so the prefix
+        is not credited to a replica that never computed it — here and, through the index's
+        sink, on the peers that heard of the record.  Keys the replica held before stay (the
+        record reported only the keys it added).  The prefill work charged to the replica and
+        the conversation start behind a shared head are undone too (the start only here: a
+        peer that counted it keeps a decayed demand count, which says nothing of a replica)."""
         keys = decision.detail.get("recorded_keys")
         if keys:
             self.index.unrecord(decision.replica, keys)
