@@ -553,6 +553,11 @@ class AffinityIndex:
         """Whether ``name`` is a tracked replica (records for others are ignored by callers)."""
         return name in self._slot
 
+    def holds(self, name: str, key: int) -> bool:
+        """Whether ``name`` holds ``key`` (a prompt's deepest key: the whole prompt)."""
+        lru = self._lru.get(name)
+        return lru is not None and key in lru
+
     def extent(self, name: str, key: int) -> int | None:
         """Prompt tokens of the last request ``name`` served whose keys ended at ``key`` (None: unknown)."""
         lru = self._lru.get(name)

@@ -5,6 +5,9 @@ sends them, so with per-process state turn 2 of a conversation can reach a pod t
 saw turn 1 and miss the replica holding its history.  Every pod therefore publishes the
 affinity records it makes — (route, replica, the prompt's stored block keys, its length
 past the window) — and applies every other pod's, so all indexes converge to the fleet's.
+A record is made when the request is placed; if the replica then does not serve it (no 2xx
+answer) the keys it added are withdrawn, and the withdrawal follows the record through the
+same ordered queue, so peers drop them too.
 
 Why pub/sub and write-behind, not a Redis lookup per request: the request path must never
 wait on a network round trip, and affinity is a hint (a lost record costs at most one cache

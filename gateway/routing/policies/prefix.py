@@ -301,9 +301,7 @@ class PrefixPolicy:
         added: list[int] = []
         started: Token | None = None
         if commit:
-            blocks = (token_blocks(request), block_size)
-            tokens_at = partial(depth_tokens, request)
-            added = self.index.record(pick, keys, beyond_window(request), tokens_at, blocks)
+            added = self._record(pick, request)
             if start is not None:
                 started = self.demand.record(start)
         predicted = picked.tokens
@@ -339,9 +337,21 @@ class PrefixPolicy:
             )
         return Decision(pick, reason, detail)
 
+    def _record(self, pick: str, request: RequestView) -> list[int]:
+        """Record ``request``'s keys on ``pick``; returns the keys it did not hold before."""
+        blocks = (token_blocks(request), request.block_size or 1)
+        tokens_at = partial(depth_tokens, request)
+        return self.index.record(pick, request.block_keys, beyond_window(request), tokens_at, blocks)
+
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
-        """Nothing to learn: the index was updated when the request was placed."""
-        return None
+        """The index was updated when the request was placed; one case is left to mend.  Two
+        requests with the same new prompt on one replica: the first added the keys, the
+        second found them held and added none; the first was not served and took them back.
+        The second, served, records them again (one lookup per served request; a record only
+        in that case, or when LRU dropped the prompt while it ran)."""
+        keys, name = request.block_keys, decision.replica
+        if keys and self.index.knows(name) and not self.index.holds(name, keys[-1]):  # known: not one that left
+            self._record(name, request)
 
     def forget_attempt(self, request: RequestView, decision: Decision) -> None:
         """The replica did not serve the attempt (a 4xx, 5xx, transport failure, or a client
