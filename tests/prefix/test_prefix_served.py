@@ -60,10 +60,23 @@ def test_a_served_twin_of_an_unserved_attempt_records_the_prompt_again() -> None
     assert len(heard.records) == 3
 
 
-def test_a_served_request_does_not_bring_back_a_replica_that_left() -> None:
+def test_a_served_twin_does_not_bring_back_a_replica_that_left() -> None:
     p = policy()
     keys = chain(8, 5)
+    first = p.choose(req(keys, rid="a"), views())
+    second = p.choose(req(keys, rid="b"), views())
+    p.forget_attempt(req(keys, rid="a"), first)
+    p.set_members([ReplicaView(n) for n in NAMES if n != second.replica])  # it left meanwhile
+    p.observe(req(keys, rid="b"), second, None)
+    assert not p.index.knows(second.replica)
+
+
+def test_without_a_withdrawal_a_served_request_changes_nothing() -> None:
+    """The mend is for withdrawals only: a prompt the index dropped otherwise (its LRU) while
+    the request ran stays dropped, as before."""
+    p = policy()
+    keys = chain(8, 6)
     decision = p.choose(req(keys), views())
-    p.set_members([ReplicaView(n) for n in NAMES if n != decision.replica])
+    p.index.withdraw(decision.replica, list(keys))  # what an eviction does, without forget_attempt
     p.observe(req(keys), decision, None)
-    assert not p.index.knows(decision.replica)
+    assert p.index.match(keys, NAMES) == {}

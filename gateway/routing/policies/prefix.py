@@ -119,6 +119,7 @@ class PrefixPolicy:
         self.work = RecentWork(settings.start_work_window)
         self._weight_sum = 0.0
         self._turn = 0
+        self._withdrawals = 0  # forget_attempt calls that took keys back (see observe)
         self._admitted: FleetLoad | None = None  # the live load whose names are all on the ring
         self._bits_cache: tuple[FleetLoad, int, int, list[int]] | None = None
         self.set_members(members)
@@ -325,6 +326,8 @@ class PrefixPolicy:
             detail["started"] = started  # likewise
         if worked is not None:
             detail["work"] = worked  # likewise
+        if commit and keys:
+            detail["withdrawals"] = self._withdrawals  # observe: did one happen while it ran?
         if not commit:
             # The explain-only part (hex key, per-candidate table over every replica) costs a
             # pass over the fleet, a ring walk and string formatting: real requests skip it.
@@ -347,10 +350,12 @@ class PrefixPolicy:
         """The index was updated when the request was placed; one case is left to mend.  Two
         requests with the same new prompt on one replica: the first added the keys, the
         second found them held and added none; the first was not served and took them back.
-        The second, served, records them again (one lookup per served request; a record only
-        in that case, or when LRU dropped the prompt while it ran)."""
+        The second, served, records them again — only when some attempt was taken back while
+        it ran (an int compare per served request) and its prompt is no longer held."""
         keys, name = request.block_keys, decision.replica
-        if keys and self.index.knows(name) and not self.index.holds(name, keys[-1]):  # known: not one that left
+        if decision.detail.get("withdrawals", self._withdrawals) == self._withdrawals or not keys:
+            return
+        if self.index.knows(name) and not self.index.holds(name, keys[-1]):  # known: not one that left
             self._record(name, request)
 
     def forget_attempt(self, request: RequestView, decision: Decision) -> None:
@@ -364,6 +369,7 @@ class PrefixPolicy:
         keys = decision.detail.get("recorded_keys")
         if keys:
             self.index.unrecord(decision.replica, keys)
+            self._withdrawals += 1
         started = decision.detail.get("started")
         if started is not None:
             self.demand.undo(started)
