@@ -7,7 +7,10 @@ affinity records it makes — (route, replica, the prompt's stored block keys, i
 past the window) — and applies every other pod's, so all indexes converge to the fleet's.
 A record is made when the request is placed; if the replica then does not serve it (no 2xx
 answer) the keys it added are withdrawn, and the withdrawal follows the record through the
-same ordered queue, so peers drop them too.
+same ordered queue, so peers drop them too.  A peer drops the keys the sender's record added
+in the sender's index; where the peer had learned some of them first from elsewhere (its own
+requests or a third pod's, in the milliseconds before the sender heard of them) it loses that
+hint too — at most one miss, and never a belief the replica holds what it did not compute.
 
 Why pub/sub and write-behind, not a Redis lookup per request: the request path must never
 wait on a network round trip, and affinity is a hint (a lost record costs at most one cache
