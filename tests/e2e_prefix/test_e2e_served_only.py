@@ -42,6 +42,15 @@ def set_faults(fleet: ReplicaGroup, **faults: Any) -> None:
             http.post(f"{url}/sim/faults", json=faults).raise_for_status()
 
 
+def settled(*gateways: Any) -> None:
+    """Wait until no request is in flight anywhere, as each gateway sees it (its own and its
+    peers' reports): the last request was released (what it learned kept or taken back), and
+    the load bound does not steer the dry runs that follow."""
+    for gw in gateways:
+        replicas = gw.gateway.replicas.values()
+        wait_for(lambda r=replicas: all(x.in_flight == 0 and x.peer_in_flight == 0 for x in r), what="idle")
+
+
 def shared(channel: str, redis_url: str) -> dict[str, Any]:
     return {"backend": "redis", "redis_url": redis_url, "channel": channel, "batch_interval_ms": 1}
 
@@ -55,6 +64,7 @@ def test_a_replica_answering_400_is_not_believed_to_hold_the_prompt(
         set_faults(fleet, error_rate=1.0, error_status=400)
         with pytest.raises(openai.BadRequestError):
             ask(client(gw), refused)
+        settled(gw)
         plan = explain(gw, refused)
         assert plan["best_matched_blocks"] == 0 and plan["reason"] == "ring"  # no belief it holds the prompt
         with admin(gw) as http:
@@ -70,12 +80,14 @@ def test_a_refused_request_keeps_the_head_the_replica_already_held(
     monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
     with gateway(fleet.urls) as gw:
         served = ask(client(gw), question("When does the library open?"))
+        settled(gw)
         refused, unseen = question("Can I bring my dog inside?"), question("Is there parking nearby?")
         head_only = explain(gw, unseen)  # what the replica holds of a new question: the system prompt
         assert head_only["replica"] == served.replica and head_only["best_matched_blocks"] > 0
         set_faults(fleet, error_rate=1.0, error_status=400)
         with pytest.raises(openai.BadRequestError):
             ask(client(gw), refused)
+        settled(gw)
         plan = explain(gw, refused)
         assert plan["replica"] == served.replica and plan["reason"] == "affinity"  # the head stayed
         assert plan["best_matched_blocks"] == head_only["best_matched_blocks"] < plan["blocks"]
@@ -98,6 +110,7 @@ def test_a_client_gone_before_the_first_byte_teaches_nothing(
             return metric_sum(text, "prefix_gateway_errors_total", kind="client_disconnect")
 
         wait_for(disconnects, what="the gateway saw the client leave (499)")
+        settled(gw)
         plan = explain(gw, abandoned)
         assert plan["best_matched_blocks"] == 0 and plan["reason"] == "ring"
 
@@ -115,6 +128,8 @@ def test_a_peer_gateway_sees_the_withdrawal_and_keeps_the_head(
     ):
         for gw in (gw_a, gw_b):
             wait_for(lambda gw=gw: gw.gateway.state_sync.stats.connected, what="subscribed to Redis")
+            # each has sent the other its (empty) catch-up snapshot: no snapshot crosses what follows
+            wait_for(lambda gw=gw: httpx.get(f"{gw.url}/ready").status_code == 200, what="caught up")
         served = ask(client(gw_a), question("How many books can I borrow?"))
         wait_for(lambda: gw_b.gateway.state_sync.stats.applied >= 1, what="B applied A's served record")
         refused, unseen = question("Do you lend laptops?"), question("Are there study rooms?")
@@ -123,7 +138,8 @@ def test_a_peer_gateway_sees_the_withdrawal_and_keeps_the_head(
             ask(client(gw_a), refused)
         wait_for(lambda: gw_b.gateway.state_sync.stats.withdrawals_applied >= 1, what="B applied A's withdrawal")
         assert gw_b.gateway.state_sync.stats.applied >= 2  # it had heard the refused request's record first
-        assert gw_a.gateway.state_sync.stats.withdrawn == 1
+        wait_for(lambda: gw_a.gateway.state_sync.stats.withdrawn == 1, what="A counted its one withdrawal")
+        settled(gw_a, gw_b)
         for gw in (gw_a, gw_b):
             plan, head_only = explain(gw, refused), explain(gw, unseen)
             assert plan["replica"] == served.replica and head_only["replica"] == served.replica
