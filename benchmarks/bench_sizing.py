@@ -191,6 +191,9 @@ class _Collect:
         explicit = weights.explicit(len(stored)) if weights else None
         self.out.append(Record("chat", replica, list(stored), prompt_tokens, explicit))
 
+    def withdrawn(self, replica: str, keys: list[int]) -> None:
+        return None  # every request here is served: nothing is taken back
+
 
 def prefix_path(kind: str, tokens: int, n: int) -> dict[str, Any]:
     """CPU per request of normalize + key + decide, and the bytes of the records it would publish."""

@@ -195,7 +195,9 @@ class Gateway:
         - requests already running keep the ``Route`` and ``Replica`` objects they hold;
         - a route whose policy, policy settings and prefix settings are unchanged keeps its
           runner (ring, affinity index, round-robin turn); other routes get new ones
-          (:func:`~gateway.routing.routes.carry_route`);
+          (:func:`~gateway.routing.routes.carry_route`); its prompt pipeline keeps what it
+          learned — normalization places and discovered rules while ``normalize`` is
+          unchanged, tokenizers and token cache while ``prefix`` is;
         - static replicas are reconciled by ``gateway.discovery.membership`` (joiners probed,
           leavers drained); discovery sources are restarted when their settings changed;
         - the :data:`RESTART_ONLY` sections and ``server:`` (but :data:`SERVER_LIVE`) keep

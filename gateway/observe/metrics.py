@@ -323,10 +323,11 @@ class SyncCollector(Collector):
         connected.add_metric([], 1.0 if stats.connected else 0.0)
         records = CounterMetricFamily(
             p + "records",
-            "Affinity records: published (ours), applied (peers'), ignored (unknown route/replica), dropped (unsent)",
+            "Affinity records: published (ours), applied (peers'), ignored (unknown route/replica), dropped (unsent), "
+            "withdrawn (ours taken back and sent: the replica did not serve), withdrawals_applied (peers')",
             labels=["outcome"],
         )
-        for outcome in ("published", "applied", "ignored", "dropped"):
+        for outcome in ("published", "applied", "ignored", "dropped", "withdrawn", "withdrawals_applied"):
             records.add_metric([outcome], getattr(stats, outcome))
         errors = CounterMetricFamily(p + "errors", "Failed Redis calls and malformed messages")
         errors.add_metric([], stats.errors)

@@ -72,12 +72,43 @@ class PreparedPrompt:
 class PrefixPipeline:
     """Normalize → tokenize (bounded window) → hash, for one route's settings."""
 
-    def __init__(self, normalize: NormalizeSettings, prefix: PrefixSettings) -> None:
+    def __init__(
+        self,
+        normalize: NormalizeSettings,
+        prefix: PrefixSettings,
+        *,
+        normalizer: Normalizer | None = None,
+        tokens: ModelWindows | None = None,
+    ) -> None:
+        """``normalizer``, ``tokens``: parts of a pipeline with the same ``normalize`` (resp.
+        ``prefix``) settings to keep, with what they learned (see :meth:`reconfigured`)."""
         self.normalize_settings = normalize
         self.settings = prefix
-        self.normalizer = Normalizer(normalize)
+        self.normalizer = normalizer if normalizer is not None else Normalizer(normalize)
         # the tokenizer + chat template per request model (tokenizer: auto | NAME | hf:DIR)
-        self.tokens = ModelWindows(prefix.tokenizer, prefix.window_tokens, prefix.token_cache_tokens)
+        if tokens is None:
+            tokens = ModelWindows(prefix.tokenizer, prefix.window_tokens, prefix.token_cache_tokens)
+        self.tokens = tokens
+
+    def reconfigured(self, normalize: NormalizeSettings, prefix: PrefixSettings) -> PrefixPipeline:
+        """The pipeline for a reloaded route with these settings, keeping what is still valid.
+
+        Both unchanged: this pipeline itself.  Else a new one that keeps the normalizer — the
+        places learned to vary, the discovered rules — while ``normalize`` is unchanged (what
+        the detectors, rules and learning limits found does not depend on the tokenizer), and
+        the tokenizers with their segment token cache while ``prefix`` is unchanged (a
+        segment's tokens do not depend on normalization).  What a reload resets is written
+        in docs/fleet.md ("What a reload applies").
+        """
+        same_normalize, same_prefix = normalize == self.normalize_settings, prefix == self.settings
+        if same_normalize and same_prefix:
+            return self
+        return PrefixPipeline(
+            normalize,
+            prefix,
+            normalizer=self.normalizer if same_normalize else None,
+            tokens=self.tokens if same_prefix else None,
+        )
 
     def warm(self, models: Iterable[str]) -> None:
         """Load each model's vocabulary and chat template now, not on its first request.

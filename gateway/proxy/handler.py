@@ -136,7 +136,12 @@ class Exchange:
         self.started = False  # response headers sent to the client
         self.done = False  # final body message is being sent: a disconnect now is harmless
         self.client_gone = False
-        self.failed_upstream = False  # the final attempt's replica answered 5xx: it served nothing
+        # The final attempt's replica really served the prompt: a 2xx answer read whole, or a
+        # stream's first bytes.  Only then does routing keep what it learned at decision time
+        # (the affinity index and, through Redis, the peers' indexes; see PolicyRunner.release):
+        # a 4xx (the replica refused the prompt), a 5xx, a transport failure or a client that
+        # left before the first byte (499) leave nothing computed there.
+        self.served = False
         self.t_upstream = 0.0
         self.added = 0.0
         self._watcher: asyncio.Task[None] | None = None
@@ -239,7 +244,8 @@ class Exchange:
         self._prefill_charge = 0
 
     def _let_go(self, completed: bool, served: bool = True) -> None:
-        """Release the attempt's replica; ``served=False``: it failed before answering anything."""
+        """Release the attempt's replica; ``served=False``: it did not serve the prompt (see
+        ``served`` in the constructor), so what routing recorded at decision time is taken back."""
         replica, plan = self.replica, self.plan
         if replica is None or plan is None or self.decision is None:
             return
@@ -425,9 +431,9 @@ class Exchange:
         if replica is not None:
             if status >= 500:
                 replica.report_5xx(status)
-                self.failed_upstream = True
             else:
                 replica.report_ok()
+        self.served = 200 <= status < 300
         if status == 200:
             self.usage = sniff_json_usage(data)
         else:
@@ -479,6 +485,7 @@ class Exchange:
                     if out:
                         if first:
                             t_in = perf_counter()
+                            self.served = True  # its first bytes: the replica computed the prompt
                             self._prefill_answered()  # the replica is done prefilling, however slow the client
                             if self.replica is not None:
                                 self.replica.record_ttfb(t_in - self.t_upstream, self._work_tokens)
@@ -531,7 +538,7 @@ class Exchange:
             self.ticket = None
         o = self.outcome
         completed = o.status == 200 and o.error_kind is None
-        self._let_go(completed, served=not self.failed_upstream)
+        self._let_go(completed, served=self.served)
         if o.status == 0:
             o.status = 500
         usage = self.usage

@@ -515,18 +515,30 @@ class AffinityIndex:
 
     def unrecord(self, name: str, keys: Sequence[int]) -> None:
         """Take back keys a :meth:`record` added for ``name`` whose request it never served
-        (the attempt failed before any answer): the index must not teach a replica that never
-        computed the prefix.  Only local: peers that heard of the record keep it until LRU."""
+        (no 2xx answer): the index must not teach a replica that never computed the prefix.
+        Pass only what :meth:`record` returned (the keys it added), never the whole prompt's:
+        what ``name`` held before — a shared head from earlier served requests — stays.  The
+        attached sink hears of the withdrawal too, so peers that applied the record take the
+        same keys back (:meth:`withdraw`)."""
+        taken = self.withdraw(name, keys)
+        if taken:
+            self._sink.withdrawn(name, taken)
+
+    def withdraw(self, name: str, keys: Sequence[int]) -> list[int]:
+        """Drop ``keys`` from ``name`` without telling the sink (a peer's withdrawal, or
+        :meth:`unrecord`'s own work); returns the keys ``name`` held and no longer does."""
         lru = self._lru.get(name)
         slot = self._slot.get(name)
         if lru is None or slot is None:
-            return
+            return []
         bit = 1 << slot
         holders = self._holders
         key_weights = self._weight.get(name)
+        taken: list[int] = []
         for key in keys:
             if lru.pop(key, _MISSING) is _MISSING:
                 continue
+            taken.append(key)
             if key_weights is not None:
                 self._used[name] -= key_weights.pop(key, self._default_weight)
             mask = holders.get(key, 0) & ~bit
@@ -535,10 +547,16 @@ class AffinityIndex:
             else:
                 holders.pop(key, None)
                 self._forget_key(key)
+        return taken
 
     def knows(self, name: str) -> bool:
         """Whether ``name`` is a tracked replica (records for others are ignored by callers)."""
         return name in self._slot
+
+    def holds(self, name: str, key: int) -> bool:
+        """Whether ``name`` holds ``key`` (a prompt's deepest key: the whole prompt)."""
+        lru = self._lru.get(name)
+        return lru is not None and key in lru
 
     def extent(self, name: str, key: int) -> int | None:
         """Prompt tokens of the last request ``name`` served whose keys ended at ``key`` (None: unknown)."""

@@ -70,12 +70,13 @@ def request_view(
     )
 
 
-def build_route(config: RouteConfig, pool: Sequence[Replica]) -> Route:
-    """Phase two for one route: build its policy (from the registry) and pipeline."""
+def build_route(config: RouteConfig, pool: Sequence[Replica], old_pipeline: PrefixPipeline | None = None) -> Route:
+    """Phase two for one route: build its policy (from the registry) and pipeline (keeping
+    what ``old_pipeline``, the route's before a reload, learned where still valid)."""
     entry = registry.entry(config.policy)
     members = [r.view() for r in pool]
     policy = registry.build_policy(config.policy, config.policy_settings, members)
-    pipeline = PrefixPipeline(config.normalize, config.prefix) if entry.needs_prefix_keys else None
+    pipeline = _pipeline(config, old_pipeline) if entry.needs_prefix_keys else None
     return Route(
         name=config.name,
         config=config,
@@ -89,19 +90,27 @@ def build_route(config: RouteConfig, pool: Sequence[Replica]) -> Route:
 def carry_route(old: Route | None, config: RouteConfig, pool: Callable[[], Sequence[Replica]]) -> Route:
     """The route to serve ``config`` with after a reload: ``old`` itself when its config is
     unchanged; old's runner (ring, affinity index, round-robin turn) with the new matching
-    when policy, policy settings and prefix settings are unchanged; else a new route over ``pool()``."""
+    when policy, policy settings and prefix settings are unchanged; else a new route over
+    ``pool()``.  Either way the prompt pipeline, and what it learned, stays while the route's
+    ``normalize`` and ``prefix`` settings do (:meth:`PrefixPipeline.reconfigured`): a change
+    of the match list, endpoints or pool must not bring back a warm-up miss per template."""
     if old is not None and old.config == config:
         return old
     if old is not None and _same_policy(old.config, config):
-        pipeline = PrefixPipeline(config.normalize, config.prefix) if old.pipeline is not None else None
         return dataclasses.replace(
             old,
             config=config,
-            pipeline=pipeline,
+            pipeline=_pipeline(config, old.pipeline) if old.pipeline is not None else None,
             endpoints=frozenset(config.endpoints),
             session_header=config.session_header.lower(),
         )
-    return build_route(config, pool())
+    return build_route(config, pool(), old.pipeline if old is not None else None)
+
+
+def _pipeline(config: RouteConfig, old: PrefixPipeline | None) -> PrefixPipeline:
+    if old is None:
+        return PrefixPipeline(config.normalize, config.prefix)
+    return old.reconfigured(config.normalize, config.prefix)
 
 
 def _same_policy(old: RouteConfig, new: RouteConfig) -> bool:

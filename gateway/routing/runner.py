@@ -262,8 +262,10 @@ class PolicyRunner:
     ) -> None:
         """The request left ``replica``; a completed one teaches the policy (e.g. affinity).
 
-        ``served=False``: the attempt failed before the replica answered (it was retried
-        elsewhere or failed): a policy with ``forget_attempt`` takes back what it recorded.
+        ``served=False``: the replica did not serve the prompt — no 2xx answer (it refused it
+        with a 4xx, answered 5xx, failed, or the client left before its first byte): a policy
+        with ``forget_attempt`` takes back what it recorded at decision time, so neither this
+        process nor its peers believe the replica holds a prompt it never computed.
         """
         replica.in_flight -= 1
         if not served:

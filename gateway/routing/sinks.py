@@ -18,12 +18,16 @@ from gateway.routing.key_weights import KeyWeights
 
 
 class RecordSink(Protocol):
-    """Hears of every affinity record this process makes (not those applied from peers)."""
+    """Hears of every affinity record this process makes and takes back (not peers')."""
 
     def recorded(self, replica: str, stored: list[int], prompt_tokens: int | None, weights: KeyWeights | None) -> None:
         """``replica`` now holds the ``stored`` keys (deepest first); ``prompt_tokens``: the
         prompt's length past its keys; ``weights``: what the keys weigh in the replica's
         modelled KV cache (None: not modelled), read during the call (it may be lazy)."""
+
+    def withdrawn(self, replica: str, keys: list[int]) -> None:
+        """A record's ``keys`` (those it added) are taken back: ``replica`` did not serve the
+        request (no 2xx answer), so it does not hold them."""
 
 
 class StartSink(Protocol):
@@ -39,6 +43,9 @@ class NoSink:
     __slots__ = ()
 
     def recorded(self, replica: str, stored: list[int], prompt_tokens: int | None, weights: KeyWeights | None) -> None:
+        return None
+
+    def withdrawn(self, replica: str, keys: list[int]) -> None:
         return None
 
     def started(self, head: int) -> None:

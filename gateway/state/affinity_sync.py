@@ -5,6 +5,12 @@ sends them, so with per-process state turn 2 of a conversation can reach a pod t
 saw turn 1 and miss the replica holding its history.  Every pod therefore publishes the
 affinity records it makes — (route, replica, the prompt's stored block keys, its length
 past the window) — and applies every other pod's, so all indexes converge to the fleet's.
+A record is made when the request is placed; if the replica then does not serve it (no 2xx
+answer) the keys it added are withdrawn, and the withdrawal follows the record through the
+same ordered queue, so peers drop them too.  A peer drops the keys the sender's record added
+in the sender's index; where the peer had learned some of them first from elsewhere (its own
+requests or a third pod's, in the milliseconds before the sender heard of them) it loses that
+hint too — at most one miss, and never a belief the replica holds what it did not compute.
 
 Why pub/sub and write-behind, not a Redis lookup per request: the request path must never
 wait on a network round trip, and affinity is a hint (a lost record costs at most one cache
@@ -32,7 +38,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +57,12 @@ from gateway.state.wire import (
     Record,
     Sighting,
     Start,
+    Withdrawal,
     decode_demand,
     decode_records,
     decode_starts,
     decode_varies,
+    decode_withdrawn,
     encode,
     encode_load,
     parse_message,
@@ -85,6 +93,8 @@ class SyncStats:
     snapshots_heard: int = 0  # catch-up snapshots that ended (a peer's answer to a newcomer)
     starts_applied: int = 0  # peers' conversation starts behind shared heads, counted here too
     varies_applied: int = 0  # normalization places peers saw vary, learned here too
+    withdrawn: int = 0  # withdrawals sent: records taken back here (the replica did not serve)
+    withdrawals_applied: int = 0  # peers' withdrawals applied to a local index
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -108,6 +118,9 @@ class RouteSink:
         # peers weigh the keys as this record did: the weights that are not the standard one
         explicit = weights.explicit(len(stored)) if weights else None
         self._sync._enqueue(self._route, replica, stored, prompt_tokens, explicit)
+
+    def withdrawn(self, replica: str, keys: list[int]) -> None:
+        self._sync._enqueue_withdrawal(self._route, replica, keys)
 
     def started(self, head: int) -> None:
         self._sync._enqueue_start(self._route, head)
@@ -143,7 +156,8 @@ class AffinitySync:
         self._indexes = dict(indexes)
         self._demands = dict(demands or {})
         self._learners = dict(learners or {})
-        self._pending: deque[Record | None] = deque()  # None: the end of a catch-up snapshot
+        # None: the end of a catch-up snapshot; withdrawals in the same queue keep their order
+        self._pending: deque[Record | Withdrawal | None] = deque()
         self._starts: deque[Start] = deque()
         self._varies: deque[Sighting] = deque()
         self._snapshot_demand: Demand | None = None  # sent with the next snapshot end
@@ -224,6 +238,10 @@ class AffinitySync:
             return
         self._push(self._pending, Record(route, replica, stored, prompt_tokens, weights))
 
+    def _enqueue_withdrawal(self, route: str, replica: str, keys: list[int]) -> None:
+        if len(keys) <= MAX_KEYS_PER_RECORD:  # more: its record was never published either
+            self._push(self._pending, Withdrawal(route, replica, keys))
+
     def _enqueue_varies(self, route: str, place: int, value: int) -> None:
         self._push(self._varies, (route, place, value))
 
@@ -264,6 +282,7 @@ class AffinitySync:
                     self.peer_load.apply(pod, parse_load(message["load"]), time.monotonic())
                 return 0
             records = decode_records(message)
+            withdrawn = decode_withdrawn(message, len(records))
             starts = decode_starts(message)
             varies = decode_varies(message)
             ends_snapshot = message.get("catch_up_end") is True
@@ -273,13 +292,17 @@ class AffinitySync:
             log.warning("affinity sync: skipped a malformed message on %s: %s", self.channel, exc)
             return 0
         applied = 0
-        for route, replica, keys, prompt_tokens, weights in records:
+        taken_back = iter(withdrawn)
+        following = next(taken_back, None)
+        for position, (route, replica, keys, prompt_tokens, weights) in enumerate(records):
+            following = self._withdraw_until(position, following, taken_back)
             index = self._indexes.get(route)
             if index is None or not index.knows(replica):
                 self.stats.ignored += 1
                 continue
             index.record_stored(replica, keys, prompt_tokens, KeyWeights.of(weights))
             applied += 1
+        self._withdraw_until(len(records), following, taken_back)
         self.stats.applied += applied
         for route, head in starts:
             head_demand = self._demands.get(route)
@@ -298,6 +321,23 @@ class AffinitySync:
                         self._demands[route].merge(total, heads)
             self.stats.snapshots_heard += 1
         return applied
+
+    def _withdraw_until(
+        self,
+        position: int,
+        following: tuple[int, Withdrawal] | None,
+        rest: Iterator[tuple[int, Withdrawal]],
+    ) -> tuple[int, Withdrawal] | None:
+        """Apply the withdrawals due before the message's record at ``position`` (in order);
+        returns the first one not due yet."""
+        while following is not None and following[0] <= position:
+            route, replica, keys = following[1]
+            index = self._indexes.get(route)
+            if index is not None and index.knows(replica):
+                index.withdraw(replica, keys)
+                self.stats.withdrawals_applied += 1
+            following = next(rest, None)
+        return following
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -379,7 +419,7 @@ class AffinitySync:
             self._wake.clear()
             await asyncio.sleep(self._interval)  # let a burst of placements share one message
             while self._pending or self._starts or self._varies:
-                batch, ends_snapshot = self._next_batch()
+                batch, withdrawn, ends_snapshot = self._next_batch()
                 starts = [self._starts.popleft() for _ in range(min(len(self._starts), MAX_RECORDS_PER_MESSAGE))]
                 # a snapshot's end carries every place queued before it (they precede "ready")
                 varies = [self._varies.popleft() for _ in range(min(len(self._varies), MAX_VARIES_PER_MESSAGE))]
@@ -388,7 +428,13 @@ class AffinitySync:
                     demand, self._snapshot_demand = self._snapshot_demand, None
                 try:
                     payload = encode(
-                        self.pod_id, batch, starts=starts, varies=varies, catch_up_end=ends_snapshot, demand=demand
+                        self.pod_id,
+                        batch,
+                        starts=starts,
+                        varies=varies,
+                        catch_up_end=ends_snapshot,
+                        demand=demand,
+                        withdrawn=withdrawn,
                     )
                     await self._redis.publish(self.channel, self._seal(payload))
                 except asyncio.CancelledError:
@@ -396,7 +442,7 @@ class AffinitySync:
                 except Exception as exc:
                     # affinity is a hint: records made while Redis is away are dropped, not replayed
                     self.stats.errors += 1
-                    self.stats.dropped += len(batch) + len(self._pending)
+                    self.stats.dropped += len(batch) + len(withdrawn) + len(self._pending)
                     self._pending.clear()
                     if not self._publish_failing:
                         log.warning("affinity sync: cannot publish to Redis (%s); dropping records meanwhile", exc)
@@ -405,18 +451,24 @@ class AffinitySync:
                     backoff = min(backoff * 2, _BACKOFF_MAX_S)
                     break
                 self.stats.published += len(batch)
+                self.stats.withdrawn += len(withdrawn)
                 self._publish_failing = False
                 backoff = _BACKOFF_START_S
 
-    def _next_batch(self) -> tuple[list[Record], bool]:
-        """Up to ``MAX_RECORDS_PER_MESSAGE`` pending records, stopping after a snapshot's end."""
+    def _next_batch(self) -> tuple[list[Record], list[tuple[int, Withdrawal]], bool]:
+        """Up to ``MAX_RECORDS_PER_MESSAGE`` pending records and withdrawals (each withdrawal
+        with the number of the batch's records before it), stopping after a snapshot's end."""
         batch: list[Record] = []
-        while self._pending and len(batch) < MAX_RECORDS_PER_MESSAGE:
-            record = self._pending.popleft()
-            if record is None:
-                return batch, True
-            batch.append(record)
-        return batch, False
+        withdrawn: list[tuple[int, Withdrawal]] = []
+        while self._pending and len(batch) + len(withdrawn) < MAX_RECORDS_PER_MESSAGE:
+            item = self._pending.popleft()
+            if item is None:
+                return batch, withdrawn, True
+            if isinstance(item, Withdrawal):
+                withdrawn.append((len(batch), item))
+            else:
+                batch.append(item)
+        return batch, withdrawn, False
 
     async def _load_loop(self) -> None:
         """Publish this process's per-replica load every interval (when it changed, or each second).

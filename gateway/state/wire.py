@@ -27,6 +27,11 @@ a template's warm-up is paid once per fleet).  The last message of a catch-up sn
 varying places and its start counts, ``"demand": {route: [recent_starts, [[head_key, count],
 ...]]}``: a process that has just joined takes the first it hears and is ready
 (``CatchUp.readiness``).  Older versions ignore these fields.
+A batch may also carry withdrawals, ``"withdrawn": [[position, route, replica, "<keys>"], ...]``:
+keys a record added that the sender took back because the replica did not serve the request
+(no 2xx answer), to be dropped for that replica after the batch's first ``position`` records
+are applied (the order the sender made them in).  A separate field: older versions ignore it
+(and keep the record until their LRU evicts it, as before).
 The channel ``<channel>:load`` carries each process's load reports
 (:mod:`gateway.state.peer_load`),
 ``{"v": 1, "pod": "<id>", "load": {"<replica>": [in_flight, queued_prefill_tokens], ...}}``,
@@ -60,6 +65,14 @@ class Record(NamedTuple):
     weights: list[int] | None = None  # the first keys' weights in a modelled cache (KeyWeights.explicit)
 
 
+class Withdrawal(NamedTuple):
+    """Keys a record added for ``replica`` of ``route``, taken back (it did not serve)."""
+
+    route: str
+    replica: str
+    keys: list[int]
+
+
 Start = tuple[str, int]  # route, shared head key
 Sighting = tuple[str, int, int]  # route, normalization place digest, its value's digest (0: varies)
 Demand = dict[str, tuple[float, list[tuple[int, float]]]]  # route -> HeadDemand.export()
@@ -78,13 +91,17 @@ def encode(
     varies: Sequence[Sighting] = (),
     catch_up_end: bool = False,
     demand: Demand | None = None,
+    withdrawn: Sequence[tuple[int, Withdrawal]] = (),
 ) -> bytes:
-    """One batch as a pub/sub payload (see the module docstring)."""
+    """One batch as a pub/sub payload (see the module docstring); ``withdrawn``: (position,
+    withdrawal) pairs, a withdrawal applying after the first ``position`` of ``records``."""
     rows = [
         [r.route, r.replica, r.prompt_tokens or 0, base64.b64encode(struct.pack(f"<{len(r.keys)}Q", *r.keys)).decode()]
         for r in records
     ]
     message: dict[str, Any] = {"v": WIRE_VERSION, "pod": pod, "records": rows}
+    if withdrawn:
+        message["withdrawn"] = [[i, w.route, w.replica, _pack_keys(w.keys)] for i, w in withdrawn]
     weights = [
         [i, base64.b64encode(struct.pack(f"<{len(r.weights)}I", *(min(w, _U32_MAX) for w in r.weights))).decode()]
         for i, r in enumerate(records)
@@ -104,6 +121,21 @@ def encode(
                 for route, (total, heads) in demand.items()
             }
     return json.dumps(message, separators=(",", ":")).encode()
+
+
+def _pack_keys(keys: Sequence[int]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(keys)}Q", *keys)).decode()
+
+
+def _unpack_keys(packed: str) -> list[int]:
+    """1..``MAX_KEYS_PER_RECORD`` u64 keys from their base64 (as a record's); ``ValueError`` else."""
+    try:
+        raw = base64.b64decode(packed, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("keys are not base64") from None
+    if len(raw) % 8 or not raw or len(raw) // 8 > MAX_KEYS_PER_RECORD:
+        raise ValueError(f"keys must be 1..{MAX_KEYS_PER_RECORD} u64 values")
+    return list(struct.unpack(f"<{len(raw) // 8}Q", raw))
 
 
 def _is_u64(value: Any) -> bool:
@@ -198,6 +230,27 @@ def decode_records(message: Mapping[str, Any]) -> list[Record]:
         keys = list(struct.unpack(f"<{len(raw) // 8}Q", raw))
         records.append(Record(route, replica, keys, prompt_tokens or None))
     return _with_weights(records, message.get("weights"))
+
+
+def decode_withdrawn(message: Mapping[str, Any], records: int) -> list[tuple[int, Withdrawal]]:
+    """``[[position, route, replica, keys], ...]`` (see the module docstring), in order:
+    positions 0..``records`` (the message's record count), never decreasing."""
+    rows = message.get("withdrawn", [])
+    if not isinstance(rows, list) or len(rows) > MAX_RECORDS_PER_MESSAGE:
+        raise ValueError("bad withdrawn")
+    out: list[tuple[int, Withdrawal]] = []
+    last = 0
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 4 and type(row[0]) is int):
+            raise ValueError("a withdrawal must be [position, route, replica, keys]")
+        position, route, replica, packed = row
+        if not (isinstance(route, str) and isinstance(replica, str) and isinstance(packed, str)):
+            raise ValueError("bad withdrawal field types")
+        if not last <= position <= records:
+            raise ValueError("withdrawals must follow the records they take back, in order")
+        last = position
+        out.append((position, Withdrawal(route, replica, _unpack_keys(packed))))
+    return out
 
 
 def _with_weights(records: list[Record], rows: Any) -> list[Record]:

@@ -35,8 +35,8 @@ def test_peek_equals_choose_and_records_nothing() -> None:
     assert (real.replica, real.reason) == (peeked[0].replica, peeked[0].reason)
     # the real decision carries the cheap fields only; peek adds the explain table on top
     # recorded_keys, work: what choose() added to the index and the work meter (taken back if
-    # the attempt fails)
-    cheap = {k: v for k, v in real.detail.items() if k not in ("recorded_keys", "work")}
+    # the attempt fails); withdrawals: the policy's count of those at the decision (for observe)
+    cheap = {k: v for k, v in real.detail.items() if k not in ("recorded_keys", "work", "withdrawals")}
     assert cheap.items() <= peeked[0].detail.items()
     assert policy.snapshot() != before
     short = RequestView("", "main", MODEL, "chat")  # no keys: least loaded, ties by a turn counter

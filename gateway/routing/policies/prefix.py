@@ -61,8 +61,8 @@ uncached tokens.  The decision, in order:
 4. **Fallback.**  No keys at all (prompt shorter than one block, embeddings): least loaded.
 
 Every choice is recorded in the affinity index *at decision time* (a burst of requests with a
-new shared prefix follows the first one instead of scattering) and taken back if the attempt
-fails before the replica answers (``forget_attempt``), and every tie is broken by
+new shared prefix follows the first one instead of scattering) and taken back, here and on the
+peers, if the replica does not serve it — no 2xx answer (``forget_attempt``) — and every tie is broken by
 the ring order of the request's own key — its session header, else its deepest key, never a
 shared head's key and never list position — so gateway processes with the same membership
 and state choose the same replica, and conversations behind one head spread.
@@ -119,6 +119,7 @@ class PrefixPolicy:
         self.work = RecentWork(settings.start_work_window)
         self._weight_sum = 0.0
         self._turn = 0
+        self._withdrawals = 0  # forget_attempt calls that took keys back (see observe)
         self._admitted: FleetLoad | None = None  # the live load whose names are all on the ring
         self._bits_cache: tuple[FleetLoad, int, int, list[int]] | None = None
         self.set_members(members)
@@ -301,9 +302,7 @@ class PrefixPolicy:
         added: list[int] = []
         started: Token | None = None
         if commit:
-            blocks = (token_blocks(request), block_size)
-            tokens_at = partial(depth_tokens, request)
-            added = self.index.record(pick, keys, beyond_window(request), tokens_at, blocks)
+            added = self._record(pick, request)
             if start is not None:
                 started = self.demand.record(start)
         predicted = picked.tokens
@@ -327,6 +326,8 @@ class PrefixPolicy:
             detail["started"] = started  # likewise
         if worked is not None:
             detail["work"] = worked  # likewise
+        if commit and keys:
+            detail["withdrawals"] = self._withdrawals  # observe: did one happen while it ran?
         if not commit:
             # The explain-only part (hex key, per-candidate table over every replica) costs a
             # pass over the fleet, a ring walk and string formatting: real requests skip it.
@@ -339,17 +340,36 @@ class PrefixPolicy:
             )
         return Decision(pick, reason, detail)
 
+    def _record(self, pick: str, request: RequestView) -> list[int]:
+        """Record ``request``'s keys on ``pick``; returns the keys it did not hold before."""
+        blocks = (token_blocks(request), request.block_size or 1)
+        tokens_at = partial(depth_tokens, request)
+        return self.index.record(pick, request.block_keys, beyond_window(request), tokens_at, blocks)
+
     def observe(self, request: RequestView, decision: Decision, cached_tokens: int | None) -> None:
-        """Nothing to learn: the index was updated when the request was placed."""
-        return None
+        """The index was updated when the request was placed; one case is left to mend.  Two
+        requests with the same new prompt on one replica: the first added the keys, the
+        second found them held and added none; the first was not served and took them back.
+        The second, served, records them again — only when some attempt was taken back while
+        it ran (an int compare per served request) and its prompt is no longer held."""
+        keys, name = request.block_keys, decision.replica
+        if decision.detail.get("withdrawals", self._withdrawals) == self._withdrawals or not keys:
+            return
+        if self.index.knows(name) and not self.index.holds(name, keys[-1]):  # known: not one that left
+            self._record(name, request)
 
     def forget_attempt(self, request: RequestView, decision: Decision) -> None:
-        """The attempt failed before the replica served anything (refused, reset, 5xx): take
-        back what the decision newly recorded, so a retried request's prefix is not credited to
-        the replica that failed it.  Keys the replica held before stay."""
+        """The replica did not serve the attempt (a 4xx, 5xx, transport failure, or a client
+        gone before the first byte): take back what the decision newly recorded, so the prefix
+        is not credited to a replica that never computed it — here and, through the index's
+        sink, on the peers that heard of the record.  Keys the replica held before stay (the
+        record reported only the keys it added).  The prefill work charged to the replica and
+        the conversation start behind a shared head are undone too (the start only here: a
+        peer that counted it keeps a decayed demand count, which says nothing of a replica)."""
         keys = decision.detail.get("recorded_keys")
         if keys:
             self.index.unrecord(decision.replica, keys)
+            self._withdrawals += 1
         started = decision.detail.get("started")
         if started is not None:
             self.demand.undo(started)
