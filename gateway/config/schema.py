@@ -14,6 +14,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -117,6 +118,46 @@ class UpstreamSettings(_Strict):
         "for every route; off by default so a key meant for the gateway never reaches a backend "
         "(routes can override: routes[].forward_client_authorization)",
     )
+    forward_headers: list[str] = Field(
+        default_factory=lambda: ["x-session-id", "x-vllm-priority"],
+        description="client request headers passed upstream unchanged (case-insensitive names): vLLM reads "
+        "X-Vllm-Priority (overrides the body's priority under priority scheduling) and session-aware engines "
+        "and peers read X-Session-ID; the body (cache_salt, priority, session_id, a LoRA adapter as model) is "
+        "always forwarded as the client sent it unless normalization rewrote the prompt",
+    )
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _forwardable(cls, value: list[str]) -> list[str]:
+        out = []
+        for name in value:
+            low = name.strip().lower()
+            if not _HEADER_NAME.match(low):
+                raise ValueError(f"{name!r} is not a header name")
+            if low in _NEVER_FORWARDED:
+                raise ValueError(f"{name!r} is set by the gateway itself and cannot be forwarded")
+            out.append(low)
+        return list(dict.fromkeys(out))
+
+
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")
+#: headers the gateway sets (or that belong to one connection): a client's copy never goes upstream
+_NEVER_FORWARDED = frozenset(
+    {
+        "authorization",
+        "connection",
+        "content-length",
+        "content-type",
+        "host",
+        "keep-alive",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "x-request-id",
+    }
+)
 
 
 def _absolute_path(value: str) -> str:

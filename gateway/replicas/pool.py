@@ -36,7 +36,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from gateway.config import HealthSettings, ReplicaConfig
 from gateway.replicas.engine import EngineStats
@@ -141,6 +141,10 @@ class _StateFlag(_Watched):
 
 class Replica:
     """One upstream server and everything the gateway knows about it right now."""
+
+    #: bumped whenever any replica's scraped block size changes: routes following their engines'
+    #: block size (``prefix.block_size: auto``) re-read them only then, not on every request
+    block_size_epoch: ClassVar[int] = 0
 
     # Watched (see ReplicaWatcher): requests in flight here from this gateway process and as
     # other processes report them (state.backend: redis); uncached prompt tokens sent here
@@ -249,6 +253,8 @@ class Replica:
         """A fresh scrape of the engine's metrics."""
         reset = counters_went_back(self.engine, engine)
         before = None if self.engine is None else self.engine.kv_cache_tokens
+        if (None if self.engine is None else self.engine.block_size) != engine.block_size:
+            Replica.block_size_epoch += 1  # routes re-read their replicas' block sizes (gateway.routing.routes)
         self.engine = engine
         capacity = engine.kv_cache_tokens
         if capacity is not None and capacity != before:

@@ -71,7 +71,8 @@ def alignment_for_family(family: str) -> Alignment:
 
         tok = get_tokenizer("qwen3")
         return Alignment(f"qwen3/{family}", "qwen3", tok, QwenTemplate(tok, "2.5" if family == "qwen2.5" else "3"))
-    return Alignment(f"{family}/generic", family, get_tokenizer(family), GENERIC)
+    # an unknown family: the vocabulary itself is a guess from the name
+    return Alignment(f"{family}/generic", family, get_tokenizer(family), GENERIC, tokenizer_known=False)
 
 
 @cache

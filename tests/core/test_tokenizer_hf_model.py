@@ -132,7 +132,7 @@ def test_missing_directory_fails_at_config_load_with_the_fix(tmp_path: Path) -> 
 def test_bad_input_never_raises_on_the_hf_path(model_dir: Path) -> None:
     from tests.core.test_chat_template_bad_input import BAD_BODIES
 
-    pipeline = PrefixPipeline(NormalizeSettings(mode="off"), PrefixSettings(tokenizer=f"hf:{model_dir}"))
+    pipeline = PrefixPipeline(NormalizeSettings(mode="off"), PrefixSettings(tokenizer=f"hf:{model_dir}", block_size=16))
     for _name, messages, tools in BAD_BODIES:
         body = {"model": "m", "messages": messages, **({"tools": tools} if tools is not None else {})}
         assert pipeline.prepare("chat", body).units == f"exact (hf:{model_dir})"
