@@ -93,7 +93,7 @@ class Alignment:
         if not self.tokenizer_known:
             out.append(f"tokenizer {self.vocab} guessed from the model name")
         if not self.template.exact:
-            out.append(f"template {self.template.name}, not the model's")
+            out.append(f"template {self.template.name} (not the model's)")
         return out
 
 
