@@ -189,23 +189,61 @@ def test_special_token_text_is_counted_as_the_engine_tokenizes_it(model: str, vo
     assert completion == engine.completion(PASTED)
 
 
-def test_real_prompt_ids_when_the_recording_is_there() -> None:
-    """Against the recorded real vLLM (tests/fixtures/real_vllm/requests.jsonl, lane's recording):
-    every recorded chat request's prompt ids equal the gateway's window for it."""
+def _recorded_usage(record: dict[str, Any]) -> dict[str, Any] | None:
     import json
+
+    if isinstance(record.get("response"), dict) and record["response"].get("usage"):
+        return record["response"]["usage"]
+    for data in record.get("sse") or ():
+        if data != "[DONE]" and (chunk := json.loads(data)).get("usage"):
+            return chunk["usage"]
+    return None
+
+
+def test_the_recorded_real_engine_agrees_with_the_gateway() -> None:
+    """Against the recorded real vLLM 0.32 (tests/fixtures/real_vllm, the lane's recording):
+    the block size scraped from its /metrics, then for every served chat/completions request
+    the window's ids equal vLLM's own prompt ids (the special-token conversation included), and
+    the cached tokens predicted from the keys seen so far equal what vLLM reported (up to the
+    eviction phase, which only KV events can tell)."""
+    import json
+
+    from gateway.replicas.engine import parse_engine_metrics
 
     if not REAL_REQUESTS.is_file():
         pytest.skip("no recorded real-vLLM requests in this tree")
-    p = pipeline(block_size=16)
-    checked = 0
+    folder = REAL_REQUESTS.parent
+    engine = parse_engine_metrics((folder / "metrics.txt").read_text(encoding="utf-8"))
+    assert engine.block_size == 128  # the CPU backend's
+    ids = ModelIdentities()
+    ids.learn([("r0", json.loads((folder / "models.json").read_text(encoding="utf-8"))["data"])])
+    p = PrefixPipeline(NormalizeSettings(mode="off"), PrefixSettings(window_tokens=8192), ids)
+    p.follow_engines({"r0": engine.block_size})
+    bs = p.block_size
+    seen: set[int] = set()
+    compared = specials = 0
     for line in REAL_REQUESTS.read_text(encoding="utf-8").splitlines():
         record = json.loads(line)
-        ids, body = record.get("prompt_token_ids"), record.get("request") or {}
-        if not ids or record.get("status") != 200 or "messages" not in body:
+        if record["id"] == "reset":
+            seen.clear()  # POST /reset_prefix_cache
+        if record["id"].startswith("evict"):
+            break
+        body, prompt_ids = record.get("request") or {}, record.get("prompt_token_ids")
+        if record.get("status") != 200 or not prompt_ids or not isinstance(body, dict):
             continue
-        wt = p.tokens.for_model(str(body.get("model", LLAMA)))
-        window = list(wt.chat(body["messages"], body.get("tools")))
-        assert window == ids[: len(window)], record.get("id")
-        checked += 1
-    if not checked:
-        pytest.skip("the recording has no chat request with prompt_token_ids")
+        endpoint = "chat" if "messages" in body else "completions"
+        prepared = p.prepare(endpoint, body)
+        window = list(p.window_tokens(endpoint, body))
+        assert window == prompt_ids[: len(window)] and len(window) == min(len(prompt_ids), 8192), record["id"]
+        specials += sum(1 for i in window if i >= 128000)
+        depth = next((i for i, key in enumerate(prepared.block_keys) if key not in seen), len(prepared.block_keys))
+        seen.update(prepared.block_keys)
+        predicted = min(depth * bs, (len(prompt_ids) - 1) // bs * bs)
+        usage = _recorded_usage(record)
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            assert predicted == details["cached_tokens"], record["id"]
+            assert prepared.units == "exact (llama3)"
+            compared += 1
+    assert compared >= 10, compared
+    assert specials > 0
