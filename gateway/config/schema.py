@@ -416,7 +416,11 @@ class LimitsSettings(_Strict):
         description="the most UTF-8 bytes one token of the served models' vocabularies covers (128 for "
         "cl100k/o200k): text is counted as at least bytes / this many tokens",
     )
-    models_refresh_s: float = Field(30.0, gt=0, description="how often max_model_len is re-read from /v1/models")
+    models_refresh_s: float = Field(
+        30.0,
+        gt=0,
+        description="how often the replicas' /v1/models is re-read: max_model_len (context check) and which names are LoRA adapters of which base model (routing keys)",
+    )
     per_key_concurrency: int = Field(0, ge=0, description="requests in flight per API key (0 = unlimited)")
     per_key_requests_per_s: float = Field(
         0.0, ge=0, description="token-bucket refill rate per API key, requests/s (0 = unlimited)"

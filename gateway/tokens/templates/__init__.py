@@ -27,21 +27,23 @@ from gateway.tokens.tokenizer import Tokenizer, TokenizerUnavailable
 class SpecialSplitter:
     """Cuts text at the vocabulary's special tokens, as vLLM's tokenizer does before BPE.
 
-    A cheap test first: most text contains none of the specials' first two characters
-    (``<|`` for Llama 3), and then it is returned whole without running the regex.
+    Cheap on the common path: a text without any special's first character (``<`` for Llama 3
+    and Qwen) is returned whole after one ``memchr``-fast membership test (~1 µs for 17 kB).
+    Otherwise one regex split over the specials (measured here on 12–20 kB: ~15 µs for prose
+    with a few specials, ~50 µs for HTML full of ``<``).
     """
 
-    __slots__ = ("_prefixes", "_re", "table")
+    __slots__ = ("_firsts", "_re", "table")
 
     def __init__(self, specials: Mapping[str, int]) -> None:
         self.table = {text: SpecialToken(text, token_id) for text, token_id in specials.items() if text}
         names = sorted(self.table, key=len, reverse=True)
-        self._prefixes = tuple(sorted({n[:2] for n in names}))
+        self._firsts = tuple(sorted({n[0] for n in names}))
         self._re = re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if names else None
 
     def pieces(self, text: str) -> list[str]:
         """``text`` as runs of ordinary text and :class:`SpecialToken` pieces, in order."""
-        if self._re is None or not any(p in text for p in self._prefixes):
+        if self._re is None or not any(c in text for c in self._firsts):
             return [text] if text else []
         table = self.table
         return [table.get(piece, piece) for piece in self._re.split(text) if piece]
