@@ -419,7 +419,8 @@ class LimitsSettings(_Strict):
     models_refresh_s: float = Field(
         30.0,
         gt=0,
-        description="how often the replicas' /v1/models is re-read: max_model_len (context check) and which names are LoRA adapters of which base model (routing keys)",
+        description="how often the replicas' /v1/models is re-read: max_model_len (context check) and which "
+        "names are LoRA adapters of which base model (routing keys)",
     )
     per_key_concurrency: int = Field(0, ge=0, description="requests in flight per API key (0 = unlimited)")
     per_key_requests_per_s: float = Field(
