@@ -21,36 +21,32 @@ MAX_MODELS = 4096  # names kept (a listing with more is cut: adapters past it ke
 
 
 class ModelIdentities:
-    """model name -> (base model, LoRA adapter or None), from the replicas' ``/v1/models``."""
+    """model name -> (base model, LoRA adapter or None), from the replicas' ``/v1/models``.
+
+    Every entry without a ``parent`` is a base model of its own (a replica may list several,
+    and a gateway may front replicas of different models); an entry with one is an adapter.
+    """
 
     def __init__(self) -> None:
         self._adapters: dict[str, str] = {}  # adapter name -> its base model
-        self._aliases: dict[str, str] = {}  # extra served names of one engine -> its first name
 
     def learn(self, listing: Iterable[tuple[Any, Sequence[Mapping[str, Any]]]]) -> None:
         """Replace the table with what ``listing`` (``(replica, entries)`` pairs) says."""
         adapters: dict[str, str] = {}
-        aliases: dict[str, str] = {}
         for _replica, entries in listing:
-            bases = [e.get("id") for e in entries if isinstance(e, Mapping) and not e.get("parent")]
-            bases = [b for b in bases if isinstance(b, str)]
-            for extra in bases[1:]:  # --served-model-name A B: one engine, one cache
-                if len(aliases) < MAX_MODELS:
-                    aliases.setdefault(extra, bases[0])
             for entry in entries:
                 if not isinstance(entry, Mapping):
                     continue
                 name, parent = entry.get("id"), entry.get("parent")
-                if isinstance(name, str) and isinstance(parent, str) and parent and len(adapters) < MAX_MODELS:
-                    adapters.setdefault(name, parent)
-        self._adapters, self._aliases = adapters, aliases
+                if isinstance(name, str) and isinstance(parent, str) and parent and name != parent:
+                    if len(adapters) < MAX_MODELS:
+                        adapters.setdefault(name, parent)
+        self._adapters = adapters
 
     def resolve(self, model: str) -> tuple[str, str | None]:
         """(base model, LoRA adapter or None) for a request's ``model``."""
         parent = self._adapters.get(model)
-        if parent is not None:
-            return self._aliases.get(parent, parent), model
-        return self._aliases.get(model, model), None
+        return (parent, model) if parent is not None else (model, None)
 
     def snapshot(self) -> dict[str, Any]:
-        return {"adapters": dict(sorted(self._adapters.items())), "aliases": dict(sorted(self._aliases.items()))}
+        return {"adapters": dict(sorted(self._adapters.items()))}

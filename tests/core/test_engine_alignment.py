@@ -136,7 +136,7 @@ def test_adapters_are_learned_from_the_models_listing() -> None:
     assert ids.resolve("sql-lora") == (LLAMA, "sql-lora")
     assert ids.resolve("chat-lora") == (LLAMA, "chat-lora")
     assert ids.resolve(LLAMA) == (LLAMA, None)
-    assert ids.resolve("llama-alias") == (LLAMA, None)  # a second served name of the same engine
+    assert ids.resolve("llama-alias") == ("llama-alias", None)  # another base model listed beside it
     assert ids.snapshot()["adapters"] == {"chat-lora": LLAMA, "sql-lora": LLAMA}
 
 
