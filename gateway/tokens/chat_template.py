@@ -22,11 +22,12 @@ Template (ChatML-like), one segment per item:
    ``<|{type}|>`` followed by its URL/data if any (a stand-in for multimodal placeholders)
 3. the generation prompt ``<|im_start|>assistant\\n`` (unless ``add_generation_prompt`` is false)
 
-Special-token strings are tokenized as ordinary text.
+Special-token strings are tokenized as ordinary text (in this generic layout only).
 
 Model templates yield :class:`SpecialToken` segments for their own markup (``<|eot_id|>``,
 ``<|im_start|>``...): those become the special id, never BPE over the marker's text, while
-message content stays ordinary text even when it contains a look-alike.  Special tokens
+special-token text inside message content becomes the special token too, as vLLM's
+tokenizer makes it (:class:`gateway.tokens.templates.SpecialSplitter`).  Special tokens
 split BPE, so text between two of them tokenizes the same alone as inside the whole prompt.
 """
 
