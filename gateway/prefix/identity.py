@@ -38,9 +38,9 @@ class ModelIdentities:
                 if not isinstance(entry, Mapping):
                     continue
                 name, parent = entry.get("id"), entry.get("parent")
-                if isinstance(name, str) and isinstance(parent, str) and parent and name != parent:
-                    if len(adapters) < MAX_MODELS:
-                        adapters.setdefault(name, parent)
+                adapter = isinstance(name, str) and isinstance(parent, str) and parent and name != parent
+                if adapter and len(adapters) < MAX_MODELS:
+                    adapters.setdefault(name, parent)
         self._adapters = adapters
 
     def resolve(self, model: str) -> tuple[str, str | None]:
