@@ -186,6 +186,7 @@ class Replica:
         self.last_error: str | None = None
         self.last_probe: float | None = None
         self.engine: EngineStats | None = None
+        self.block_size: int | None = None  # the engine's block size as last published (vllm:cache_config_info)
         # (prefix_cache_hits, prefix_cache_queries) at the first scrape that had them: the
         # engine's counters run since *it* started, windows of this gateway start here.
         self.engine_baseline: tuple[float, float] | None = None
@@ -253,7 +254,9 @@ class Replica:
         """A fresh scrape of the engine's metrics."""
         reset = counters_went_back(self.engine, engine)
         before = None if self.engine is None else self.engine.kv_cache_tokens
-        if (None if self.engine is None else self.engine.block_size) != engine.block_size:
+        if engine.block_size is not None and engine.block_size != self.block_size:
+            # sticky: a scrape without vllm:cache_config_info (an engine restarting) keeps the last size
+            self.block_size = engine.block_size
             Replica.block_size_epoch += 1  # routes re-read their replicas' block sizes (gateway.routing.routes)
         self.engine = engine
         capacity = engine.kv_cache_tokens

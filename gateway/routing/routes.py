@@ -58,12 +58,7 @@ class Route:
 
 def engine_block_sizes(replicas: Sequence[Replica]) -> dict[str, int]:
     """replica -> the block size its engine published (replicas not scraped yet are left out)."""
-    out = {}
-    for replica in replicas:
-        engine = replica.engine
-        if engine is not None and engine.block_size:
-            out[replica.name] = engine.block_size
-    return out
+    return {replica.name: replica.block_size for replica in replicas if replica.block_size}
 
 
 def request_view(

@@ -247,3 +247,44 @@ def test_the_recorded_real_engine_agrees_with_the_gateway() -> None:
             compared += 1
     assert compared >= 10, compared
     assert specials > 0
+
+
+# -- a route follows its replicas' scrapes (no network: an offline gateway) ---------------------
+def test_a_route_flips_to_the_scraped_block_size_without_false_hits() -> None:
+    """Before the first scrape the route hashes 16-token blocks; once its replicas publish 128 it
+    hashes 128, the keys learned at 16 never match a 128 key (no prediction from a block the
+    engine does not share), a scrape without the cache config keeps the size, and stats say it."""
+    from gateway.admin.explain import offline_gateway
+    from gateway.replicas.engine import EngineStats
+    from tests.configs import gateway_config
+
+    config = gateway_config(
+        ["http://127.0.0.1:9", "http://127.0.0.1:10"],
+        routes=[{"name": "main", "match": {"models": [LLAMA]}, "policy": "prefix"}],
+    )
+    gw = offline_gateway(config)
+    body = chat(LLAMA, system_prompt_words(900))
+
+    def plan() -> Any:
+        return gw.plan("chat", dict(body), {})
+
+    first = plan()
+    assert first.prepared.block_size == 16 and first.prepared.units.endswith("engine block size unknown (16 assumed)")
+    assert plan().predicted_cached_tokens > 0  # the same prompt again, at the same size: a hit
+    for replica in gw.replicas.values():
+        replica.set_engine(EngineStats(scraped_at=0.0, block_size=128, num_gpu_blocks=4096))
+    flipped = plan()
+    assert flipped.prepared.block_size == 128 and flipped.prepared.units == "exact (llama3)"
+    assert flipped.predicted_cached_tokens == 0  # nothing learned at 16 is taken for a 128-token block
+    assert plan().predicted_cached_tokens == (flipped.prepared.window_tokens - 1) // 128 * 128
+    gw.replicas["r1"].set_engine(EngineStats(scraped_at=1.0))  # a scrape without vllm:cache_config_info
+    block = gw.stats_snapshot()["routes"]["main"]["block_size"]
+    assert (block["size"], block["source"], block["engines"]) == (128, "engines", {"r0": 128, "r1": 128})
+    gw.replicas["r1"].set_engine(EngineStats(scraped_at=2.0, block_size=16))
+    block = gw.stats_snapshot()["routes"]["main"]["block_size"]
+    assert block["disagree"] and block["size"] == 16 and block["mismatched"] == ["r0"]  # a tie: the smallest
+    assert plan().prepared.units == "approximate (llama3): block size 16 vs engine 128"
+
+
+def system_prompt_words(n: int) -> str:
+    return "You keep the ship's log. " + " ".join(f"entry{i % 101}" for i in range(n))
