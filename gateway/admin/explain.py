@@ -238,6 +238,7 @@ def _replica_rows(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> li
                 "kv_cache_usage": engine.kv_cache_usage,
                 "waiting": engine.waiting,
                 "hit_rate": None if engine.hit_rate is None else round(engine.hit_rate, 4),
+                "block_size": replica.block_size,  # as the engine last published it
             },
         }
         candidate = candidates.get(replica.name)
