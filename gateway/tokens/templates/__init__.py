@@ -33,13 +33,26 @@ class SpecialSplitter:
     with a few specials, ~50 µs for HTML full of ``<``).
     """
 
-    __slots__ = ("_firsts", "_re", "table")
+    __slots__ = ("_firsts", "_literals", "_re", "table")
+
+    #: template literals memoized (they are the renderers' constants: a few dozen per template)
+    MAX_LITERALS = 512
 
     def __init__(self, specials: Mapping[str, int]) -> None:
         self.table = {text: SpecialToken(text, token_id) for text, token_id in specials.items() if text}
         names = sorted(self.table, key=len, reverse=True)
         self._firsts = tuple(sorted({n[0] for n in names}))
         self._re = re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if names else None
+        self._literals: dict[str, list[str]] = {}
+
+    def literal(self, text: str) -> list[str]:
+        """:meth:`pieces` of a template literal, memoized (callers must not modify the list)."""
+        hit = self._literals.get(text)
+        if hit is None:
+            hit = self.pieces(text)
+            if len(self._literals) < self.MAX_LITERALS:
+                self._literals[text] = hit
+        return hit
 
     def pieces(self, text: str) -> list[str]:
         """``text`` as runs of ordinary text and :class:`SpecialToken` pieces, in order."""
@@ -52,25 +65,29 @@ class SpecialSplitter:
 class Runs:
     """Collects template output; flushes the pending text run at each special token."""
 
-    __slots__ = ("_buf", "_out", "_split")
+    __slots__ = ("_buf", "_literal", "_out", "_split")
 
     def __init__(self, splitter: SpecialSplitter) -> None:
         self._split = splitter.pieces
+        self._literal = splitter.literal
         self._buf: list[str] = []
         self._out: list[str] = []
 
     def lit(self, text: str) -> None:
-        """Template literal text: special-token strings in it are special tokens."""
-        for piece in self._split(text):
-            if type(piece) is SpecialToken:
-                self.special(piece)
-            else:
-                self._buf.append(piece)
+        """Template literal text (a renderer's constant): special-token strings in it are special tokens."""
+        self._add(self._literal(text))
 
     def text(self, text: str) -> None:
         """Message content: special-token text in it becomes special tokens too, as in vLLM."""
         if text:
-            self.lit(text)
+            self._add(self._split(text))
+
+    def _add(self, pieces: list[str]) -> None:
+        for piece in pieces:
+            if type(piece) is SpecialToken:
+                self.special(piece)
+            else:
+                self._buf.append(piece)
 
     def special(self, token: SpecialToken) -> None:
         if self._buf:
