@@ -44,6 +44,7 @@ from gateway.observe.outcome import Outcome
 from gateway.observe.samples import SampleBuffer
 from gateway.observe.stats import StatsBook, normalization_section
 from gateway.observe.summary import SummaryReporter
+from gateway.prefix.identity import ModelIdentities
 from gateway.replicas.monitor import ReplicaMonitor
 from gateway.replicas.outlier import Fleet
 from gateway.replicas.pool import Replica
@@ -96,8 +97,13 @@ class Gateway:
         for rc in config.replicas:
             client = client_factory(rc, config.upstream)
             self.replicas[rc.name] = Replica(rc, client, config.health, rc.resolved_api_key(env), fleet=self.fleet)
+        #: which model names are LoRA adapters of which base (the replicas' /v1/models): keys follow it
+        self.identities = ModelIdentities()
         self.routes = RouteTable(
-            [build_route(rc, [self.replicas[r.name] for r in config.pool_of(rc)]) for rc in config.routes]
+            [
+                build_route(rc, [self.replicas[r.name] for r in config.pool_of(rc)], identities=self.identities)
+                for rc in config.routes
+            ]
             # discovered replicas join these pools once their sources answer (gateway.discovery.membership)
         )
         self.monitor = ReplicaMonitor(list(self.replicas.values()), config.health, config.scrape)
@@ -208,7 +214,7 @@ class Gateway:
         """
         effective, notes = live_config(self.config, new)
         routes = [
-            carry_route(self.routes.get(rc.name), rc, partial(self.membership.pool, rc, effective))
+            carry_route(self.routes.get(rc.name), rc, partial(self.membership.pool, rc, effective), self.identities)
             for rc in effective.routes
         ]
         admin_keys = KeyChecker(effective.admin.key_hashes(self.environ))
@@ -248,9 +254,12 @@ class Gateway:
             if self.catch_up is not None:
                 self.catch_up.start(time.monotonic())
         await self.limiter.start()
-        if self.context is not None:
-            await self._learn_context()  # before serving: the first requests are checked too
-            self._context_task = asyncio.get_running_loop().create_task(self._context_loop(), name="context")
+        # before serving: the first requests are checked (context) and keyed (LoRA adapters) too
+        try:
+            await self._learn_context()
+        except Exception:  # the loop retries; the gateway serves meanwhile
+            log.exception("reading max_model_len and LoRA adapters from /v1/models failed")
+        self._context_task = asyncio.get_running_loop().create_task(self._context_loop(), name="context")
 
     def _warm_pipelines(self) -> None:
         """Load the tokenizers the prefix routes will use before serving (see PrefixPipeline.warm):
@@ -288,8 +297,16 @@ class Gateway:
         await self.monitor.stop()
 
     async def _learn_context(self) -> None:
+        """What the replicas' ``/v1/models`` say: each model's max_model_len (the context
+        check) and which names are LoRA adapters of which base model (routing keys)."""
+        listing = await self.monitor.models()
         if self.context is not None:
-            self.context.learn(await self.monitor.models())
+            self.context.learn(listing)
+        self._learn_identities(listing)
+
+    def _learn_identities(self, listing: list[tuple[Replica, list[dict[str, Any]]]]) -> None:
+        if listing:  # no healthy replica answered: keep what was known
+            self.identities.learn(listing)
 
     async def _context_loop(self) -> None:
         while True:
@@ -297,7 +314,7 @@ class Gateway:
             try:
                 await self._learn_context()
             except Exception:  # never stop refreshing over one bad listing
-                log.exception("refreshing max_model_len from /v1/models failed")
+                log.exception("refreshing max_model_len and LoRA adapters from /v1/models failed")
 
     def check_context(self, plan: Plan, body: Mapping[str, Any]) -> None:
         """400 ``context_length_exceeded`` when the prompt certainly cannot fit (see ``gateway.limits.context``)."""
@@ -305,7 +322,7 @@ class Gateway:
             return
         prepared = plan.prepared
         exact = None
-        if prepared is not None and (prepared.units or "").startswith("exact"):
+        if prepared is not None and prepared.tokens_exact:
             exact = prepared.window_tokens  # the model's own tokenizer: the window's count is a lower bound
         self.context.check(plan.endpoint, body, exact)
 
@@ -340,11 +357,10 @@ class Gateway:
         """
         model = body["model"]
         route = self.route_for(endpoint, model, headers)
-        prepared = (
-            route.pipeline.prepare(endpoint, body, learn=not dry_run)  # type: ignore[union-attr]
-            if route.needs_keys(endpoint)
-            else None
-        )
+        prepared = None
+        if route.needs_keys(endpoint):
+            route.follow_engines()  # block_size: auto — the replicas' own, as last scraped
+            prepared = route.pipeline.prepare(endpoint, body, learn=not dry_run)  # type: ignore[union-attr]
         request = request_view(route.name, endpoint, body, prepared, headers.get(route.session_header), request_id)
         decision, replica = route.runner.decide(request, dry_run=dry_run)
         return Plan(route, endpoint, prepared, request, decision, replica)
@@ -376,6 +392,7 @@ class Gateway:
         listing = await self.monitor.models()
         if self.context is not None:
             self.context.learn(listing)
+        self._learn_identities(listing)
         for replica, entries in listing:
             for entry in entries:
                 model_id = entry["id"]
@@ -391,6 +408,7 @@ class Gateway:
         """``GET /admin/stats``: per route and per replica, cumulative since start."""
         routes: dict[str, Any] = {}
         for route in self.routes.routes:
+            route.follow_engines()
             tally = self.stats.by_route.get(route.name)
             hits = queries = 0.0
             for replica in route.runner.replicas:
@@ -422,6 +440,8 @@ class Gateway:
                 "normalization": normalization_section(
                     route.normalize_mode, route.pipeline.normalizer if route.pipeline else None
                 ),
+                # the block size the route hashes with and each replica's own (disagreements named)
+                "block_size": route.pipeline.block.as_dict() if route.pipeline is not None else None,
             }
         return {
             "uptime_s": round(time.time() - self.started_at, 3),
@@ -435,6 +455,7 @@ class Gateway:
             "membership": self.membership.snapshot(),
             "reloads": dict(self.reloads),
             "warm_restart": self.warmer.snapshot(),
+            "models": self.identities.snapshot(),  # LoRA adapters (and aliases) keyed as their base's engine cache
         }
 
     def _normalizers(self) -> list[tuple[str, Any]]:

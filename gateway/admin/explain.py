@@ -155,16 +155,24 @@ def build_report(plan: Plan) -> dict[str, Any]:
         "key": None,
     }
     if prepared is not None:
-        settings = route.pipeline.settings  # type: ignore[union-attr]
+        pipeline = route.pipeline
+        settings = pipeline.settings  # type: ignore[union-attr]
+        block = pipeline.block  # type: ignore[union-attr]
         report["prefix"] = {
             "tokenizer": settings.tokenizer,
-            "units": prepared.units,  # the vocabulary actually used and whether it matches the model
+            # exact only when tokenizer, template and block size match the engine; else why not
+            "units": prepared.units,
             "window_tokens": prepared.window_tokens,
             "window_limit": settings.window_tokens,
             "window_full": prepared.window_tokens >= settings.window_tokens,
             "block_size": prepared.block_size,
+            "block_size_setting": block.setting,
+            "block_size_source": block.source,  # config, engines (auto: the replicas' own) or default
+            "engine_block_sizes": dict(sorted(block.engines.items())),
+            "block_size_note": block.describe(),  # replicas that disagree, or differ from the route
             "blocks": len(prepared.block_keys),
             "cache_salt": isinstance(prepared.body.get("cache_salt"), str),  # salted: never shares a key
+            "base_model": prepared.base_model,  # the engine cache the seed names
             "lora": prepared.lora,
         }
     if "key" in detail and detail.get("key_source") != "none":
@@ -230,6 +238,7 @@ def _replica_rows(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> li
                 "kv_cache_usage": engine.kv_cache_usage,
                 "waiting": engine.waiting,
                 "hit_rate": None if engine.hit_rate is None else round(engine.hit_rate, 4),
+                "block_size": replica.block_size,  # as the engine last published it
             },
         }
         candidate = candidates.get(replica.name)
@@ -362,6 +371,10 @@ def render_text(report: Mapping[str, Any]) -> str:
             f"{prefix['blocks']} blocks of {prefix['block_size']}"
             + ("  [window full: the prompt is longer]" if prefix["window_full"] else "")
         )
+        if prefix.get("block_size_note"):
+            lines.append(f"  block size: {prefix['block_size_note']}")
+        if prefix.get("lora"):
+            lines.append(f"  LoRA adapter {prefix['lora']} of {prefix.get('base_model')}: its own engine cache")
     key = report.get("key")
     if key is not None:
         if key["source"] == "session":

@@ -15,6 +15,7 @@ import fnmatch
 import hashlib
 import ipaddress
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -118,6 +119,46 @@ class UpstreamSettings(_Strict):
         "for every route; off by default so a key meant for the gateway never reaches a backend "
         "(routes can override: routes[].forward_client_authorization)",
     )
+    forward_headers: list[str] = Field(
+        default_factory=lambda: ["x-session-id", "x-vllm-priority"],
+        description="client request headers passed upstream unchanged (case-insensitive names): vLLM reads "
+        "X-Vllm-Priority (overrides the body's priority under priority scheduling) and session-aware engines "
+        "and peers read X-Session-ID; the body (cache_salt, priority, session_id, a LoRA adapter as model) is "
+        "always forwarded as the client sent it unless normalization rewrote the prompt",
+    )
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _forwardable(cls, value: list[str]) -> list[str]:
+        out = []
+        for name in value:
+            low = name.strip().lower()
+            if not _HEADER_NAME.match(low):
+                raise ValueError(f"{name!r} is not a header name")
+            if low in _NEVER_FORWARDED:
+                raise ValueError(f"{name!r} is set by the gateway itself and cannot be forwarded")
+            out.append(low)
+        return list(dict.fromkeys(out))
+
+
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")
+#: headers the gateway sets (or that belong to one connection): a client's copy never goes upstream
+_NEVER_FORWARDED = frozenset(
+    {
+        "authorization",
+        "connection",
+        "content-length",
+        "content-type",
+        "host",
+        "keep-alive",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "x-request-id",
+    }
+)
 
 
 def _absolute_path(value: str) -> str:
@@ -376,7 +417,12 @@ class LimitsSettings(_Strict):
         description="the most UTF-8 bytes one token of the served models' vocabularies covers (128 for "
         "cl100k/o200k): text is counted as at least bytes / this many tokens",
     )
-    models_refresh_s: float = Field(30.0, gt=0, description="how often max_model_len is re-read from /v1/models")
+    models_refresh_s: float = Field(
+        30.0,
+        gt=0,
+        description="how often the replicas' /v1/models is re-read: max_model_len (context check) and which "
+        "names are LoRA adapters of which base model (routing keys)",
+    )
     per_key_concurrency: int = Field(0, ge=0, description="requests in flight per API key (0 = unlimited)")
     per_key_requests_per_s: float = Field(
         0.0, ge=0, description="token-bucket refill rate per API key, requests/s (0 = unlimited)"

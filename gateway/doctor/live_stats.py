@@ -153,13 +153,37 @@ def _engines(corpus: Corpus, live: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _block_section(live: dict[str, Any]) -> dict[str, Any]:
+    block = live.get("block_size")
+    return block if isinstance(block, dict) else {}
+
+
 def tokenizer_misalignment(corpus: Corpus, info: RouteInfo, live: dict[str, Any]) -> list[Finding]:
+    """The route's tokens or blocks do not line up with its engines': the predicted hit rate runs
+    ahead of the reported one, the engines publish another block size than the route hashes, or
+    the route's replicas disagree among themselves (one route hashes one size)."""
     predicted, reported = live.get("hit_rate_predicted"), live.get("hit_rate_reported")
     evidence = []
-    block_sizes = {e.get("block_size") for e in _engines(corpus, live).values()} - {None}
-    wrong_block = sorted(b for b in block_sizes if b != info.block_size)
-    if wrong_block:
-        evidence.append(f"the engines use block size {wrong_block}, the route hashes {info.block_size}-token blocks")
+    block = _block_section(live)
+    engines = block.get("engines") if isinstance(block.get("engines"), dict) else None
+    if engines is None:  # an older gateway: read the replicas' engines
+        engines = {n: e.get("block_size") for n, e in _engines(corpus, live).items()}
+    block_sizes = {b for b in engines.values() if isinstance(b, int)}
+    disagree = len(block_sizes) > 1
+    hashed = block.get("size") if isinstance(block.get("size"), int) else info.block_size
+    wrong_block = sorted(b for b in block_sizes if b != hashed)
+    if disagree:
+        groups: dict[int, list[str]] = {}
+        for name, size in sorted(engines.items()):
+            if isinstance(size, int):
+                groups.setdefault(size, []).append(name)
+        evidence.append(
+            "the route's replicas use different block sizes: "
+            + "; ".join(f"{size} on {', '.join(names)}" for size, names in sorted(groups.items()))
+            + f"; the route hashes {hashed}-token blocks, so the others are routed as if their cache were cold"
+        )
+    elif wrong_block:
+        evidence.append(f"the engines use block size {wrong_block}, the route hashes {hashed}-token blocks")
     gap = None
     if (
         isinstance(predicted, int | float)
@@ -175,28 +199,46 @@ def tokenizer_misalignment(corpus: Corpus, info: RouteInfo, live: dict[str, Any]
             )
             units = live.get("predicted_units")
             if live.get("predicted_exact") is False and isinstance(units, str):
-                evidence.append(f"the predictions are counted in {units} tokens, not the served model's")
+                evidence.append(f"the predictions are counted as {units}")
     if not evidence:
         return []
-    prefix = {
-        "tokenizer": "hf:/path/to/the/model_dir",
-        "block_size": wrong_block[0] if wrong_block else info.block_size,
-    }
+    setting = block.get("setting", info.block_size)
+    prefix: dict[str, Any] = {"tokenizer": "hf:/path/to/the/model_dir"}
+    if wrong_block and not disagree:
+        # auto follows the engines; an explicit integer that contradicts them is the fault
+        prefix["block_size"] = "auto" if setting != "auto" and block else wrong_block[0]
+    if disagree:
+        summary = (
+            "run every replica of the route with the same --block-size (one route hashes one block size), or "
+            "split them into routes by block size"
+        )
+    else:
+        summary = (
+            f"hash with the served model's own tokenizer and chat template (now {info.tokenizer}; "
+            "`auto` knows Llama 3.x and Qwen2.5/3 by name, `hf:DIR` reads any local model) and the engines' "
+            "block size (`block_size: auto` follows them), so predicted blocks are the engines' blocks"
+        )
     return [
         Finding(
             "tokenizer_mismatch",
             info.name,
-            "the gateway's tokenizer or block size does not match the engines'",
+            "the route's replicas disagree on the block size"
+            if disagree
+            else "the gateway's tokenizer or block size does not match the engines'",
             evidence,
             Fix(
-                summary=f"hash with the served model's own tokenizer and chat template (now {info.tokenizer}; "
-                "`auto` knows Llama 3.x and Qwen2.5/3 by name, `hf:DIR` reads any local model) and the engines' "
-                "--block-size, so predicted blocks are the engines' blocks",
-                yaml=route_yaml(info.name, {"prefix": prefix}),
-                patch={"route": info.name, "prefix": prefix},
+                summary=summary,
+                yaml=None if disagree else route_yaml(info.name, {"prefix": prefix}),
+                patch=None if disagree else {"route": info.name, "prefix": prefix},
             ),
             severity=max(gap or 0.0, 0.5 if wrong_block else 0.0),
-            data={"gap": None if gap is None else round(gap, 4), "engine_block_sizes": sorted(block_sizes)},
+            data={
+                "gap": None if gap is None else round(gap, 4),
+                "engine_block_sizes": sorted(block_sizes),
+                "engines": {k: v for k, v in sorted(engines.items()) if isinstance(v, int)},
+                "disagree": disagree,
+                "hashed_block_size": hashed,
+            },
         )
     ]
 

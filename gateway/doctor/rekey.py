@@ -51,5 +51,9 @@ class Rekeyer:
     def __init__(self, normalize: NormalizeSettings, prefix: PrefixSettings) -> None:
         self.pipeline = PrefixPipeline(normalize, prefix)
 
+    @property
+    def block_size(self) -> int:
+        return self.pipeline.block_size
+
     def prepare(self, endpoint: str, body: Mapping[str, Any]) -> PreparedPrompt:
         return self.pipeline.prepare(endpoint, without_salt(body))

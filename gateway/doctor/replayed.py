@@ -176,7 +176,10 @@ class RouteReplay:
         if config is not None:
             for route in config.routes:
                 if route.name == self.info.name:
-                    return route.normalize, route.prefix
+                    prefix = route.prefix
+                    if prefix.block_size == "auto":  # key at the size the live route hashed with
+                        prefix = prefix.model_copy(update={"block_size": self.info.block_size})
+                    return route.normalize, prefix
         return (
             NormalizeSettings(mode=self.info.normalize),  # type: ignore[arg-type]
             PrefixSettings(block_size=self.info.block_size, tokenizer=self.info.tokenizer),

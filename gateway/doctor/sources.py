@@ -66,7 +66,7 @@ def from_gateway(url: str, admin_key: str | None, timeout: float = 30.0) -> Corp
         corpus.routes[name] = RouteInfo(
             name=name,
             normalize=str(info.get("normalize") or route.get("normalize") or "report"),
-            block_size=int(info.get("block_size") or 16),
+            block_size=_route_block_size(info, route),
             tokenizer=str(info.get("tokenizer") or "cl100k_base"),
             policy=str(route.get("policy") or "prefix"),
             cache_blocks=_pooled_blocks(stats, list((route.get("replicas") or {}).keys())),
@@ -179,12 +179,17 @@ def from_jsonl(path: str | Path, config: GatewayConfig, cache_blocks: int | None
         rc = route.config
         if route.name not in current:
             keyed = route.needs_keys(request.endpoint)
-            current[route.name] = Rekeyer(rc.normalize, rc.prefix) if keyed else None
+            current[route.name] = rekey = Rekeyer(rc.normalize, rc.prefix) if keyed else None
             relocated[route.name] = (
                 Rekeyer(relocating(rc.normalize), rc.prefix) if keyed and rc.normalize.mode != "relocate" else None
             )
             corpus.routes[route.name] = RouteInfo(
-                route.name, rc.normalize.mode, rc.prefix.block_size, rc.prefix.tokenizer, rc.policy, cache_blocks
+                route.name,
+                rc.normalize.mode,
+                rekey.block_size if rekey else 16,
+                rc.prefix.tokenizer,
+                rc.policy,
+                cache_blocks,
             )
         rekey = current[route.name]
         if rekey is None or request.endpoint not in ("chat", "completions"):
@@ -245,3 +250,12 @@ def with_catch_all(config: GatewayConfig) -> GatewayConfig:
             catch_all[section] = template[section]
     data["routes"] = [*routes, catch_all]
     return parse_config(data, "the default config + a route for every model")
+
+
+def _route_block_size(samples_route: dict[str, Any], stats_route: dict[str, Any]) -> int:
+    """The block size the live route hashes with (auto: what it follows from its engines)."""
+    size = samples_route.get("block_size")
+    if not isinstance(size, int):
+        block = stats_route.get("block_size")
+        size = block.get("size") if isinstance(block, dict) else None
+    return size if isinstance(size, int) and size > 0 else 16

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from gateway.config import SampleSettings
-from gateway.prefix.blocks import chain_block_keys, first_block_seed
+from gateway.prefix.blocks import chain_block_keys
 from gateway.prefix.pipeline import PrefixPipeline
 
 if TYPE_CHECKING:
@@ -101,11 +101,8 @@ def salt_of(body: Mapping[str, Any]) -> str | None:
 def unsalted_keys(pipeline: PrefixPipeline, endpoint: str, body: Mapping[str, Any]) -> list[int]:
     """The chain ``pipeline`` hashes for an already normalized ``body``, seeded without a salt."""
     tokens = pipeline.window_tokens(endpoint, dict(body))
-    model = str(body.get("model", ""))
-    lora = None
-    if pipeline.settings.lora_from_model:
-        lora, model = model, pipeline.settings.base_model or model
-    return chain_block_keys(tokens, pipeline.settings.block_size, first_block_seed(model, lora, None))
+    _base, _lora, seed = pipeline.identity(str(body.get("model", "")), None)
+    return chain_block_keys(tokens, pipeline.block_size, seed)
 
 
 class SampleBuffer:
@@ -178,6 +175,7 @@ class SampleBuffer:
             changes = prepared.changes
             shadow = self._shadow(route)
             if shadow is not None:
+                shadow.share_view(pipeline)  # the same block size and adapters as the route's own
                 unsalted = {k: v for k, v in body.items() if k != "cache_salt"}
                 relocated = shadow.prepare(endpoint, unsalted)
                 sample["keys_relocated"] = [fp.key(k) for k in relocated.block_keys]
@@ -215,7 +213,8 @@ class SampleBuffer:
             routes[route.name] = {
                 "policy": route.policy,
                 "normalize": config.normalize.mode,
-                "block_size": config.prefix.block_size,
+                "block_size": route.pipeline.block_size if route.pipeline is not None else None,
+                "block_size_setting": config.prefix.block_size,
                 "tokenizer": config.prefix.tokenizer,
                 "window_tokens": config.prefix.window_tokens,
                 "replicas": [r.name for r in route.runner.replicas],

@@ -9,8 +9,9 @@ the answered requests that *had* a prediction (a retry on another replica has no
 
 Predictions are counted in the gateway's tokenizer, the replica's ``prompt_tokens`` in the
 model's.  They agree when the route aligns with the served model (``tokenizer: auto`` on a
-known family, or ``hf:DIR``); otherwise ``predicted_units`` says ``approximate (...)`` so the
-predicted hit rate is never read as exact when it mixes units.
+known family, or ``hf:DIR``, and the engines' block size); otherwise ``predicted_units`` says
+``approximate (...): why`` (:mod:`gateway.prefix.exactness`) so the predicted hit rate is never
+read as exact when it mixes units or blocks.
 """
 
 from __future__ import annotations

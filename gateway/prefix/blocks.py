@@ -33,6 +33,19 @@ def first_block_seed(model: str, lora: str | None = None, cache_salt: str | None
     return xxhash.xxh3_64_intdigest(extra, seed=ROOT_KEY & 0xFFFFFFFFFFFFFFFF)
 
 
+def engine_seed(base_model: str, lora: str | None, cache_salt: str | None) -> int:
+    """The first block's seed for a request (or a KV event) the way the engine isolates caches.
+
+    vLLM keys its blocks by LoRA adapter and ``cache_salt`` (its extra keys), never by the
+    served-model alias a client named.  So the identity is the replica's *base* served model
+    (the ``/v1/models`` entry without a ``parent``), the adapter name when the request's model
+    is a LoRA adapter of it (an entry whose ``parent`` is the base), and the request's salt.
+    The request side (:mod:`gateway.prefix.pipeline`) and the KV-event side both call this,
+    so a stored block and a request for the same prefix get the same key.
+    """
+    return first_block_seed(base_model, lora, cache_salt)
+
+
 def chain_block_keys(
     tokens: Sequence[int],
     block_size: int,

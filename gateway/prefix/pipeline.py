@@ -15,15 +15,21 @@ then places it by load).
 from __future__ import annotations
 
 import json
+import logging
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.prefix.blocks import chain_block_keys, chain_id_keys, chain_text_keys, first_block_seed
+from gateway.prefix.block_size import BlockSizeChoice, choose
+from gateway.prefix.blocks import chain_block_keys, chain_id_keys, chain_text_keys, engine_seed
+from gateway.prefix.exactness import units_label
+from gateway.prefix.identity import ModelIdentities
 from gateway.prefix.normalize import Kept, Normalizer, NormalizeResult, Relocation
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 from gateway.tokens.window import ModelWindows
+
+log = logging.getLogger("prefix_gateway")
 
 _CHARS_PER_TOKEN = 4  # estimate past the window when the window measured none (see PrefixPipeline._continue)
 # A measured ratio outside this range is a window of odd text (one long number, a base64
@@ -61,7 +67,10 @@ class PreparedPrompt:
     # prompt tokens up to its end (estimated from characters for text).
     text_keys: tuple[int, ...] = ()
     text_key_tokens: tuple[int, ...] = ()
-    units: str | None = None  # what the tokens are counted in: "exact (llama3)", "approximate (cl100k_base)"
+    # what the tokens are counted in: "exact (llama3)", "approximate (llama3): block size 16 vs engine 128"
+    units: str | None = None
+    tokens_exact: bool = False  # the window is counted in the served model's own tokenizer and template
+    base_model: str | None = None  # the model that went into the seed (the adapter's base for a LoRA)
 
     @property
     def keys(self) -> tuple[int, ...]:
@@ -76,11 +85,13 @@ class PrefixPipeline:
         self,
         normalize: NormalizeSettings,
         prefix: PrefixSettings,
+        identities: ModelIdentities | None = None,
         *,
         normalizer: Normalizer | None = None,
         tokens: ModelWindows | None = None,
     ) -> None:
-        """``normalizer``, ``tokens``: parts of a pipeline with the same ``normalize`` (resp.
+        """``identities``: the gateway's LoRA adapter table, shared by every route's pipeline;
+        ``normalizer``, ``tokens``: parts of a pipeline with the same ``normalize`` (resp.
         ``prefix``) settings to keep, with what they learned (see :meth:`reconfigured`)."""
         self.normalize_settings = normalize
         self.settings = prefix
@@ -89,6 +100,14 @@ class PrefixPipeline:
         if tokens is None:
             tokens = ModelWindows(prefix.tokenizer, prefix.window_tokens, prefix.token_cache_tokens)
         self.tokens = tokens
+
+        # which names are LoRA adapters of which base model (learned from the replicas' /v1/models)
+        self.identities = identities if identities is not None else ModelIdentities()
+        # the block size hashed with: the setting, or (auto) the replicas' own (follow_engines)
+        self.block: BlockSizeChoice = choose(prefix.block_size, {})
+        self._labels: dict[str, str] = {}  # alignment key -> units label under the current block choice
+        # (engine view version, replica list) when the block choice was last re-read (Route.follow_engines)
+        self.engine_stamp: tuple[int, object] | None = None
 
     def reconfigured(self, normalize: NormalizeSettings, prefix: PrefixSettings) -> PrefixPipeline:
         """The pipeline for a reloaded route with these settings, keeping what is still valid.
@@ -103,12 +122,65 @@ class PrefixPipeline:
         same_normalize, same_prefix = normalize == self.normalize_settings, prefix == self.settings
         if same_normalize and same_prefix:
             return self
-        return PrefixPipeline(
+        pipeline = PrefixPipeline(
             normalize,
             prefix,
+            self.identities,
             normalizer=self.normalizer if same_normalize else None,
             tokens=self.tokens if same_prefix else None,
         )
+        if same_prefix:  # the engines' block size still holds: no flip to 16 until the next re-read
+            pipeline.block = self.block
+        return pipeline
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per hashed block right now."""
+        return self.block.size
+
+    def follow_engines(self, engines: Mapping[str, int]) -> BlockSizeChoice:
+        """Re-choose the block size from each replica's scraped ``block_size`` (``auto``; see
+        :mod:`gateway.prefix.block_size`).  Keys hashed at another size never match the new
+        ones, so a change simply starts the route's key space afresh: nothing learned at the
+        old size is mistaken for a hit."""
+        choice = choose(self.settings.block_size, engines)
+        if choice != self.block:
+            if choice.size != self.block.size:
+                log.info(
+                    "prefix block size %d -> %d (%s: %s)",
+                    self.block.size,
+                    choice.size,
+                    choice.source,
+                    ", ".join(f"{name}={size}" for name, size in sorted(engines.items())) or "no engine known",
+                )
+            self.block = choice
+            self._labels = {}
+        return choice
+
+    def share_view(self, other: PrefixPipeline) -> None:
+        """Take ``other``'s engine view (block size choice, LoRA adapters): a shadow pipeline
+        (the sample buffer's relocating twin) must key as the route it shadows."""
+        self.identities = other.identities
+        if self.block != other.block:
+            self.block = other.block
+            self._labels = {}
+
+    def identity(self, model: str, salt: object = None) -> tuple[str, str | None, int]:
+        """(base model, LoRA adapter or None, first-block seed) of a request, as the engine keys it."""
+        if self.settings.lora_from_model:  # the route's fixed rule (before adapters were learned)
+            base, lora = self.settings.base_model or model, model
+        else:
+            base, lora = self.identities.resolve(model)
+        return base, lora, engine_seed(base, lora, salt if isinstance(salt, str) and salt else None)
+
+    def units(self, model: str) -> tuple[str, bool]:
+        """The units label of a (base) model's predictions and whether its tokens are the model's own."""
+        wt = self.tokens.for_model(model)
+        alignment = wt.alignment  # type: ignore[attr-defined]
+        label = self._labels.get(alignment.key)
+        if label is None:
+            label = self._labels[alignment.key] = units_label(alignment, self.block)
+        return label, alignment.exact
 
     def warm(self, models: Iterable[str]) -> None:
         """Load each model's vocabulary and chat template now, not on its first request.
@@ -138,34 +210,30 @@ class PrefixPipeline:
     def key(self, endpoint: str, result: NormalizeResult) -> PreparedPrompt:
         """Tokenize the window, hash it, and continue the chain over the rest of the text."""
         body = result.body
+        base, lora, seed = self.identity(str(body.get("model", "")), body.get("cache_salt"))
         try:
-            tokens, bytes_per_token = self._window(endpoint, body)
+            tokens, bytes_per_token = self._window(endpoint, body, base)
             window_ok = True
         except (RecursionError, ValueError, TypeError, AttributeError, OverflowError, MemoryError):
             # Content the template cannot render (deep nesting, odd types): key the text only.
             tokens, bytes_per_token, window_ok = array("I"), None, False
-        model = str(body.get("model", ""))
-        lora: str | None = None
-        if self.settings.lora_from_model:
-            lora = model
-            model = self.settings.base_model or model
-        salt = body.get("cache_salt")
-        seed = first_block_seed(model, lora, salt if isinstance(salt, str) else None)
-        keys = chain_block_keys(tokens, self.settings.block_size, seed)
+        block_size = self.block.size
+        keys = chain_block_keys(tokens, block_size, seed)
         text_keys: list[int] = []
         text_tokens: list[int] = []
         if not window_ok or len(tokens) >= self.tokens.window:
             parent = keys[-1] if keys else seed
-            keyed = len(keys) * self.settings.block_size  # ids continue right after the last full block
+            keyed = len(keys) * block_size  # ids continue right after the last full block
             text_keys, text_tokens, estimate = self._continue(
                 endpoint, body, parent, len(tokens), keyed, bytes_per_token
             )
         else:
             estimate = self._estimate_total(endpoint, body, len(tokens))
+        units, tokens_exact = self.units(base)
         return PreparedPrompt(
             body=body,
             block_keys=tuple(keys),
-            block_size=self.settings.block_size,
+            block_size=block_size,
             window_tokens=len(tokens),
             prompt_tokens_estimate=estimate,
             normalized=result.counts,
@@ -177,7 +245,9 @@ class PrefixPipeline:
             lora=lora,
             text_keys=tuple(text_keys),
             text_key_tokens=tuple(text_tokens),
-            units=self.tokens.units(str(body.get("model", ""))),
+            units=units,
+            tokens_exact=tokens_exact,
+            base_model=base,
         )
 
     def _continue(
@@ -267,11 +337,13 @@ class PrefixPipeline:
         For observers that re-key an already prepared body another way (the sample buffer
         hashes it once more without the tenant salt).
         """
-        return self._window(endpoint, body)[0]
+        return self._window(endpoint, body, self.identity(str(body.get("model", "")))[0])[0]
 
-    def _window(self, endpoint: str, body: dict[str, Any]) -> tuple[array[int], float | None]:
-        """The leading window's token ids and the bytes per token of its text (None: no text)."""
-        tokens = self.tokens.for_model(str(body.get("model", "")))
+    def _window(self, endpoint: str, body: dict[str, Any], model: str) -> tuple[array[int], float | None]:
+        """The leading window's token ids and the bytes per token of its text (None: no text).
+
+        ``model`` is the base model: a LoRA adapter tokenizes with its base model's vocabulary."""
+        tokens = self.tokens.for_model(model)
         if endpoint == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list):

@@ -177,7 +177,13 @@ class PrefixSettings(BaseModel):
             "the rest of the prompt in text chunks"
         ),
     )
-    block_size: int = Field(16, ge=1, description="tokens per hashed block (vLLM's default is 16)")
+    block_size: int | Literal["auto"] = Field(
+        "auto",
+        description="tokens per hashed block: auto (the default) follows the replicas' own block size as they "
+        "publish it in vllm:cache_config_info (16 until one is known; when they disagree, the most common, ties "
+        "to the smallest, and stats/explain/doctor name which replicas use which), or an integer (vLLM's "
+        "--block-size; always wins)",
+    )
     lora_from_model: bool = Field(
         False,
         description="the request's model name is a LoRA adapter: it goes into the first block's seed as the LoRA",
@@ -196,6 +202,13 @@ class PrefixSettings(BaseModel):
         ge=0,
         description="bound of the per-route LRU of segment text -> token ids (about 4 bytes per token); 0 disables",
     )
+
+    @field_validator("block_size", mode="before")
+    @classmethod
+    def _block_size_ok(cls, value: object) -> int | str:
+        from gateway.prefix.block_size import validate_setting as valid_block_size
+
+        return valid_block_size(value)
 
     @field_validator("tokenizer")
     @classmethod

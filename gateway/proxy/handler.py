@@ -256,8 +256,14 @@ class Exchange:
 
     def _upstream_headers(self, replica: Replica) -> dict[str, str]:
         """The client's Authorization goes upstream only where a route (or upstream) says so;
-        otherwise the replica's own configured key (or none)."""
+        otherwise the replica's own configured key (or none).  The headers of
+        ``upstream.forward_headers`` (session id, vLLM priority) are passed on unchanged."""
         headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
+        client = self.headers
+        for name in self.gw.config.upstream.forward_headers:  # X-Session-ID, X-Vllm-Priority: as sent
+            value = client.get(name)
+            if value is not None:
+                headers[name] = value
         auth = self.headers.get("authorization") if self._forward_authorization() else None
         if auth:
             headers["Authorization"] = auth

@@ -36,7 +36,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from gateway.config import HealthSettings, ReplicaConfig
 from gateway.replicas.engine import EngineStats
@@ -142,6 +142,10 @@ class _StateFlag(_Watched):
 class Replica:
     """One upstream server and everything the gateway knows about it right now."""
 
+    #: bumped whenever any replica's scraped block size changes: routes following their engines'
+    #: block size (``prefix.block_size: auto``) re-read them only then, not on every request
+    block_size_epoch: ClassVar[int] = 0
+
     # Watched (see ReplicaWatcher): requests in flight here from this gateway process and as
     # other processes report them (state.backend: redis); uncached prompt tokens sent here
     # with no first byte yet (see ReplicaView.pending_prefill_tokens), ours and the peers'.
@@ -182,6 +186,7 @@ class Replica:
         self.last_error: str | None = None
         self.last_probe: float | None = None
         self.engine: EngineStats | None = None
+        self.block_size: int | None = None  # the engine's block size as last published (vllm:cache_config_info)
         # (prefix_cache_hits, prefix_cache_queries) at the first scrape that had them: the
         # engine's counters run since *it* started, windows of this gateway start here.
         self.engine_baseline: tuple[float, float] | None = None
@@ -249,6 +254,10 @@ class Replica:
         """A fresh scrape of the engine's metrics."""
         reset = counters_went_back(self.engine, engine)
         before = None if self.engine is None else self.engine.kv_cache_tokens
+        if engine.block_size is not None and engine.block_size != self.block_size:
+            # sticky: a scrape without vllm:cache_config_info (an engine restarting) keeps the last size
+            self.block_size = engine.block_size
+            Replica.block_size_epoch += 1  # routes re-read their replicas' block sizes (gateway.routing.routes)
         self.engine = engine
         capacity = engine.kv_cache_tokens
         if capacity is not None and capacity != before:

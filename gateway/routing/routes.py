@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import RouteConfig
+from gateway.prefix.identity import ModelIdentities
 from gateway.prefix.pipeline import PrefixPipeline, PreparedPrompt
 from gateway.replicas.pool import Replica
 from gateway.routing import registry
@@ -39,6 +40,25 @@ class Route:
 
     def needs_keys(self, endpoint: str) -> bool:
         return self.pipeline is not None and endpoint in ("chat", "completions")
+
+    def follow_engines(self) -> None:
+        """Let the pipeline re-choose its block size from the replicas' scraped ones
+        (``prefix.block_size: auto``), only when one changed or the pool did: a request
+        normally pays one comparison."""
+        pipeline = self.pipeline
+        if pipeline is None:
+            return
+        replicas = self.runner.replicas
+        stamp = pipeline.engine_stamp
+        if stamp is not None and stamp[0] == Replica.block_size_epoch and stamp[1] is replicas:
+            return
+        pipeline.engine_stamp = (Replica.block_size_epoch, replicas)
+        pipeline.follow_engines(engine_block_sizes(replicas))
+
+
+def engine_block_sizes(replicas: Sequence[Replica]) -> dict[str, int]:
+    """replica -> the block size its engine published (replicas not scraped yet are left out)."""
+    return {replica.name: replica.block_size for replica in replicas if replica.block_size}
 
 
 def request_view(
@@ -70,13 +90,21 @@ def request_view(
     )
 
 
-def build_route(config: RouteConfig, pool: Sequence[Replica], old_pipeline: PrefixPipeline | None = None) -> Route:
+def build_route(
+    config: RouteConfig,
+    pool: Sequence[Replica],
+    old_pipeline: PrefixPipeline | None = None,
+    identities: ModelIdentities | None = None,
+) -> Route:
     """Phase two for one route: build its policy (from the registry) and pipeline (keeping
-    what ``old_pipeline``, the route's before a reload, learned where still valid)."""
+    what ``old_pipeline``, the route's before a reload, learned where still valid).
+
+    ``identities``: the gateway's table of LoRA adapters (from the replicas' ``/v1/models``),
+    shared by every route's pipeline."""
     entry = registry.entry(config.policy)
     members = [r.view() for r in pool]
     policy = registry.build_policy(config.policy, config.policy_settings, members)
-    pipeline = _pipeline(config, old_pipeline) if entry.needs_prefix_keys else None
+    pipeline = _pipeline(config, old_pipeline, identities) if entry.needs_prefix_keys else None
     return Route(
         name=config.name,
         config=config,
@@ -87,7 +115,12 @@ def build_route(config: RouteConfig, pool: Sequence[Replica], old_pipeline: Pref
     )
 
 
-def carry_route(old: Route | None, config: RouteConfig, pool: Callable[[], Sequence[Replica]]) -> Route:
+def carry_route(
+    old: Route | None,
+    config: RouteConfig,
+    pool: Callable[[], Sequence[Replica]],
+    identities: ModelIdentities | None = None,
+) -> Route:
     """The route to serve ``config`` with after a reload: ``old`` itself when its config is
     unchanged; old's runner (ring, affinity index, round-robin turn) with the new matching
     when policy, policy settings and prefix settings are unchanged; else a new route over
@@ -100,16 +133,16 @@ def carry_route(old: Route | None, config: RouteConfig, pool: Callable[[], Seque
         return dataclasses.replace(
             old,
             config=config,
-            pipeline=_pipeline(config, old.pipeline) if old.pipeline is not None else None,
+            pipeline=_pipeline(config, old.pipeline, identities) if old.pipeline is not None else None,
             endpoints=frozenset(config.endpoints),
             session_header=config.session_header.lower(),
         )
-    return build_route(config, pool(), old.pipeline if old is not None else None)
+    return build_route(config, pool(), old.pipeline if old is not None else None, identities)
 
 
-def _pipeline(config: RouteConfig, old: PrefixPipeline | None) -> PrefixPipeline:
+def _pipeline(config: RouteConfig, old: PrefixPipeline | None, identities: ModelIdentities | None) -> PrefixPipeline:
     if old is None:
-        return PrefixPipeline(config.normalize, config.prefix)
+        return PrefixPipeline(config.normalize, config.prefix, identities)
     return old.reconfigured(config.normalize, config.prefix)
 
 

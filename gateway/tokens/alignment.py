@@ -15,9 +15,10 @@ the engine computes: the served model's vocabulary over its own chat template's 
   tokenizer and ``chat_template``, rendered with jinja2's sandbox (:mod:`gateway.tokens.hf_model`): exact.
 
 ``Alignment`` is the pair (defined beside ``ChatTemplate``, so ``hf_model`` builds one without
-importing this module); its ``units`` say what predicted cached tokens are counted in, e.g.
-``exact (llama3)`` or ``approximate (cl100k_base)``; the stats show it next to the predicted
-hit rate.
+importing this module); whether tokenizer and template are the model's own goes into the
+label of predicted cached tokens together with the block size (:mod:`gateway.prefix.exactness`:
+``exact (llama3)``, ``approximate (llama3): block size 16 vs engine 128``); the stats show it
+next to the predicted hit rate.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def alignment_for_family(family: str) -> Alignment:
 
         tok = get_tokenizer("qwen3")
         return Alignment(f"qwen3/{family}", "qwen3", tok, QwenTemplate(tok, "2.5" if family == "qwen2.5" else "3"))
-    return Alignment(f"{family}/generic", family, get_tokenizer(family), GENERIC)
+    # an unknown family: the vocabulary itself is a guess from the name
+    return Alignment(f"{family}/generic", family, get_tokenizer(family), GENERIC, tokenizer_known=False)
 
 
 @cache

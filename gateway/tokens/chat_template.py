@@ -22,11 +22,12 @@ Template (ChatML-like), one segment per item:
    ``<|{type}|>`` followed by its URL/data if any (a stand-in for multimodal placeholders)
 3. the generation prompt ``<|im_start|>assistant\\n`` (unless ``add_generation_prompt`` is false)
 
-Special-token strings are tokenized as ordinary text.
+Special-token strings are tokenized as ordinary text (in this generic layout only).
 
 Model templates yield :class:`SpecialToken` segments for their own markup (``<|eot_id|>``,
 ``<|im_start|>``...): those become the special id, never BPE over the marker's text, while
-message content stays ordinary text even when it contains a look-alike.  Special tokens
+special-token text inside message content becomes the special token too, as vLLM's
+tokenizer makes it (:class:`gateway.tokens.templates.SpecialSplitter`).  Special tokens
 split BPE, so text between two of them tokenizes the same alone as inside the whole prompt.
 """
 
@@ -75,14 +76,26 @@ class Alignment:
     vocab: str  # how the vocabulary is named to operators: "llama3", "cl100k_base", "hf:/models/x"
     tokenizer: Tokenizer
     template: ChatTemplate
+    #: False when the vocabulary is only a guess (an unknown model name got cl100k_base/o200k_base)
+    tokenizer_known: bool = True
 
     @property
     def exact(self) -> bool:
-        return self.template.exact
+        """Tokenizer and template are the served model's (block size aside: see gateway.prefix.exactness)."""
+        return self.tokenizer_known and self.template.exact
 
     @property
     def units(self) -> str:
         return f"{'exact' if self.exact else 'approximate'} ({self.vocab})"
+
+    def mismatches(self) -> list[str]:
+        """What of tokenizer and template is not the served model's, for people (empty: both are)."""
+        out = []
+        if not self.tokenizer_known:
+            out.append(f"tokenizer {self.vocab} guessed from the model name")
+        if not self.template.exact:
+            out.append(f"template {self.template.name} (not the model's)")
+        return out
 
 
 def _compact_json(value: Any) -> str:

@@ -10,10 +10,10 @@ transformers' ``tojson`` and ``raise_exception``/``strftime_now`` helpers, and t
 tokens of ``tokenizer_config.json`` (``bos_token``...) as variables.  Everything is offline.
 
 The rendered string is split at the tokenizer's added tokens (as the tokenizer itself does
-before BPE), so each text run is cached and tokenized on its own.  Unlike the built-in
-renderers, a special-token look-alike inside message content is then a special token, as it
-is for vLLM.  A template error (vLLM would answer 400) falls back to the generic template:
-routing must never fail on a request.
+before BPE), so each text run is cached and tokenized on its own.  As in the built-in
+renderers (:mod:`gateway.tokens.templates`), a special-token look-alike inside message content
+is then a special token, as it is for vLLM.  A template error (vLLM would answer 400) falls
+back to the generic template: routing must never fail on a request.
 """
 
 from __future__ import annotations

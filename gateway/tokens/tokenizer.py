@@ -10,7 +10,9 @@ files from quicktok's bundled data (verified by tiktoken's own sha256 check, so 
 file can never be used silently) into a cache directory we own.
 
 Special-token *strings* in text are always ordinary text here (``encode``); chat templates
-that need real special tokens ask for their ids with :meth:`QuicktokTokenizer.special_id`.
+that need real special tokens ask for their ids with :meth:`QuicktokTokenizer.special_id`,
+and split message content at the vocabulary's specials (:meth:`special_tokens`) the way
+vLLM's tokenizer does (see :mod:`gateway.tokens.templates`).
 The simulator deliberately does not use this module (it has its own, so tests can see a
 misalignment between the gateway and an engine).
 """
@@ -23,6 +25,7 @@ import os
 import struct
 import tempfile
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -112,6 +115,11 @@ class Tokenizer(Protocol):
 
     def special_id(self, token: str) -> int | None: ...
 
+    def special_tokens(self) -> Mapping[str, int]:
+        """Every special token of the vocabulary (text -> id): what the served model's tokenizer
+        turns into one token wherever the text appears."""
+        ...
+
 
 def _scrub_surrogates(text: str) -> str:
     """Lone UTF-16 surrogates (legal in JSON escapes) become U+FFFD, as tiktoken does."""
@@ -136,6 +144,9 @@ class TiktokenTokenizer:
 
     def special_id(self, token: str) -> int | None:
         return self._encoding._special_tokens.get(token)
+
+    def special_tokens(self) -> Mapping[str, int]:
+        return dict(self._encoding._special_tokens)
 
 
 class QuicktokTokenizer:
@@ -164,6 +175,9 @@ class QuicktokTokenizer:
 
     def special_id(self, token: str) -> int | None:
         return self._specials.get(token)
+
+    def special_tokens(self) -> Mapping[str, int]:
+        return dict(self._specials)
 
 
 class HFTokenizer:
@@ -194,6 +208,9 @@ class HFTokenizer:
 
     def special_id(self, token: str) -> int | None:
         return self._specials.get(token)
+
+    def special_tokens(self) -> Mapping[str, int]:
+        return dict(self._specials)
 
     def completion_prefix(self) -> list[int]:
         """Ids the tokenizer's post-processor puts before a prompt (Llama 3: its BOS), as vLLM's

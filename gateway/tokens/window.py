@@ -174,7 +174,9 @@ class WindowTokenizer:
     def text_measured(self, prompt: str) -> tuple[array[int], float | None]:
         """:meth:`text` and its bytes per token (see :meth:`measured`)."""
         prefix = getattr(self.template, "completion_prefix", ())
-        return self.measured((*prefix, prompt) if prefix and prompt else (prompt,))
+        split = getattr(self.template, "split_text", None)
+        pieces = split(prompt) if split is not None else (prompt,)  # specials parsed, as vLLM does
+        return self.measured((*prefix, *pieces) if prefix and prompt else pieces)
 
     def ids(self, prompt: Sequence[int]) -> array[int]:
         """A completion prompt given as token ids: the leading window as is."""

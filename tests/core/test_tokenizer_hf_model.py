@@ -132,7 +132,7 @@ def test_missing_directory_fails_at_config_load_with_the_fix(tmp_path: Path) -> 
 def test_bad_input_never_raises_on_the_hf_path(model_dir: Path) -> None:
     from tests.core.test_chat_template_bad_input import BAD_BODIES
 
-    pipeline = PrefixPipeline(NormalizeSettings(mode="off"), PrefixSettings(tokenizer=f"hf:{model_dir}"))
+    pipeline = PrefixPipeline(NormalizeSettings(mode="off"), PrefixSettings(tokenizer=f"hf:{model_dir}", block_size=16))
     for _name, messages, tools in BAD_BODIES:
         body = {"model": "m", "messages": messages, **({"tools": tools} if tools is not None else {})}
         assert pipeline.prepare("chat", body).units == f"exact (hf:{model_dir})"
@@ -155,3 +155,23 @@ def test_completions_get_the_post_processors_prefix_like_vllm(model_dir: Path, t
     assert window == tok.encode(text, add_special_tokens=True).ids and window[0] == bos
     plain = PrefixPipeline(NormalizeSettings(mode="off"), PrefixSettings(tokenizer=f"hf:{model_dir}"))
     assert list(plain.tokens.for_model("m").text(text)) == tok.encode(text, add_special_tokens=False).ids
+
+
+def test_special_token_text_in_content_is_a_special_token_on_the_hf_path(model_dir: Path) -> None:
+    """As vLLM's tokenizer does: ``<|im_end|>`` pasted into a message is the special token, in chat
+    and in a completion prompt alike (the directory's own tokenizer.json is the reference)."""
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    im_end = reference.token_to_id("<|im_end|>")
+    pipeline = PrefixPipeline(NormalizeSettings(mode="off"), PrefixSettings(tokenizer=f"hf:{model_dir}"))
+    windows = pipeline.tokens.for_model("any-name")
+    messages = [{"role": "user", "content": "pasted: <|im_end|> and <|im_start|>assistant\nhi"}]
+    rendered = windows.template.render(messages)  # type: ignore[attr-defined]
+    ids = list(windows.chat(messages))
+    assert ids == reference.encode(rendered, add_special_tokens=False).ids
+    plain = list(windows.chat([{"role": "user", "content": "pasted: and assistant\nhi"}]))
+    assert ids.count(im_end) == plain.count(im_end) + 1  # the template's own ones and the pasted one
+    prompt = "a completion with <|im_end|> inside"
+    expected = reference.encode(prompt, add_special_tokens=False).ids
+    assert list(windows.text(prompt))[-len(expected) :] == expected and im_end in expected

@@ -106,7 +106,10 @@ def test_hit_rate_within_two_points_of_the_aligned_run(runs) -> None:
 def test_stats_show_units_and_the_predicted_vs_reported_gap(runs) -> None:
     mis = runs["cl100k_base"][3]
     aligned = runs["auto"][3]
-    assert mis["predicted_units"] == "approximate (cl100k_base)" and mis["predicted_exact"] is False
+    assert (
+        mis["predicted_units"] == "approximate (cl100k_base): template chatml-like (not the model's)"
+        and mis["predicted_exact"] is False
+    )
     assert aligned["predicted_units"] == "exact (llama3)" and aligned["predicted_exact"] is True
     for view in (mis, aligned):
         assert view["hit_rate_gap"] == pytest.approx(view["hit_rate_predicted"] - view["hit_rate_reported"], abs=2e-4)

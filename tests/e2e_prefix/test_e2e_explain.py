@@ -52,6 +52,13 @@ REPLICA_FIELDS = {
 ALWAYS = prefix_route(normalize={"mode": "relocate", "always": ["*"]})
 
 
+# demo-model has no known family: cl100k_base is a guess, over the generic template
+GUESSED = (
+    "approximate (cl100k_base): tokenizer cl100k_base guessed from the model name; "
+    "template chatml-like (not the model's)"
+)
+
+
 def engine_queries(urls: list[str]) -> float:
     return sum(metric_sum(httpx.get(f"{url}/metrics").text, "vllm:prefix_cache_queries_total") for url in urls)
 
@@ -85,7 +92,7 @@ def test_explain_shows_the_plan_and_the_handler_follows_it(
         assert "2025-03-04T05:06:07Z" in report["forwarded_body"]["messages"][-1]["content"]
         prefix = report["prefix"]
         assert prefix["tokenizer"] == "auto" and prefix["block_size"] == 16 and prefix["window_limit"] == 4096
-        assert prefix["units"] == "approximate (cl100k_base)"  # demo-model: no known family
+        assert prefix["units"] == GUESSED  # demo-model: no known family
         assert prefix["blocks"] == prefix["window_tokens"] // 16 and prefix["blocks"] > 16
         assert report["key"]["source"] == "block" and report["key"]["depth_blocks"] == 16
         assert len(report["key"]["value"]) == 16

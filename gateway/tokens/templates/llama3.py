@@ -42,6 +42,8 @@ class Llama31Template:
         )
         # vLLM tokenizes a /v1/completions prompt with add_special_tokens: Llama gets its BOS
         self.completion_prefix = (self._specials["<|begin_of_text|>"],)
+        # a /v1/completions prompt: special-token text in it is parsed as vLLM does
+        self.split_text = self._split.pieces
 
     def render(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> list[str]:
         return list(self.segments(messages, tools, add_generation_prompt))
@@ -50,7 +52,7 @@ class Llama31Template:
         tool_list = vllm_tools(tools)
         views = (v for v in map(vllm_message, messages) if v is not None)
         first = next(views, None)
-        r = Runs(self._specials, self._split)
+        r = Runs(self._split)
         r.lit("<|begin_of_text|>")
         system = ""
         if first is not None and first["role"] == "system":

@@ -49,6 +49,8 @@ class QwenTemplate:
         self.name = f"qwen{version}"
         names = _BASE + (_QWEN3_EXTRA if version == "3" else ())
         self._specials, self._split = special_tokens(tokenizer, names)
+        # a /v1/completions prompt: special-token text in it is parsed as vLLM does
+        self.split_text = self._split.pieces
 
     def render(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> list[str]:
         return list(self.segments(messages, tools, add_generation_prompt))
@@ -64,7 +66,7 @@ class QwenTemplate:
                 roles.append(role if type(role) is str else "user")
         tool_list = vllm_tools(tools)
         qwen3 = self.version == "3"
-        r = Runs(self._specials, self._split)
+        r = Runs(self._split)
         first = vllm_message(valid[0]) if valid else None
         has_system = first is not None and first["role"] == "system"
         if tool_list:
