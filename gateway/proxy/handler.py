@@ -31,6 +31,7 @@ from gateway.errors import (
 )
 from gateway.limits.admission import Ticket, client_key
 from gateway.observe.outcome import Outcome
+from gateway.proxy.capacity import BodyReservation, Slot
 from gateway.proxy.parse import parse_body, read_body
 from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
 from gateway.replicas.pool import Replica
@@ -141,6 +142,8 @@ class Exchange:
         self.added = 0.0
         self._watcher: asyncio.Task[None] | None = None
         self.ticket: Ticket | None = None  # a per-key concurrency slot (gateway.limits)
+        self.slot: Slot | None = None  # a place among server.max_concurrency (gateway.proxy.capacity)
+        self.reservation: BodyReservation | None = None  # body bytes against server.max_buffered_body_bytes
         self.payload = b""  # the bytes sent upstream (warm restarts may keep them to replay)
 
     # -- driver ------------------------------------------------------------------------
@@ -186,12 +189,18 @@ class Exchange:
 
     async def _run(self) -> None:
         gw = self.gw
+        server = gw.config.server
+        # first, before anything costs memory: a full process sheds (503) instead of queueing
+        self.slot = gw.capacity.enter(server.max_concurrency)
+        self.reservation = gw.capacity.reservation(server.max_buffered_body_bytes)
         if gw.client_keys.enabled and not gw.client_keys.check_authorization(self.headers.get("authorization")):
             raise Unauthorized("Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
         if gw.limiter.enabled:
             key = client_key(self.headers.get("authorization"), self.scope.get("client"))
             self.ticket = await gw.limiter.admit(key)
-        raw = await read_body(self.receive, gw.config.server.max_body_bytes, self.headers.get("content-length"))
+        raw = await read_body(
+            self.receive, server.max_body_bytes, self.headers.get("content-length"), self.reservation.reserve
+        )
         body = self.body = parse_body(raw, self.endpoint)
         if gw.config.logging.log_prompts and log.isEnabledFor(logging.DEBUG):
             log.debug("request %s body: %s", self.request_id, raw[:8192].decode("utf-8", "replace"))
@@ -523,6 +532,11 @@ class Exchange:
 
     # -- bookkeeping -------------------------------------------------------------------
     def _finish(self) -> None:
+        # the body stays referenced (payload, samples, warm restarts) until here: held until here
+        if self.reservation is not None:
+            self.reservation.release()
+        if self.slot is not None:
+            self.slot.release()
         if self.ticket is not None:
             self.gw.limiter.release(self.ticket)
             self.ticket = None

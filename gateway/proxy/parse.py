@@ -8,13 +8,21 @@ reads (and the commonest wrong types), and forward the client's bytes untouched.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from gateway.errors import BadRequest, ClientDisconnected, PayloadTooLarge
 
 
-async def read_body(receive: Any, limit: int, content_length: str | None) -> bytes:
-    """The whole request body, or 413 as soon as it is known to exceed ``limit``."""
+async def read_body(
+    receive: Any, limit: int, content_length: str | None, reserve: Callable[[int], None] | None = None
+) -> bytes:
+    """The whole request body, or 413 as soon as it is known to exceed ``limit``.
+
+    ``reserve(total)`` is told how many bytes the body will hold before they are kept — the
+    declared ``Content-Length`` before reading, a chunked body's size as it grows — and
+    raises to refuse (``gateway.proxy.capacity``: the process-wide body-bytes cap).
+    """
     if content_length is not None:
         try:
             declared = int(content_length)
@@ -22,6 +30,8 @@ async def read_body(receive: Any, limit: int, content_length: str | None) -> byt
             raise BadRequest("invalid Content-Length header") from None
         if declared > limit:
             raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        if reserve is not None and declared > 0:
+            reserve(declared)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -33,6 +43,8 @@ async def read_body(receive: Any, limit: int, content_length: str | None) -> byt
             size += len(chunk)
             if size > limit:
                 raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            if reserve is not None:
+                reserve(size)  # a no-op while within the declared length
             chunks.append(chunk)
         if not message.get("more_body", False):
             break
