@@ -32,7 +32,7 @@ from gateway.errors import (
 from gateway.limits.admission import Ticket, client_key
 from gateway.observe.outcome import Outcome
 from gateway.proxy.capacity import BodyReservation, Slot
-from gateway.proxy.parse import parse_body, read_body
+from gateway.proxy.parse import as_utf8, parse_body, read_body
 from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
 from gateway.replicas.pool import Replica
 from gateway.routing.base import Decision
@@ -201,6 +201,8 @@ class Exchange:
         raw = await read_body(
             self.receive, server.max_body_bytes, self.headers.get("content-length"), self.reservation.reserve
         )
+        raw = as_utf8(raw)  # UTF-16/32 JSON becomes UTF-8: what the splice and the replica get
+        self.reservation.reserve(len(raw))  # a transcoded body may have grown
         body = self.body = parse_body(raw, self.endpoint)
         if gw.config.logging.log_prompts and log.isEnabledFor(logging.DEBUG):
             log.debug("request %s body: %s", self.request_id, raw[:8192].decode("utf-8", "replace"))

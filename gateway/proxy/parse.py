@@ -51,6 +51,31 @@ async def read_body(
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+def as_utf8(raw: bytes) -> bytes:
+    """The body as UTF-8 JSON bytes, whatever Unicode encoding ``json.loads`` would accept.
+
+    ``json.loads`` reads UTF-16 and UTF-32 bodies (and a UTF-8 BOM) by their first bytes
+    (``json.detect_encoding``), and so does vLLM's server; the gateway's raw-byte edits of
+    the client's body (the ``include_usage`` splice in ``gateway.proxy.handler``) and
+    everything that keeps it (warm restarts) work on UTF-8 bytes.  Transcoding here, once,
+    makes both agree without turning away bodies a replica would have taken; UTF-8 bodies —
+    all but a rare few — are returned as they are (no copy).  Undecodable bytes → 400.
+    """
+    encoding = json.detect_encoding(raw)
+    if encoding == "utf-8":
+        return raw
+    if encoding == "utf-8-sig":
+        return raw[3:]
+    try:
+        text = raw.decode(encoding, "surrogatepass")  # as json.loads decodes
+    except UnicodeDecodeError as exc:
+        raise BadRequest(
+            f"request body is not valid {encoding.upper()} JSON: {exc.reason}", code="invalid_json"
+        ) from None
+    # a lone surrogate (legal in a JSON string, not encodable) becomes its JSON escape, \udXXX
+    return text.removeprefix("\ufeff").encode("utf-8", "backslashreplace")
+
+
 def _is_int_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 

@@ -170,7 +170,7 @@ def test_a_body_timeout_releases_slot_and_bytes(sim_url: str) -> None:
     with serve_in_thread(_config(sim_url, body_timeout_s=0.3)) as running:  # type: ignore[arg-type]
         with _slow_upload(running, 16_000) as sock:
             status, _, body = _answer(sock)
-            assert status == 408
+            assert status == 408 and body["error"]["code"] == "request_timeout"  # type: ignore[index]
         wait_for(lambda: _idle(running), what="the timed-out upload's slot and bytes released")
         assert running.gateway.capacity.peak_buffered_bytes == 16_000
 
