@@ -7,8 +7,8 @@ This family opens ``clients`` connections at once, of these kinds:
 - **trickle**: a small valid chat body, a few bytes every 10 ms (Content-Length, or chunked);
 - **stall**: a head declaring a body just under the size limit, 16 bytes of it, then nothing
   (the body timeout ends it: 408; or the declared bytes do not fit: 503 at once);
-- **bulk**: 4 MiB declared (or chunked), 3.5 MiB sent at once, then nothing: real bytes
-  held by the gateway until its body timeout;
+- **bulk**: 4 MiB declared (or chunked; at most half the size limit), 7/8 of it sent at
+  once, then nothing: real bytes held by the gateway until its body timeout;
 - **oversize**: a Content-Length over the size limit, or absurd: 413 before any byte is read;
 
 while a probe polls ``/health`` and a well-behaved client sends small chat requests.  Every
@@ -31,10 +31,14 @@ import httpx
 from benchmarks.fuzz_cases import MODEL, PATHS, Tally
 
 BULK_DECLARED = 4 * 1024 * 1024
-BULK_SENT = 3 * 1024 * 1024 + 512 * 1024
 _SMALL = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "slowly " * 20}], "max_tokens": 2})
 SMALL = _SMALL.encode()
 _HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+def bulk_declared(max_body_bytes: int) -> int:
+    """What a bulk upload declares: 4 MiB, or half the size limit when that is smaller."""
+    return min(BULK_DECLARED, max_body_bytes // 2)
 
 
 def _chunk(data: bytes) -> bytes:
@@ -43,7 +47,8 @@ def _chunk(data: bytes) -> bytes:
 
 def plans(clients: int, max_body_bytes: int) -> list[tuple[str, bytes, list[tuple[float, bytes]]]]:
     """(kind, head, [(delay before, bytes)]) for ``clients`` uploads, the kinds interleaved."""
-    bulk = b" " * BULK_SENT
+    declared = bulk_declared(max_body_bytes)
+    bulk = b" " * (declared * 7 // 8)
     kinds: list[tuple[str, bytes, list[tuple[float, bytes]]]] = [
         (
             "trickle",
@@ -61,11 +66,11 @@ def plans(clients: int, max_body_bytes: int) -> list[tuple[str, bytes, list[tupl
             [(0.01, SMALL[i : i + 4]) for i in range(0, len(SMALL), 4)],
         ),
         ("stall", _HEAD + b"Content-Length: %d\r\n\r\n" % (max_body_bytes - 1), [(0.0, b'{"model":"demo-m')]),
-        ("bulk", _HEAD + b"Content-Length: %d\r\n\r\n" % BULK_DECLARED, [(0.0, bulk)]),
+        ("bulk", _HEAD + b"Content-Length: %d\r\n\r\n" % declared, [(0.0, bulk)]),
         (
             "bulk chunked",
             _HEAD + b"Transfer-Encoding: chunked\r\n\r\n",
-            [(0.0, b"".join(_chunk(bulk[i : i + 65536]) for i in range(0, BULK_SENT, 65536)))],
+            [(0.0, b"".join(_chunk(bulk[i : i + 65536]) for i in range(0, len(bulk), 65536)))],
         ),
         ("oversize", _HEAD + b"Content-Length: %d\r\n\r\n" % (max_body_bytes + 1), []),
         ("absurd length", _HEAD + b"Content-Length: 1000000000000000\r\n\r\n", []),
@@ -167,7 +172,7 @@ async def _run(
         "statuses_by_kind": {k: dict(sorted(c.items())) for k, c in by_kind.items()},
         "health_probes": dict(probes),
         "health_probes_failed": sum(v for k, v in probes.items() if k != "200"),
-        "bulk_bytes_sent": bulk * BULK_SENT,
+        "bulk_bytes_sent": bulk * (bulk_declared(max_body_bytes) * 7 // 8),
         "elapsed_s": round(elapsed, 1),
     }
 
