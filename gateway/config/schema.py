@@ -57,12 +57,12 @@ class ServerSettings(_Strict):
         "server_overloaded with retry-after (probes, metrics and admin are not counted); live on reload",
     )
     max_buffered_body_bytes: int = Field(
-        128 * 1024 * 1024,
+        64 * 1024 * 1024,
         ge=1024,
         description="request-body bytes all in-flight proxied requests of this process may hold together "
         "(a declared Content-Length is reserved before the body is read, a chunked body as it arrives); "
         "beyond it 503 server_overloaded with retry-after; at least max_body_bytes; live on reload "
-        "(default 128 MiB: see docs/sizing.md for the memory it stands for)",
+        "(default 64 MiB: 2-9x that in memory by body shape, see docs/sizing.md)",
     )
     response_headers: bool = Field(
         True, description="add x-prefix-gateway-replica / x-prefix-gateway-route to responses"
