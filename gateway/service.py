@@ -26,6 +26,7 @@ from gateway.config.reload import Reloader
 from gateway.discovery.build import build_sources
 from gateway.discovery.membership import Membership
 from gateway.errors import ModelNotFound
+from gateway.http.capacity import Capacity
 from gateway.limits.admission import KeyLimiter
 from gateway.limits.context import ContextLimits
 from gateway.observe.logs import AccessLog
@@ -43,7 +44,6 @@ from gateway.observe.outcome import Outcome
 from gateway.observe.samples import SampleBuffer
 from gateway.observe.stats import StatsBook, normalization_section
 from gateway.observe.summary import SummaryReporter
-from gateway.proxy.capacity import Capacity
 from gateway.replicas.monitor import ReplicaMonitor
 from gateway.replicas.outlier import Fleet
 from gateway.replicas.pool import Replica

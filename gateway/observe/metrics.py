@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.http.capacity import Capacity
 from gateway.observe.outcome import Outcome
 from gateway.prefix.normalize import Normalizer
-from gateway.proxy.capacity import Capacity
 from gateway.replicas.pool import Replica
 from gateway.state.affinity_sync import SyncStats
 
@@ -488,7 +488,7 @@ class WarmupCollector(Collector):
 
 
 class CapacityCollector(Collector):
-    """The process-wide caps of the proxied path (``gateway.proxy.capacity``), read at scrape time.
+    """The process-wide caps of the proxied path (``gateway.http.capacity``), read at scrape time.
 
     Sheds are also counted per request in ``errors_total{kind="overloaded"}``; these say how
     close to the caps the process runs, and which cap shed.

@@ -29,9 +29,9 @@ from gateway.errors import (
     Unauthorized,
     error_bytes,
 )
+from gateway.http.capacity import BodyReservation, Slot
 from gateway.limits.admission import Ticket, client_key
 from gateway.observe.outcome import Outcome
-from gateway.proxy.capacity import BodyReservation, Slot
 from gateway.proxy.parse import as_utf8, parse_body, read_body
 from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
 from gateway.replicas.pool import Replica
@@ -142,7 +142,7 @@ class Exchange:
         self.added = 0.0
         self._watcher: asyncio.Task[None] | None = None
         self.ticket: Ticket | None = None  # a per-key concurrency slot (gateway.limits)
-        self.slot: Slot | None = None  # a place among server.max_concurrency (gateway.proxy.capacity)
+        self.slot: Slot | None = None  # a place among server.max_concurrency (gateway.http.capacity)
         self.reservation: BodyReservation | None = None  # body bytes against server.max_buffered_body_bytes
         self.payload = b""  # the bytes sent upstream (warm restarts may keep them to replay)
 

@@ -21,7 +21,7 @@ async def read_body(
 
     ``reserve(total)`` is told how many bytes the body will hold before they are kept — the
     declared ``Content-Length`` before reading, a chunked body's size as it grows — and
-    raises to refuse (``gateway.proxy.capacity``: the process-wide body-bytes cap).
+    raises to refuse (``gateway.http.capacity``: the process-wide body-bytes cap).
     """
     if content_length is not None:
         try:
