@@ -223,9 +223,7 @@ def post(client: httpx.Client, tally: Tally, family: str, path: str, data: bytes
     try:
         with client.stream("POST", path, content=data, headers=headers) as response:
             body = response.read()
-            tally.judge(
-                family, response.status_code, response.headers.get("content-type", ""), body, response.headers
-            )
+            tally.judge(family, response.status_code, response.headers.get("content-type", ""), body, response.headers)
     except httpx.HTTPError as exc:
         tally.judge(f"{family} ({type(exc).__name__})", None, "", b"")
 
