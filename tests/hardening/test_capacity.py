@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from collections.abc import Iterator
 from contextlib import ExitStack
 
@@ -123,6 +124,30 @@ def test_concurrency_cap_sheds_with_503_and_probes_stay_reachable(gw: RunningGat
     wait_for(lambda: _idle(gw), what="slots and bytes released after the disconnects")
     reply = client.chat.completions.create(model=MODEL, messages=MESSAGES)  # type: ignore[arg-type]
     assert reply.choices[0].message.content is not None
+
+
+def test_sdk_client_retries_a_shed_after_retry_after_and_gets_served(gw: RunningGateway) -> None:
+    """The official SDK retries a 503 after its ``retry-after``: a shed is a delay, not an error."""
+    client = openai_client(gw.url + "/v1", api_key="unused", max_retries=3)
+    capacity = gw.gateway.capacity
+    shed_before = capacity.shed["concurrency"]
+    result: dict[str, object] = {}
+    with ExitStack() as stack:
+        for _ in range(CAPS["max_concurrency"]):
+            stack.enter_context(_slow_upload(gw, 100))
+        wait_for(lambda: capacity.in_flight == 3, what="three uploads in flight")
+
+        def call() -> None:
+            result["reply"] = client.chat.completions.create(model=MODEL, messages=MESSAGES)  # type: ignore[arg-type]
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        wait_for(lambda: capacity.shed["concurrency"] > shed_before, what="the SDK's first attempt shed")
+    # the uploads went away: the SDK's retry (after retry-after: 1 s) is served
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    reply = result["reply"]
+    assert reply.choices[0].message.content is not None  # type: ignore[attr-defined]
 
 
 def test_declared_content_length_is_reserved_before_the_body_is_read(gw: RunningGateway) -> None:
