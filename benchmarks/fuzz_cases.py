@@ -21,6 +21,7 @@ import random
 import socket
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,29 +49,57 @@ def is_openai_error(data: bytes) -> bool:
     )
 
 
+def is_shed(status: int, data: bytes, headers: Mapping[str, str] | None) -> bool:
+    """A 503 the gateway means: a process-wide cap was full (``server_overloaded``) and the
+    client is told when to retry (``retry-after``).  Any other 5xx is a failure."""
+    if status != 503 or not headers or "retry-after" not in headers:
+        return False
+    try:
+        error = json.loads(data).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "server_overloaded"
+
+
 @dataclass
 class Tally:
-    """What the gateway answered; every ``bad_*`` count must be 0."""
+    """What the gateway answered; every ``bad_*`` count must be 0.
+
+    A 5xx is a failure (``bad_5xx``) — except a 503 ``server_overloaded`` with ``retry-after``:
+    the gateway shedding load on purpose at ``server.max_concurrency`` or
+    ``server.max_buffered_body_bytes``, counted apart in ``shed``.
+    """
 
     sent: int = 0
     statuses: Counter[int] = field(default_factory=Counter)
     bad_5xx: int = 0
     bad_shape: int = 0
     no_answer: int = 0
+    shed: int = 0
     examples: list[str] = field(default_factory=list)  # the first few bad cases, for the report
 
     def _example(self, what: str) -> None:
         if len(self.examples) < 12:
             self.examples.append(what[:300])
 
-    def judge(self, family: str, status: int | None, content_type: str, data: bytes) -> None:
+    def judge(
+        self,
+        family: str,
+        status: int | None,
+        content_type: str,
+        data: bytes,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        """``headers``: lower-case names (a 503 without them cannot be told apart from a failure)."""
         self.sent += 1
         if status is None:
             self.no_answer += 1
             self._example(f"{family}: no answer")
             return
         self.statuses[status] += 1
-        if status >= 500:
+        if is_shed(status, data, headers):
+            self.shed += 1
+        elif status >= 500:
             self.bad_5xx += 1
             self._example(f"{family}: {status} {data[:200]!r}")
         if status >= 400 and not is_openai_error(data):
@@ -82,6 +111,7 @@ class Tally:
             "sent": self.sent,
             "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
             "gateway_5xx": self.bad_5xx,
+            "shed_503": self.shed,
             "non_openai_errors": self.bad_shape,
             "no_answer": self.no_answer,
             "examples": self.examples,
@@ -193,7 +223,7 @@ def post(client: httpx.Client, tally: Tally, family: str, path: str, data: bytes
     try:
         with client.stream("POST", path, content=data, headers=headers) as response:
             body = response.read()
-            tally.judge(family, response.status_code, response.headers.get("content-type", ""), body)
+            tally.judge(family, response.status_code, response.headers.get("content-type", ""), body, response.headers)
     except httpx.HTTPError as exc:
         tally.judge(f"{family} ({type(exc).__name__})", None, "", b"")
 
@@ -424,7 +454,8 @@ def judge_raw(tally: Tally, name: str, answer: bytes | None, head_request: bool 
             body, rest = after, b""
         if status == 100:
             continue
-        tally.judge(f"raw {name}", status, headers.get(b"content-type", b"").decode("latin-1"), body)
+        text_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()}
+        tally.judge(f"raw {name}", status, text_headers.get("content-type", ""), body, text_headers)
     if rest == answer:  # not HTTP at all
         tally.judge(f"raw {name} (not HTTP)", None, "", answer[:100])
 

@@ -3,7 +3,7 @@
     prefix-gateway serve [--config FILE] [--replica URL ... --policy NAME] [--host H] [--port P]
     prefix-gateway check-config FILE [FILE ...]
     prefix-gateway demo [--port P]
-    prefix-gateway hash-key [KEY]          (sha256 for admin.api_key_sha256 / auth.api_keys_sha256)
+    prefix-gateway hash-key < key.txt      (sha256 for admin.api_key_sha256 / auth.api_keys_sha256; prompts on a TTY)
     prefix-gateway explain FILE.json [--gateway URL] [--admin-key KEY] [--config FILE] [--json]
     prefix-gateway doctor (--gateway URL [--admin-key KEY] | --file FILE.jsonl [--config FILE]) [--json]
     prefix-gateway sim ...                 (simulated vLLM replicas; see `prefix-gateway sim --help`)
@@ -262,14 +262,40 @@ def add_hash_key(sub: Any) -> None:
     p = sub.add_parser(
         "hash-key",
         help="print the sha256 of an API key for the config",
-        description="Print sha256(KEY) for admin.api_key_sha256 or auth.api_keys_sha256 (prompts if KEY is omitted).",
+        description="Print sha256(KEY) for admin.api_key_sha256 or auth.api_keys_sha256. The key is read "
+        "from stdin (one line: `prefix-gateway hash-key < key.txt`), or asked for without echo on a "
+        "terminal. A KEY argument still works but lands in shell history and `ps`: a warning says so.",
     )
-    p.add_argument("key", nargs="?")
+    p.add_argument("key", nargs="?", help="discouraged: visible in shell history and to other users' `ps`")
     p.set_defaults(run=run_hash_key)
 
 
+def read_key(args: argparse.Namespace) -> str | None:
+    """The secret to hash: the argument (warned about), else a no-echo prompt on a terminal,
+    else stdin's one line (its line ending is not part of the key); None when there is none."""
+    if args.key is not None:
+        print(
+            "warning: a key given as an argument is kept in shell history and shown by `ps`; "
+            "pipe it in instead (prefix-gateway hash-key < key.txt) or type it at the prompt",
+            file=sys.stderr,
+        )
+        return args.key
+    if sys.stdin is not None and sys.stdin.isatty():
+        return getpass.getpass("key: ")
+    data = sys.stdin.read() if sys.stdin is not None else ""
+    key = data.removesuffix("\n").removesuffix("\r")
+    if "\n" in key or "\r" in key:
+        print("error: stdin holds more than one line; give one key per run", file=sys.stderr)
+        return None
+    return key
+
+
 def run_hash_key(args: argparse.Namespace) -> int:
-    key = args.key if args.key is not None else getpass.getpass("key: ")
+    key = read_key(args)
+    if not key:
+        if key is not None:
+            print("error: no key given (stdin was empty)", file=sys.stderr)
+        return 2
     print(sha256_hex(key))
     return 0
 

@@ -16,6 +16,7 @@ its branches say what kind of failure it is (modelled on httpx's ``_exceptions.p
     │   ├── RedirectRefused            502 upstream_redirect: a replica's redirect, never followed
     │   ├── StreamFailed               502 upstream_stream_failed: sent as the last SSE event
     │   ├── NoHealthyReplica           503 no_healthy_replica
+    │   ├── Overloaded                 503 server_overloaded (with retry-after): a gateway-wide cap is full
     │   └── GatewayTimeout             504 upstream_timeout
     ├── UpstreamError                transport failure with one replica (gateway.upstream.errors)
     │   ├── UpstreamConnectError, UpstreamDisconnected, UpstreamAbandoned   (before_send: retry)
@@ -110,11 +111,17 @@ class RateLimited(GatewayError):
     def __init__(self, message: str, *, retry_after_s: float, code: str | None = None) -> None:
         super().__init__(message, code=code)
         self.retry_after_s = retry_after_s
-        seconds = max(1, -int(-retry_after_s // 1))  # whole seconds, rounded up, never 0
-        self.headers = [
-            (b"retry-after", str(seconds).encode()),
-            (b"retry-after-ms", str(max(1, int(retry_after_s * 1000))).encode()),
-        ]
+        self.headers = retry_after_headers(retry_after_s)
+
+
+def retry_after_headers(retry_after_s: float) -> list[tuple[bytes, bytes]]:
+    """``retry-after`` in whole seconds (rounded up, never 0) and ``retry-after-ms``, which the
+    official SDKs honour (they retry 429 and 5xx after it)."""
+    seconds = max(1, -int(-retry_after_s // 1))
+    return [
+        (b"retry-after", str(seconds).encode()),
+        (b"retry-after-ms", str(max(1, int(retry_after_s * 1000))).encode()),
+    ]
 
 
 class NoHealthyReplica(GatewayError):
@@ -122,6 +129,26 @@ class NoHealthyReplica(GatewayError):
     type = "service_unavailable"
     code = "no_healthy_replica"
     kind = "no_replica"
+
+
+class Overloaded(GatewayError):
+    """A gateway-wide cap (``server.max_concurrency``, ``server.max_buffered_body_bytes``) is full:
+    the request is shed before it costs more memory, and the client is told when to come back.
+
+    503 rather than 429: the client did nothing wrong; the process is busy (OpenAI answers
+    overload the same way).  ``what`` says which cap, for the stats (``concurrency`` or
+    ``body_bytes``)."""
+
+    status = 503
+    type = "server_error"
+    code = "server_overloaded"
+    kind = "overloaded"
+
+    def __init__(self, message: str, *, what: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.what = what
+        self.retry_after_s = retry_after_s
+        self.headers = retry_after_headers(retry_after_s)
 
 
 class BadGateway(GatewayError):

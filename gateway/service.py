@@ -26,11 +26,13 @@ from gateway.config.reload import Reloader
 from gateway.discovery.build import build_sources
 from gateway.discovery.membership import Membership
 from gateway.errors import ModelNotFound
+from gateway.http.capacity import Capacity
 from gateway.limits.admission import KeyLimiter
 from gateway.limits.context import ContextLimits
 from gateway.limits.identity import ClientIdentity
 from gateway.observe.logs import AccessLog
 from gateway.observe.metrics import (
+    CapacityCollector,
     GatewayMetrics,
     LimitsCollector,
     MembershipCollector,
@@ -68,7 +70,7 @@ STATIC_DRAIN_TIMEOUT_S = 600.0
 #: config sections bound at start: a reload leaves them as they are until a restart
 RESTART_ONLY = ("state", "logging", "health", "scrape", "upstream", "limits", "samples")
 #: the ``server:`` settings the request path reads per request, so a reload changes them live
-SERVER_LIVE = ("max_body_bytes", "response_headers")
+SERVER_LIVE = ("max_body_bytes", "response_headers", "max_concurrency", "max_buffered_body_bytes")
 
 ENDPOINT_PATHS = {
     "chat": "/v1/chat/completions",
@@ -111,6 +113,8 @@ class Gateway:
         self.warmer = Warmer(lambda: self.config, lambda: self.routes.routes, lambda: self.replicas)
         self.fleet.on_cold = self.warmer.on_cold
         self.metrics = GatewayMetrics()
+        self.capacity = Capacity()  # process-wide caps on the proxied path (server.max_concurrency, ...)
+        self.metrics.registry.register(CapacityCollector(self.capacity, lambda: self.config.server))
         self.metrics.registry.register(ReplicaCollector(lambda: list(self.replicas.values())))
         self.metrics.registry.register(RouteCollector(lambda: [(r.name, r.runner) for r in self.routes.routes]))
         self.metrics.registry.register(NormalizationCollector(self._normalizers))
@@ -452,6 +456,9 @@ class Gateway:
                 **self.limiter.snapshot(),
                 "max_model_len": dict(self.context.max_len) if self.context is not None else None,
             },
+            "capacity": self.capacity.snapshot(
+                self.config.server.max_concurrency, self.config.server.max_buffered_body_bytes
+            ),
             "membership": self.membership.snapshot(),
             "reloads": dict(self.reloads),
             "warm_restart": self.warmer.snapshot(),

@@ -52,6 +52,20 @@ class ServerSettings(_Strict):
     max_body_bytes: int = Field(
         10 * 1024 * 1024, ge=1024, description="request bodies larger than this get 413 (default 10 MiB)"
     )
+    max_concurrency: int = Field(
+        2048,
+        ge=1,
+        description="proxied requests (/v1/*) in flight in this process, streams included; beyond it 503 "
+        "server_overloaded with retry-after (probes, metrics and admin are not counted); live on reload",
+    )
+    max_buffered_body_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="request-body bytes all in-flight proxied requests of this process may hold together "
+        "(a declared Content-Length is reserved before the body is read, a chunked body as it arrives); "
+        "beyond it 503 server_overloaded with retry-after; at least max_body_bytes; live on reload "
+        "(default 64 MiB: 2-9x that in memory by body shape, see docs/sizing.md)",
+    )
     response_headers: bool = Field(
         True, description="add x-prefix-gateway-replica / x-prefix-gateway-route to responses"
     )
@@ -80,6 +94,15 @@ class ServerSettings(_Strict):
         description="on SIGTERM /ready turns 503 at once; new connections are still accepted this long "
         "(load balancers catch up), then refused while running requests finish",
     )
+
+    @model_validator(mode="after")
+    def _body_cap_holds_one_body(self) -> ServerSettings:
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at least max_body_bytes "
+                f"({self.max_body_bytes}): else a body the size limit allows could never be read"
+            )
+        return self
 
 
 class UpstreamSettings(_Strict):

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.http.capacity import Capacity
 from gateway.observe.outcome import Outcome
 from gateway.prefix.normalize import Normalizer
 from gateway.replicas.pool import Replica
@@ -526,3 +527,35 @@ class WarmupCollector(Collector):
         running = GaugeMetricFamily(p + "running", "Warm-ups in progress")
         running.add_metric([], len(w.running()))
         yield from (prefixes, size, runs, replays, skipped, prompt, cached, running)
+
+
+class CapacityCollector(Collector):
+    """The process-wide caps of the proxied path (``gateway.http.capacity``), read at scrape time.
+
+    Sheds are also counted per request in ``errors_total{kind="overloaded"}``; these say how
+    close to the caps the process runs, and which cap shed.
+    """
+
+    def __init__(self, capacity: Capacity, server: Callable[[], Any]) -> None:
+        self._capacity = capacity
+        self._server = server  # the live ``server:`` settings (caps change on reload)
+
+    def collect(self) -> Iterable[Metric]:
+        p = "prefix_gateway_"
+        c, server = self._capacity, self._server()
+        in_flight = GaugeMetricFamily(p + "in_flight", "Proxied requests in flight in this process (all routes)")
+        in_flight.add_metric([], c.in_flight)
+        max_in_flight = GaugeMetricFamily(p + "max_concurrency", "server.max_concurrency: the cap on in_flight")
+        max_in_flight.add_metric([], server.max_concurrency)
+        buffered = GaugeMetricFamily(
+            p + "buffered_body_bytes", "Request-body bytes reserved by the proxied requests in flight"
+        )
+        buffered.add_metric([], c.buffered_bytes)
+        max_buffered = GaugeMetricFamily(
+            p + "max_buffered_body_bytes", "server.max_buffered_body_bytes: the cap on buffered_body_bytes"
+        )
+        max_buffered.add_metric([], server.max_buffered_body_bytes)
+        shed = CounterMetricFamily(p + "shed", "Requests answered 503 server_overloaded, by cap", labels=["cap"])
+        for cap, count in sorted(c.shed.items()):
+            shed.add_metric([cap], count)
+        yield from (in_flight, max_in_flight, buffered, max_buffered, shed)

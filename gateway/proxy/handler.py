@@ -29,9 +29,10 @@ from gateway.errors import (
     Unauthorized,
     error_bytes,
 )
+from gateway.http.capacity import BodyReservation, Slot
 from gateway.limits.admission import Ticket
 from gateway.observe.outcome import Outcome
-from gateway.proxy.parse import parse_body, read_body
+from gateway.proxy.parse import as_utf8, parse_body, read_body
 from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
 from gateway.replicas.pool import Replica
 from gateway.routing.base import Decision
@@ -146,6 +147,8 @@ class Exchange:
         self.added = 0.0
         self._watcher: asyncio.Task[None] | None = None
         self.ticket: Ticket | None = None  # a per-key concurrency slot (gateway.limits)
+        self.slot: Slot | None = None  # a place among server.max_concurrency (gateway.http.capacity)
+        self.reservation: BodyReservation | None = None  # body bytes against server.max_buffered_body_bytes
         self.payload = b""  # the bytes sent upstream (warm restarts may keep them to replay)
 
     # -- driver ------------------------------------------------------------------------
@@ -191,6 +194,10 @@ class Exchange:
 
     async def _run(self) -> None:
         gw = self.gw
+        server = gw.config.server
+        # first, before anything costs memory: a full process sheds (503) instead of queueing
+        self.slot = gw.capacity.enter(server.max_concurrency)
+        self.reservation = gw.capacity.reservation(server.max_buffered_body_bytes)
         matched: str | None = None  # the configured key presented (its hash), whatever its spelling
         if gw.client_keys.enabled:
             matched = gw.client_keys.identify(self.headers.get("authorization"))
@@ -199,7 +206,11 @@ class Exchange:
         if gw.limiter.enabled:
             key = gw.limit_identity.key(matched, self.scope["headers"], self.scope.get("client"))
             self.ticket = await gw.limiter.admit(key)
-        raw = await read_body(self.receive, gw.config.server.max_body_bytes, self.headers.get("content-length"))
+        raw = await read_body(
+            self.receive, server.max_body_bytes, self.headers.get("content-length"), self.reservation.reserve
+        )
+        raw = as_utf8(raw)  # UTF-16/32 JSON becomes UTF-8: what the splice and the replica get
+        self.reservation.reserve(len(raw))  # a transcoded body may have grown
         body = self.body = parse_body(raw, self.endpoint)
         if gw.config.logging.log_prompts and log.isEnabledFor(logging.DEBUG):
             log.debug("request %s body: %s", self.request_id, raw[:8192].decode("utf-8", "replace"))
@@ -539,6 +550,11 @@ class Exchange:
 
     # -- bookkeeping -------------------------------------------------------------------
     def _finish(self) -> None:
+        # the body stays referenced (payload, samples, warm restarts) until here: held until here
+        if self.reservation is not None:
+            self.reservation.release()
+        if self.slot is not None:
+            self.slot.release()
         if self.ticket is not None:
             self.gw.limiter.release(self.ticket)
             self.ticket = None

@@ -8,13 +8,21 @@ reads (and the commonest wrong types), and forward the client's bytes untouched.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from gateway.errors import BadRequest, ClientDisconnected, PayloadTooLarge
 
 
-async def read_body(receive: Any, limit: int, content_length: str | None) -> bytes:
-    """The whole request body, or 413 as soon as it is known to exceed ``limit``."""
+async def read_body(
+    receive: Any, limit: int, content_length: str | None, reserve: Callable[[int], None] | None = None
+) -> bytes:
+    """The whole request body, or 413 as soon as it is known to exceed ``limit``.
+
+    ``reserve(total)`` is told how many bytes the body will hold before they are kept — the
+    declared ``Content-Length`` before reading, a chunked body's size as it grows — and
+    raises to refuse (``gateway.http.capacity``: the process-wide body-bytes cap).
+    """
     if content_length is not None:
         try:
             declared = int(content_length)
@@ -22,6 +30,8 @@ async def read_body(receive: Any, limit: int, content_length: str | None) -> byt
             raise BadRequest("invalid Content-Length header") from None
         if declared > limit:
             raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        if reserve is not None and declared > 0:
+            reserve(declared)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -33,10 +43,37 @@ async def read_body(receive: Any, limit: int, content_length: str | None) -> byt
             size += len(chunk)
             if size > limit:
                 raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            if reserve is not None:
+                reserve(size)  # a no-op while within the declared length
             chunks.append(chunk)
         if not message.get("more_body", False):
             break
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def as_utf8(raw: bytes) -> bytes:
+    """The body as UTF-8 JSON bytes, whatever Unicode encoding ``json.loads`` would accept.
+
+    ``json.loads`` reads UTF-16 and UTF-32 bodies (and a UTF-8 BOM) by their first bytes
+    (``json.detect_encoding``), and so does vLLM's server; the gateway's raw-byte edits of
+    the client's body (the ``include_usage`` splice in ``gateway.proxy.handler``) and
+    everything that keeps it (warm restarts) work on UTF-8 bytes.  Transcoding here, once,
+    makes both agree without turning away bodies a replica would have taken; UTF-8 bodies —
+    all but a rare few — are returned as they are (no copy).  Undecodable bytes → 400.
+    """
+    encoding = json.detect_encoding(raw)
+    if encoding == "utf-8":
+        return raw
+    if encoding == "utf-8-sig":
+        return raw[3:]
+    try:
+        text = raw.decode(encoding, "surrogatepass")  # as json.loads decodes
+    except UnicodeDecodeError as exc:
+        raise BadRequest(
+            f"request body is not valid {encoding.upper()} JSON: {exc.reason}", code="invalid_json"
+        ) from None
+    # a lone surrogate (legal in a JSON string, not encodable) becomes its JSON escape, \udXXX
+    return text.removeprefix("\ufeff").encode("utf-8", "backslashreplace")
 
 
 def _is_int_list(value: Any) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -22,9 +23,35 @@ from gateway.config import packaged_default_config, sha256_hex
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_hash_key(capsys: pytest.CaptureFixture[str]) -> None:
+def test_hash_key_reads_stdin_by_default(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("s3cret\n"))  # `prefix-gateway hash-key < key.txt`
+    assert main(["hash-key"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == sha256_hex("s3cret") and out.err == ""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("one\ntwo\n"))
+    assert main(["hash-key"]) == 2 and "one key" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["hash-key"]) == 2 and "no key" in capsys.readouterr().err
+
+
+def test_hash_key_prompts_without_echo_on_a_terminal(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal("never read"))
+    monkeypatch.setattr("getpass.getpass", lambda prompt="": "typed")
+    assert main(["hash-key"]) == 0
+    assert capsys.readouterr().out.strip() == sha256_hex("typed")
+
+
+def test_hash_key_argument_still_works_but_warns(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["hash-key", "s3cret"]) == 0
-    assert capsys.readouterr().out.strip() == sha256_hex("s3cret")
+    out = capsys.readouterr()
+    assert out.out.strip() == sha256_hex("s3cret")
+    assert "shell history" in out.err and "s3cret" not in out.err
 
 
 def test_sim_is_dispatched_verbatim(capsys: pytest.CaptureFixture[str]) -> None:
