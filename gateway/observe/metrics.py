@@ -323,11 +323,21 @@ class SyncCollector(Collector):
         connected.add_metric([], 1.0 if stats.connected else 0.0)
         records = CounterMetricFamily(
             p + "records",
-            "Affinity records: published (ours), applied (peers'), ignored (unknown route/replica), dropped (unsent)",
+            "Affinity records: published (ours), applied (peers'), ignored (unknown route/replica), dropped (unsent), "
+            "oversize (a peer's, more keys than a max_body_bytes prompt makes)",
             labels=["outcome"],
         )
-        for outcome in ("published", "applied", "ignored", "dropped"):
+        for outcome in ("published", "applied", "ignored", "dropped", "oversize"):
             records.add_metric([outcome], getattr(stats, outcome))
+        sightings = CounterMetricFamily(
+            p + "sightings_dropped",
+            "Conversation starts and normalization places never published (a failed publish)",
+        )
+        sightings.add_metric([], stats.dropped_sightings)
+        replayed = CounterMetricFamily(
+            p + "replayed", "Signed peer messages refused as replays (a sequence already heard, state.secret_env)"
+        )
+        replayed.add_metric([], stats.replayed)
         errors = CounterMetricFamily(p + "errors", "Failed Redis calls and malformed messages")
         errors.add_metric([], stats.errors)
         rejected = CounterMetricFamily(
@@ -344,6 +354,8 @@ class SyncCollector(Collector):
         yield records
         yield errors
         yield rejected
+        yield replayed
+        yield sightings
         yield peers
         yield snapshots
 
