@@ -20,7 +20,8 @@ vary is counted in ``warmup_misses``.
 Several gateway processes share what they learn (``gateway.state.affinity_sync``): a new
 place (with a stable hash of its first value) and a place seen to vary are announced to
 the learner's sink (:class:`LearnSink`) as a stable 64-bit digest of (rule, field, context) — no prompt text leaves the
-process; with a shared state secret both digests are keyed (:func:`value_digest`) — and the peers' announcements come in through ``learn_peer``.  A process that sees a
+process; with a shared state secret both digests are keyed (:func:`value_digest`) — and the
+peers' announcements come in through ``learn_peer``.  A process that sees a
 place first with another value than a peer saw there knows at once that it varies: a
 template's warm-up is paid once per fleet, not once per process.  A process that joins gets
 its peers' list of varying places in their catch-up snapshot (``varying_digests``).

@@ -56,7 +56,7 @@ def derive_key(secret: str | bytes, purpose: str) -> bytes:
 class _Seen:
     """One sender's newest accepted sequence and which of the ``REPLAY_WINDOW`` before it were accepted."""
 
-    __slots__ = ("newest", "mask", "stamp")
+    __slots__ = ("mask", "newest", "stamp")
 
     def __init__(self, sequence: int, stamp_s: float) -> None:
         self.newest = sequence

@@ -139,7 +139,8 @@ def test_value_digests_on_the_channel_are_keyed_with_the_state_secret() -> None:
     heard: dict[str | None, tuple[int, int]] = {}
     for secret in (None, SECRET, "another-secret-entirely"):
         learner = VarianceLearner()
-        sync = AffinitySync("redis://unused", "c", {}, learners={"chat": learner}, signer=Signer(secret) if secret else None)
+        signer = Signer(secret) if secret else None
+        sync = AffinitySync("redis://unused", "c", {}, learners={"chat": learner}, signer=signer)
         learner.record("iso_date", "system", "Today is \x00.", "2025-03-04")
         heard[secret] = sync._varies[0][1:]
     place, value = heard[None]

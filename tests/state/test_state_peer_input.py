@@ -34,7 +34,7 @@ def _hostile_bodies(budget: int) -> list[tuple[str, bytes]]:
     return [
         ("empty messages", b'{"model":"m","messages":[' + b",".join([b"{}"] * n) + b"]}"),
         ("empty content parts", b'{"model":"m","messages":[{"content":[' + b",".join([b"{}"] * (n - 10)) + b"]}]}"),
-        ("tools of long floats", b'{"model":"m","messages":[{}],"tools":[' + b",".join([b"9e15"] * (n * 3 // 5)) + b"]}"),
+        ("long floats", b'{"model":"m","messages":[{}],"tools":[' + b",".join([b"9e15"] * (n * 3 // 5)) + b"]}"),
         ("one long text", b'{"model":"m","messages":[{"content":"' + b"ab " * n + b'"}]}'),
     ]
 
@@ -87,7 +87,9 @@ async def test_a_large_message_is_applied_in_chunks_that_let_other_tasks_run(red
     idx = AffinityIndex(1_000_000, stride=1)
     idx.set_members(NAMES)
     sync = AffinitySync(redis_url, channel, {"chat": idx}, batch_interval_s=0.001)
-    records = [Record("chat", NAMES[i % len(NAMES)], list(range(i * 10**6 + 1, i * 10**6 + 2001)), None) for i in range(100)]
+    records = [
+        Record("chat", NAMES[i % len(NAMES)], list(range(i * 10**6 + 1, i * 10**6 + 2001)), None) for i in range(100)
+    ]
     payload = encode("big-peer", records)  # 200,000 keys, ~2.7 MB
     seen: set[int] = set()
 
@@ -116,7 +118,7 @@ async def test_a_large_message_is_applied_in_chunks_that_let_other_tasks_run(red
 async def test_a_failed_publish_is_counted_and_the_newcomer_still_becomes_ready(redis_url: str) -> None:
     channel = f"test-lost-{uuid.uuid4().hex}"
     old_index, new_index = index(), index()
-    old, old_catch_up = process(redis_url, channel, old_index)
+    old, _ = process(redis_url, channel, old_index)
     await old.start()
     try:
         for i, keys in enumerate(chains(10, 5)):
