@@ -20,6 +20,10 @@ prompts through the real ``PrefixPipeline`` (relocate mode, default settings) an
 - ``completions``: a ~32k-token string prompt with a dated header and a new question.
 - ``uncached_baseline``: ``conversation`` through the first version of the pipeline
   (``chat_tokens`` on every request, no segment cache, no normalization): the reference.
+- ``hf_transcript_whole`` / ``hf_transcript_prefix``: ~600-message agent transcripts through an
+  ``hf:DIR`` model directory (Qwen3's Jinja template over a toy vocabulary trained here; needs
+  the ``[hf]`` extra, ``--no-hf`` skips them), the template rendering the whole conversation
+  (the old way) and only the prefix the window needs (``gateway/tokens/prefix_render.py``).
 
 Each stage is timed in CPU time of the calling thread (``time.thread_time``): on a shared 2-core
 machine wall-clock percentiles mostly measure the neighbours; the wall-clock p99 of the whole
@@ -33,10 +37,12 @@ Results: a table on stdout and ``benchmarks/results/bench_prefix_path.json``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import json
 import platform
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -162,13 +168,14 @@ def completions(n: int, text: Text) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def agent_transcript(n: int, text: Text) -> Iterator[tuple[str, dict[str, Any]]]:
-    """8 long agent transcripts of short turns (~300 messages, ~20k tokens each) growing by a
-    turn per request: what a model's own chat template (``hf:DIR``) renders whole today."""
+    """8 long agent transcripts of short turns (~600 messages, ~34k tokens each, as long as the
+    other scenarios' prompts) growing by a turn per request: what a model's own chat template
+    (``hf:DIR``) rendered whole on every request."""
     system_tail = text.tokens(800)
     convs: list[list[dict[str, Any]]] = []
     for _ in range(8):
         history: list[dict[str, Any]] = []
-        for _ in range(150):
+        for _ in range(300):
             history.append({"role": "user", "content": text.tokens(40)})
             history.append({"role": "assistant", "content": text.tokens(90)})
         convs.append(history)
@@ -211,6 +218,7 @@ def hf_model_dir(seed: int) -> Path | None:
     )
     tok.train_from_iterator([" ".join(Text(seed).words)] * 4, trainer)
     directory = Path(tempfile.mkdtemp(prefix="bench-hf-"))
+    atexit.register(shutil.rmtree, directory, True)
     tok.save(str(directory / "tokenizer.json"))
     config = {"chat_template": HF_TEMPLATE.read_text(), "eos_token": "<|im_end|>", "bos_token": None}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
