@@ -151,3 +151,19 @@ async def test_a_failed_publish_is_counted_and_the_newcomer_still_becomes_ready(
 def test_the_default_body_limit_leaves_the_wire_cap(stride: int) -> None:
     """10 MiB of empty messages would make millions of keys: the wire's own cap applies."""
     assert max_record_keys(10 << 20, 4096, 16, 1024, stride) == MAX_KEYS_PER_RECORD
+
+
+async def test_what_a_failed_publish_held_is_counted_and_a_snapshot_end_waits_for_the_next() -> None:
+    idx = index()
+    sync = AffinitySync("redis://127.0.0.1:1/0", "unused", {"chat": idx}, batch_interval_s=0.001)
+    idx.record("r0", chains(1, 7)[0])
+    sync._enqueue_start("chat", 42)
+    sync._enqueue_varies("chat", 7, 9)
+    sync.offer([])  # a catch-up's end mark (nothing learned to send with it)
+    await sync.start()
+    try:
+        await until(lambda: sync.stats.dropped_sightings == 2, what="the lost start and place counted")
+        assert sync.stats.dropped == 1  # the record; the end mark is not one
+        assert list(sync._pending) == [None]  # ... and waits to go out once Redis takes it
+    finally:
+        await sync.stop()
