@@ -48,11 +48,12 @@ from gateway.state.wire import (
     MAX_RECORDS_PER_MESSAGE,
     MAX_VARIES_PER_MESSAGE,
     Demand,
+    PackedRecord,
     Record,
     Sighting,
     Start,
     decode_demand,
-    decode_records,
+    decode_packed,
     decode_starts,
     decode_varies,
     encode,
@@ -100,7 +101,7 @@ class SyncStats:
 class _Inbound:
     """A peer's affinity message, decoded and validated, waiting to be applied."""
 
-    records: list[Record]
+    records: list[PackedRecord]
     starts: list[Start]
     varies: list[Sighting]
     ends_snapshot: bool
@@ -288,7 +289,7 @@ class AffinitySync:
         inbound = self._inbound(payload)
         if inbound is None:
             return 0
-        for _ in self._apply_steps(inbound):
+        for _ in self._apply_steps(inbound, APPLY_CHUNK_KEYS):
             await asyncio.sleep(0)
         return inbound.applied
 
@@ -322,7 +323,7 @@ class AffinitySync:
                 if self.peer_load is not None:
                     self.peer_load.apply(pod, parse_load(message["load"]), time.monotonic())
                 return None
-            records = decode_records(message)
+            records = decode_packed(message)
             starts = decode_starts(message)
             varies = decode_varies(message)
             ends_snapshot = message.get("catch_up_end") is True
@@ -333,26 +334,29 @@ class AffinitySync:
             return None
         return _Inbound(records, starts, varies, ends_snapshot, demand)
 
-    def _apply_steps(self, inbound: _Inbound) -> Iterator[None]:
-        """Apply ``inbound``, pausing (one ``yield``) after every ``APPLY_CHUNK_KEYS`` keys or rows.
+    def _apply_steps(self, inbound: _Inbound, pause: int = 0) -> Iterator[None]:
+        """Apply ``inbound``, pausing (one ``yield``) after every ``APPLY_CHUNK_KEYS`` keys or rows
+        (inside a large record too, with ``pause``: the keys unpacked one record at a time).
 
         A record with more keys than its route's ``key_caps`` (what one ``max_body_bytes``
         prompt can produce, :func:`gateway.state.record_bounds.max_record_keys`) is refused
         and counted in ``oversize``: no prompt of this fleet makes one.
         """
         done = 0
-        for route, replica, keys, prompt_tokens, weights in inbound.records:
-            index = self._indexes.get(route)
-            if index is None or not index.knows(replica):
+        for packed in inbound.records:
+            index = self._indexes.get(packed.route)
+            if index is None or not index.knows(packed.replica):
                 self.stats.ignored += 1
                 continue
-            if len(keys) > self.key_caps.get(route, MAX_KEYS_PER_RECORD):
+            if packed.key_count > self.key_caps.get(packed.route, MAX_KEYS_PER_RECORD):
                 self.stats.oversize += 1
                 continue
-            index.record_stored(replica, keys, prompt_tokens, KeyWeights.of(weights))
+            record = packed.unpack()
+            weights = KeyWeights.of(record.weights)
+            yield from index.record_stored_steps(record.replica, record.keys, record.prompt_tokens, weights, pause)
             inbound.applied += 1
             self.stats.applied += 1
-            done += len(keys)
+            done += len(record.keys) % APPLY_CHUNK_KEYS if pause else len(record.keys)
             if done >= APPLY_CHUNK_KEYS:
                 done = 0
                 yield

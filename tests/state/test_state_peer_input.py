@@ -115,6 +115,35 @@ async def test_a_large_message_is_applied_in_chunks_that_let_other_tasks_run(red
         await sync.stop()
 
 
+async def test_one_large_record_is_applied_in_chunks_too(redis_url: str) -> None:
+    channel = f"test-chunks-{uuid.uuid4().hex}"
+    idx = AffinityIndex(1_000_000, stride=1)
+    idx.set_members(NAMES)
+    sync = AffinitySync(redis_url, channel, {"chat": idx}, batch_interval_s=0.001)
+    keys = list(range(1, 60_001))  # under the wire's 65,536: one record, ~0.1 s to apply at once
+    seen: set[int] = set()
+
+    async def watch() -> None:
+        while True:
+            seen.add(len(idx._lru.get("r1", ())))
+            await asyncio.sleep(0)
+
+    await sync.start()
+    watcher = asyncio.get_running_loop().create_task(watch())
+    publisher = aioredis.from_url(redis_url)
+    try:
+        await until(lambda: sync.stats.connected, what="subscribed")
+        await publisher.publish(channel, encode("big-peer", [Record("chat", "r1", keys, 70_000)]))
+        await until(lambda: sync.stats.applied == 1, what="the record applied")
+        assert len({n for n in seen if 0 < n < len(keys)}) >= len(keys) // APPLY_CHUNK_KEYS - 1
+        # and it is the record as applied at once: deepest key marked with the prompt's length
+        assert idx._lru["r1"][keys[0]] == 70_000 and set(idx.match(keys[::-1], NAMES)) == {"r1"}
+    finally:
+        watcher.cancel()
+        await publisher.aclose()
+        await sync.stop()
+
+
 async def test_a_failed_publish_is_counted_and_the_newcomer_still_becomes_ready(redis_url: str) -> None:
     channel = f"test-lost-{uuid.uuid4().hex}"
     old_index, new_index = index(), index()
