@@ -20,8 +20,14 @@ What travels (one JSON batch per publish; load reports on their own channel) is
 unknown routes or replicas, or malformed, are skipped and counted; none of them can raise
 into the gateway.  With a shared secret every message is
 wrapped in an HMAC envelope (:mod:`gateway.state.signing`) and anything unsigned or badly
-signed is dropped and counted (``rejected``): another client of the same Redis cannot forge
-load or affinity.
+signed is dropped and counted (``rejected``), and a replayed one too (``replayed``): another
+client of the same Redis cannot forge load or affinity, nor repeat what a pod sent.
+
+What a peer's message may cost is bounded: a record holds at most ``key_caps`` keys (what one
+``max_body_bytes`` prompt can make, :mod:`gateway.state.record_bounds`; more is ``oversize``),
+and the subscriber applies a message in chunks of ``APPLY_CHUNK_KEYS`` keys, letting the event
+loop run in between (:meth:`AffinitySync.receive`).  A failed publish counts what it held
+(``dropped``, ``dropped_sightings``) and keeps a catch-up's end mark queued.
 """
 
 from __future__ import annotations
