@@ -81,7 +81,8 @@ def _probes() -> list[tuple[list[dict[str, Any]], Any]]:
         {"role": "user", "content": "One more."},
     ]
     no_system = chat[1:]
-    return [(chat, None), (chat, _TOOLS), (no_system, None), (no_system, _TOOLS)]
+    alternating = [m for m in no_system if m["role"] in ("user", "assistant") and "tool_calls" not in m]
+    return [(chat, None), (chat, _TOOLS), (no_system, None), (no_system, _TOOLS), (alternating, None)]
 
 
 class PrefixRendering:
@@ -105,6 +106,8 @@ class PrefixRendering:
         self.stable = self._probe()
 
     def _probe(self) -> bool:
+        """Every probe cut renders as a prefix of its whole, and at least one was compared."""
+        compared = 0
         for raw, tools in _probes():
             messages = self._convert(raw)
             try:
@@ -118,7 +121,8 @@ class PrefixRendering:
                     continue
                 if not full.startswith(part):
                     return False
-        return True
+                compared += 1
+        return compared > 0
 
     def pieces(self, text: str) -> list[str]:
         """The segments of ``text`` (split at added tokens) that end ``_guard`` characters before its end."""

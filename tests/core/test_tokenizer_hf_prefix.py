@@ -142,3 +142,9 @@ def test_a_live_mismatch_turns_prefix_rendering_off_and_that_request_renders_who
     messages = [*_conversation(100), {"role": "user", "content": "SWITCH"}]
     assert list(wt.chat(messages)) == _whole(wt, messages)[0]
     assert (prefixes.mismatches, prefixes.stable) == (1, False)
+
+
+def test_a_template_no_probe_can_render_is_rendered_whole(tmp_path: Path) -> None:
+    refuses = "{{ raise_exception('this template takes no such conversation') }}"
+    directory = _model_dir(tmp_path / "refuses", refuses, ["<|im_end|>", "<|im_start|>"])
+    assert not alignment_for_setting(f"hf:{directory}").template.prefixes.stable  # type: ignore[attr-defined]
