@@ -14,7 +14,7 @@ from gateway.prefix.learn import VarianceLearner
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.routes import Route
 from gateway.routing.starts import HeadDemand
-from gateway.state.record_bounds import max_record_keys
+from gateway.state.record_bounds import max_record_keys, relocated_bytes
 
 T = TypeVar("T")
 
@@ -52,6 +52,9 @@ def prefix_key_caps(routes: list[Route], body_bytes: int) -> dict[str, int]:
     for route in routes:
         index = indexes.get(route.name)
         if index is not None and route.pipeline is not None:
-            s = route.pipeline.settings
-            caps[route.name] = max_record_keys(body_bytes, s.window_tokens, s.block_size, s.chunk_bytes, index.stride)
+            s, n = route.pipeline.settings, route.pipeline.normalize_settings
+            relocated = relocated_bytes(n.mode, max(n.max_scan_chars, n.completion_prefix_chars))
+            caps[route.name] = max_record_keys(
+                body_bytes, s.window_tokens, s.block_size, s.chunk_bytes, index.stride, relocated
+            )
     return caps

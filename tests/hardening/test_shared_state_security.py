@@ -24,8 +24,9 @@ from gateway.replicas.pool import Replica
 from gateway.routing.affinity import AffinityIndex
 from gateway.state.affinity_sync import AffinitySync
 from gateway.state.peer_load import PeerLoad
+from gateway.state.record_bounds import max_record_keys, relocated_bytes
 from gateway.state.signing import MAX_SKEW_S, Signer
-from gateway.state.wire import encode_load
+from gateway.state.wire import MAX_KEYS_PER_RECORD, encode_load
 from tests.configs import gateway_config
 from tests.polling import until, wait_for
 from tests.redis_server import find_redis_server, free_port
@@ -312,3 +313,16 @@ def test_bundled_redis_requires_the_secret_password_and_the_gateway_reads_it() -
     env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in gateway["env"] if "valueFrom" in e}
     assert env["PREFIX_GATEWAY_REDIS_URL"]["name"] == "prefix-gateway-redis"
     assert env["PREFIX_GATEWAY_STATE_SECRET"] == {**env["PREFIX_GATEWAY_STATE_SECRET"], "name": "prefix-gateway-redis"}
+
+
+def test_the_gateway_caps_peer_records_at_what_its_body_limit_allows(
+    upstream: tuple[str, list[dict[str, Any]]], redis_url: str
+) -> None:
+    state = {"backend": "redis", "redis_url": redis_url, "channel": f"harden-caps-{uuid.uuid4().hex[:8]}"}
+    route = {"name": "main", "policy": "prefix", "normalize": {"mode": "relocate"}}
+    config = gateway_config([upstream[0]], state=state, routes=[route], server={"max_body_bytes": 65536})
+    with serve_in_thread(config) as gw:
+        sync = gw.gateway.state_sync
+        assert sync is not None
+        expected = max_record_keys(65536, 4096, 16, 1024, 4, relocated_bytes("relocate", 32768))
+        assert sync.key_caps == {"main": expected} and expected < MAX_KEYS_PER_RECORD

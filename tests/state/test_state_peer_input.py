@@ -20,7 +20,7 @@ from gateway.config import NormalizeSettings, PrefixSettings
 from gateway.prefix.pipeline import PrefixPipeline
 from gateway.routing.affinity import AffinityIndex
 from gateway.state.affinity_sync import APPLY_CHUNK_KEYS, AffinitySync
-from gateway.state.record_bounds import max_chain_keys, max_record_keys
+from gateway.state.record_bounds import max_chain_keys, max_record_keys, relocated_bytes
 from gateway.state.wire import MAX_KEYS_PER_RECORD, Record, encode
 from tests.polling import until
 from tests.state.test_state_catchup import NAMES, chains, index, process
@@ -54,6 +54,15 @@ def test_no_prompt_within_max_body_bytes_makes_more_keys_than_the_bound() -> Non
         assert len(keys) <= bound and len(idx.stored_keys(keys)) <= cap, what
     ids = {"model": "m", "prompt": [1] * ((BODY - 40) // 2)}
     assert len(idx.stored_keys(pipeline.prepare("completions", ids, learn=False).keys)) <= cap
+    # relocation adds text: every digit of the scanned system prompt moved under a 32-character rule name
+    normalize = NormalizeSettings(mode="relocate", rules=[{"name": "r" * 32, "pattern": r"\d"}])
+    relocating = PrefixPipeline(normalize, settings)
+    raw = b'{"model":"m","messages":[{"role":"system","content":"' + b"1 " * ((BODY - 80) // 2) + b'"}]}'
+    prepared = relocating.prepare("chat", json.loads(raw))
+    assert len(raw) <= BODY and prepared.spans_moved > 500
+    added = relocated_bytes("relocate", max(normalize.max_scan_chars, normalize.completion_prefix_chars))
+    assert len(json.dumps(prepared.body).encode()) - len(raw) <= added
+    assert len(prepared.keys) <= max_chain_keys(BODY, 256, 16, 16, added)
     # the message term is real: a body of empty messages makes a key per message
     assert made["empty messages"] > BODY // 4
 
