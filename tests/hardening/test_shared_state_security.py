@@ -85,9 +85,10 @@ async def test_a_dead_pods_replayed_load_report_does_not_keep_it_alive(redis_url
         await until(lambda: a.stats.connected and b.stats.connected, what="both subscribed")
         b_replicas["r1"].in_flight = 7
         await until(lambda: a_replicas["r1"].view().in_flight == 7, what="b's load at a")
-        recorded = None
+        recorded, deadline = None, time.monotonic() + 10
         while recorded is None:  # the attacker records one of b's reports showing 7 in flight
-            message = pubsub.get_message(timeout=1.0)
+            assert time.monotonic() < deadline, "no report of b's showing 7 in flight recorded"
+            message = pubsub.get_message(timeout=0.05)
             if message and message["type"] == "message" and b'"r1":[7,' in message["data"]:
                 recorded = message["data"]
         await b.stop()  # b dies; its report expires at a after peer_load_ttl_s (0.5 s) ...
