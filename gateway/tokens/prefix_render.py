@@ -19,7 +19,8 @@ the *last* user query differently: cutting right after a user message keeps that
 So the property is checked, twice:
 
 - at load, on probe conversations (system prompt, tools, tool calls and results, reasoning,
-  content parts): every cut must render as a prefix of the whole; a template that fails any
+  a tool result sent as a user message): every cut must render as a prefix of the whole, and
+  at least one must be compared; a template that fails any
   renders in full, always (:attr:`PrefixRendering.stable`);
 - on live requests, the first ``VERIFY_FIRST`` served from a prefix and then one in
   ``VERIFY_EVERY`` render in full too and compare: a mismatch (a branch no probe took) turns
@@ -76,6 +77,8 @@ def _probes() -> list[tuple[list[dict[str, Any]], Any]]:
         {"role": "assistant", "content": "Clear, 21 degrees."},
         {"role": "user", "content": "And tomorrow?"},
         {"role": "assistant", "content": "Rain.", "reasoning_content": "Look it up."},
+        {"role": "user", "content": "<tool_response>\nclear\n</tool_response>"},
+        {"role": "assistant", "content": "Noted.", "reasoning_content": "A result."},
         {"role": "user", "content": "Thanks.\nBye."},
         {"role": "assistant", "content": "<think>\nok\n</think>\n\nBye."},
         {"role": "user", "content": "One more."},
@@ -198,8 +201,20 @@ class PrefixRendering:
 
 
 def _user_cuts(messages: Sequence[Any]) -> list[int]:
-    """Prefix lengths ending right after a user message, shortest first."""
-    return [i + 1 for i, m in enumerate(messages) if isinstance(m, Mapping) and m.get("role") == "user"]
+    """Prefix lengths ending right after a user message, shortest first.
+
+    Not after a user message that carries a tool's result (``<tool_response>...``, the Qwen
+    family's convention): Qwen3's template does not count it as the last query, so a prefix
+    ending there renders earlier assistant turns differently from the whole.
+    """
+    return [i + 1 for i, m in enumerate(messages) if isinstance(m, Mapping) and _is_query(m)]
+
+
+def _is_query(message: Mapping[str, Any]) -> bool:
+    if message.get("role") != "user":
+        return False
+    content = message.get("content")
+    return not (isinstance(content, str) and content.lstrip().startswith("<tool_response>"))
 
 
 def _content_chars(message: Any) -> int:
