@@ -1,6 +1,6 @@
 """Hot-path cost of the prefix engine: normalize + tokenize + hash + route, per request.
 
-    python benchmarks/bench_prefix_path.py            # ~20 s: every scenario, 400 requests each
+    python benchmarks/bench_prefix_path.py            # ~35 s: every scenario, 400 requests each (hf:DIR rows 200)
     python benchmarks/bench_prefix_path.py --quick    # ~5 s smoke run
     python benchmarks/bench_prefix_path.py -n 1000 --window 4096
     python benchmarks/bench_prefix_path.py --replicas 4 --replicas 64 --replicas 256   # route cost vs fleet size
