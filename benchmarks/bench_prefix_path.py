@@ -1,6 +1,6 @@
 """Hot-path cost of the prefix engine: normalize + tokenize + hash + route, per request.
 
-    python benchmarks/bench_prefix_path.py            # ~20 s: every scenario, 400 requests each
+    python benchmarks/bench_prefix_path.py            # ~35 s: every scenario, 400 requests each (hf:DIR rows 200)
     python benchmarks/bench_prefix_path.py --quick    # ~5 s smoke run
     python benchmarks/bench_prefix_path.py -n 1000 --window 4096
     python benchmarks/bench_prefix_path.py --replicas 4 --replicas 64 --replicas 256   # route cost vs fleet size
@@ -20,6 +20,10 @@ prompts through the real ``PrefixPipeline`` (relocate mode, default settings) an
 - ``completions``: a ~32k-token string prompt with a dated header and a new question.
 - ``uncached_baseline``: ``conversation`` through the first version of the pipeline
   (``chat_tokens`` on every request, no segment cache, no normalization): the reference.
+- ``hf_transcript_whole`` / ``hf_transcript_prefix``: ~600-message agent transcripts through an
+  ``hf:DIR`` model directory (Qwen3's Jinja template over a toy vocabulary trained here; needs
+  the ``[hf]`` extra, ``--no-hf`` skips them), the template rendering the whole conversation
+  (the old way) and only the prefix the window needs (``gateway/tokens/prefix_render.py``).
 
 Each stage is timed in CPU time of the calling thread (``time.thread_time``): on a shared 2-core
 machine wall-clock percentiles mostly measure the neighbours; the wall-clock p99 of the whole
@@ -33,10 +37,12 @@ Results: a table on stdout and ``benchmarks/results/bench_prefix_path.json``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import json
 import platform
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -161,12 +167,62 @@ def completions(n: int, text: Text) -> Iterator[tuple[str, dict[str, Any]]]:
         yield "completions", {"model": "m", "prompt": prompt}
 
 
+def agent_transcript(n: int, text: Text) -> Iterator[tuple[str, dict[str, Any]]]:
+    """8 long agent transcripts of short turns (~600 messages, ~34k tokens each, as long as the
+    other scenarios' prompts) growing by a turn per request: what a model's own chat template
+    (``hf:DIR``) rendered whole on every request."""
+    system_tail = text.tokens(800)
+    convs: list[list[dict[str, Any]]] = []
+    for _ in range(8):
+        history: list[dict[str, Any]] = []
+        for _ in range(300):
+            history.append({"role": "user", "content": text.tokens(40)})
+            history.append({"role": "assistant", "content": text.tokens(90)})
+        convs.append(history)
+    pick = random.Random(6)
+    for i in range(n):
+        c = i if i < len(convs) else pick.randrange(len(convs))
+        system = f"Current time: {stamp(i)}.\n{system_tail}"
+        convs[c] = [*convs[c], {"role": "user", "content": text.tokens(30)}]
+        yield "chat", {"model": "m", "messages": [{"role": "system", "content": system}, *convs[c]], "tools": TOOLS}
+        convs[c] = [*convs[c], {"role": "assistant", "content": text.tokens(60)}]
+
+
 WORKLOADS: dict[str, Callable[[int, Text], Iterator[tuple[str, dict[str, Any]]]]] = {
     "conversation": conversation,
     "tenant_new_document": tenant_new_document,
     "cold": cold,
     "completions": completions,
 }
+# hf:DIR rows: a model directory's own Jinja template (Qwen3's, from the test fixtures) over a
+# toy BPE vocabulary trained here on the benchmark's words (needs the [hf] extra), rendered
+# whole (prefix rendering off: the old behaviour) and only as far as the window needs
+HF_TEMPLATE = ROOT / "tests" / "fixtures" / "chat_templates" / "qwen3.jinja"
+HF_SPECIALS = ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+HF_ROWS = {"hf_transcript_whole": False, "hf_transcript_prefix": True}
+
+
+def hf_model_dir(seed: int) -> Path | None:
+    """A model directory (tokenizer.json, tokenizer_config.json with the template) in a temp dir."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        return None
+    import tempfile
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=4000, special_tokens=HF_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([" ".join(Text(seed).words)] * 4, trainer)
+    directory = Path(tempfile.mkdtemp(prefix="bench-hf-"))
+    atexit.register(shutil.rmtree, directory, True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"chat_template": HF_TEMPLATE.read_text(), "eos_token": "<|im_end|>", "bos_token": None}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
 
 
 # --- measurement --------------------------------------------------------------------------
@@ -215,10 +271,21 @@ def fleet(n: int) -> list[Replica]:
     return pool
 
 
-def run_scenario(name: str, n: int, window: int, seed: int, replicas: int = 4) -> dict[str, Any]:
+def run_scenario(
+    name: str, n: int, window: int, seed: int, replicas: int = 4, hf_dir: Path | None = None
+) -> dict[str, Any]:
     text = Text(seed)
-    bodies = list(WORKLOADS[name](n + WARMUP, text))  # built up front: generating text is not timed
-    pipeline = PrefixPipeline(NormalizeSettings(mode="relocate"), PrefixSettings(window_tokens=window))
+    workload = agent_transcript if name in HF_ROWS else WORKLOADS[name]
+    bodies = list(workload(n + WARMUP, text))  # built up front: generating text is not timed
+    tokenizer_setting = f"hf:{hf_dir}" if name in HF_ROWS else "auto"
+    settings = PrefixSettings(window_tokens=window, tokenizer=tokenizer_setting)
+    pipeline = PrefixPipeline(NormalizeSettings(mode="relocate"), settings)
+    prefixes = getattr(pipeline.tokens.for_model("m").template, "prefixes", None)
+    served = checked = 0
+    if name in HF_ROWS:  # (the loaded template is shared by the rows: switched per row)
+        assert prefixes is not None and prefixes._probe(), "the template renders prefixes as prefixes"
+        prefixes.stable = HF_ROWS[name]
+        served, checked = prefixes.served, prefixes.checked
     pool = fleet(replicas)
     policy = PrefixPolicy(PrefixPolicySettings(), [r.view() for r in pool])
     runner = PolicyRunner("bench", "prefix", policy, pool)
@@ -270,6 +337,12 @@ def run_scenario(name: str, n: int, window: int, seed: int, replicas: int = 4) -
         "wall_total": summarize({"total": wall})["total"],
         "token_cache": {"hits": windows.cache.hits, "misses": windows.cache.misses},
         "policy_index_keys": len(policy.index),
+        "messages": round(statistics.fmean(len(b.get("messages", ())) for _, b in bodies[WARMUP:])),
+        **(
+            {"prefix_rendered": prefixes.served - served, "prefix_checked": prefixes.checked - checked}
+            if prefixes is not None
+            else {}
+        ),
     }
 
 
@@ -308,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeat", type=int, default=1, help="runs per scenario, interleaved; every statistic is their median"
     )
+    parser.add_argument("--no-hf", action="store_true", help="skip the hf:DIR rows (rendering cost)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     n = 100 if args.quick else args.n
@@ -316,11 +390,14 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = args.scenario or list(WORKLOADS)
 
     get_tokenizer()  # load the vocabulary outside the timings
+    hf_dir = None if args.no_hf else hf_model_dir(args.seed)
     runs: list[list[dict[str, Any]]] = []
     for _ in range(repeat):  # interleaved: a busy moment hits one run of every scenario
         this = [run_scenario(name, n, args.window, args.seed, size) for size in fleets for name in scenarios]
         if not args.scenario:
             this.append(run_uncached_baseline(n, args.window, args.seed))
+        if hf_dir is not None:
+            this += [run_scenario(name, min(n, 200), args.window, args.seed, fleets[0], hf_dir) for name in HF_ROWS]
         runs.append(this)
     results = [merge_runs(list(same)) for same in zip(*runs, strict=True)]
 
@@ -360,6 +437,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{per_1k:.4f} ms per 1,000 tokens; target <= {TARGET_NEW_MS_PER_1K}: "
                 f"{'PASS' if per_1k <= TARGET_NEW_MS_PER_1K else 'FAIL'}"
             )
+    hf = {r["scenario"]: r for r in results if r["scenario"] in HF_ROWS}
+    if len(hf) == 2:
+        whole, prefix = (hf[name]["cpu"]["tokenize_hash"] for name in HF_ROWS)
+        verdicts["hf_render_tokenize_hash_p50_ms"] = {"whole": whole["p50_ms"], "prefix": prefix["p50_ms"]}
+        print(
+            f"hf:DIR template, {hf['hf_transcript_prefix']['messages']}-message transcripts: render+tokenize+hash "
+            f"p50 {whole['p50_ms']:.3f} ms rendering whole, {prefix['p50_ms']:.3f} ms rendering the window's "
+            f"prefix ({whole['p50_ms'] / max(prefix['p50_ms'], 1e-9):.1f}x); p99 {whole['p99_ms']:.3f} / "
+            f"{prefix['p99_ms']:.3f} ms"
+        )
     for size in fleets:
         routes = [r["cpu"]["route"]["p99_ms"] for r in results if r.get("replicas") == size and "route" in r["cpu"]]
         worst = max(routes)

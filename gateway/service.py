@@ -53,7 +53,7 @@ from gateway.replicas.pool import Replica
 from gateway.replicas.warmup import Warmer
 from gateway.routing.plan import Plan
 from gateway.routing.routes import Route, RouteTable, build_route, carry_route, request_view
-from gateway.routing.shared import prefix_demands, prefix_indexes, prefix_learners
+from gateway.routing.shared import prefix_demands, prefix_indexes, prefix_key_caps, prefix_learners
 from gateway.state.affinity_sync import AffinitySync
 from gateway.state.catchup import CatchUp
 from gateway.state.peer_load import PeerLoad
@@ -193,6 +193,7 @@ class Gateway:
             demands=prefix_demands(self.routes.routes),
             learners=prefix_learners(self.routes.routes),
         )
+        sync.key_caps = prefix_key_caps(self.routes.routes, self.config.server.max_body_bytes)
         if peer_load is not None and state.catch_up_keys:
             self.catch_up = CatchUp(sync, state.catch_up_keys, ready_wait_s=state.catch_up_ready_wait_s)
             peer_load.on_new_peer = self.catch_up.new_peer
@@ -235,6 +236,7 @@ class Gateway:
         if self.state_sync is not None:
             routes = self.routes.routes
             self.state_sync.set_indexes(prefix_indexes(routes), prefix_demands(routes), prefix_learners(routes))
+            self.state_sync.key_caps = prefix_key_caps(routes, effective.server.max_body_bytes)
         await self.membership.set_sources(effective.discovery)
         return notes
 

@@ -325,11 +325,21 @@ class SyncCollector(Collector):
         records = CounterMetricFamily(
             p + "records",
             "Affinity records: published (ours), applied (peers'), ignored (unknown route/replica), dropped (unsent), "
-            "withdrawn (ours taken back and sent: the replica did not serve), withdrawals_applied (peers')",
+            "withdrawn (ours taken back and sent: the replica did not serve), withdrawals_applied (peers'), "
+            "oversize (a peer's, more keys than a max_body_bytes prompt makes)",
             labels=["outcome"],
         )
-        for outcome in ("published", "applied", "ignored", "dropped", "withdrawn", "withdrawals_applied"):
+        for outcome in ("published", "applied", "ignored", "dropped", "withdrawn", "withdrawals_applied", "oversize"):
             records.add_metric([outcome], getattr(stats, outcome))
+        sightings = CounterMetricFamily(
+            p + "sightings_dropped",
+            "Conversation starts and normalization places never published (a failed publish)",
+        )
+        sightings.add_metric([], stats.dropped_sightings)
+        replayed = CounterMetricFamily(
+            p + "replayed", "Signed peer messages refused as replays (a sequence already heard, state.secret_env)"
+        )
+        replayed.add_metric([], stats.replayed)
         errors = CounterMetricFamily(p + "errors", "Failed Redis calls and malformed messages")
         errors.add_metric([], stats.errors)
         rejected = CounterMetricFamily(
@@ -346,6 +356,8 @@ class SyncCollector(Collector):
         yield records
         yield errors
         yield rejected
+        yield replayed
+        yield sightings
         yield peers
         yield snapshots
 

@@ -20,7 +20,8 @@ vary is counted in ``warmup_misses``.
 Several gateway processes share what they learn (``gateway.state.affinity_sync``): a new
 place (with a stable hash of its first value) and a place seen to vary are announced to
 the learner's sink (:class:`LearnSink`) as a stable 64-bit digest of (rule, field, context) — no prompt text leaves the
-process — and the peers' announcements come in through ``learn_peer``.  A process that sees a
+process; with a shared state secret both digests are keyed (:func:`value_digest`) — and the
+peers' announcements come in through ``learn_peer``.  A process that sees a
 place first with another value than a peer saw there knows at once that it varies: a
 template's warm-up is paid once per fleet, not once per process.  A process that joins gets
 its peers' list of varying places in their catch-up snapshot (``varying_digests``).
@@ -28,6 +29,7 @@ its peers' list of varying places in their catch-up snapshot (``varying_digests`
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 import zlib
@@ -69,14 +71,29 @@ def digest(text: str) -> str:
     return f"{zlib.crc32(text.encode('utf-8', 'surrogatepass')):08x}"
 
 
-def place_digest(rule: str, where: str, context: str) -> int:
-    """A place's identity as the same 64-bit number in every process (``hash()`` is salted per process)."""
-    return xxhash.xxh64_intdigest(f"{rule}\x00{where}\x00{context}".encode("utf-8", "surrogatepass"))
+def place_digest(rule: str, where: str, context: str, key: bytes | None = None) -> int:
+    """A place's identity as the same 64-bit number in every process (``hash()`` is salted per process).
+
+    With ``key`` (derived from the shared state secret) a keyed BLAKE2b: see :func:`value_digest`.
+    """
+    data = f"{rule}\x00{where}\x00{context}".encode("utf-8", "surrogatepass")
+    return _keyed(data, key) if key else xxhash.xxh64_intdigest(data)
 
 
-def value_digest(value: str) -> int:
-    """A value as the same non-zero 64-bit number in every process (0 means "varies" on the wire)."""
-    return xxhash.xxh64_intdigest(value.encode("utf-8", "surrogatepass")) or 1
+def value_digest(value: str, key: bytes | None = None) -> int:
+    """A value as the same non-zero 64-bit number in every process (0 means "varies" on the wire).
+
+    Values at a normalization place are dates, times and short ids: an unkeyed 64-bit hash of
+    one is recovered by hashing every candidate (all the dates of a year, all 6-digit ids) in
+    seconds by anyone who reads the channel.  With ``key`` (the state secret's, shared by the
+    fleet) the digest is a keyed BLAKE2b, which only holders of the key can compute.
+    """
+    data = value.encode("utf-8", "surrogatepass")
+    return (_keyed(data, key) if key else xxhash.xxh64_intdigest(data)) or 1
+
+
+def _keyed(data: bytes, key: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, key=key[:64], digest_size=8).digest(), "little")
 
 
 def suggest_pattern(value: str) -> str:
@@ -182,27 +199,36 @@ class VarianceLearner:
         self._peer_values: OrderedDict[int, int] = OrderedDict()
         # hears (place digest, first value's digest) for a new place, (place digest, 0) once it varies
         self._sink: LearnSink = NO_LEARN_SINK
+        self._key: bytes | None = None  # keys the digests peers hear (attach_sink's digest_key)
 
     @property
     def sink(self) -> LearnSink:
         """Where this process's sightings go (:data:`NO_LEARN_SINK` when not shared)."""
         return self._sink
 
-    def attach_sink(self, sink: LearnSink) -> None:
+    def attach_sink(self, sink: LearnSink, digest_key: bytes | None = None) -> None:
         """Announce every later new place and newly varying place to ``sink`` (``NO_LEARN_SINK``: stop).
+
+        ``digest_key`` (from the shared state secret) keys the place and value digests the
+        sink hears (:func:`value_digest`); every process sharing the channel must use the same.
 
         A method, not a constructor argument: the route's normalizer builds its learner, and
         the state sync that shares it is built once per gateway, after the routes, and
         outlives config reloads, which rebuild them, re-attaching to each new one and detaching
         when it stops.
         """
-        self._sink = sink
+        with self._lock:
+            self._sink = sink
+            if digest_key != self._key:  # places already known get the digests peers will use
+                self._key = digest_key
+                for (rule, where, context), place in self._places.items():
+                    place.place_id = place_digest(rule, where, context, digest_key)
 
     def varies(self, rule: str, where: str, context: str, value: str) -> bool:
         """Would this span be moved now (its place has changed, or changes with this value)?  Pure."""
         place = self._places.get((rule, where, context))
         if place is None or self.clock() - place.last_seen > self.expire_s:
-            return self._peers_heard() and self._peers_saw_vary(place_digest(rule, where, context), value)
+            return self._peers_heard() and self._peers_saw_vary(place_digest(rule, where, context, self._key), value)
         if place.changes > 0 or place.value_hash != hash(value):
             return True
         return self._peers_heard() and self._peers_saw_vary(place.place_id, value)
@@ -217,7 +243,7 @@ class VarianceLearner:
         if at is not None and self.clock() - at <= self.expire_s:
             return True
         theirs = self._peer_values.get(place)
-        return theirs is not None and theirs != value_digest(value)
+        return theirs is not None and theirs != value_digest(value, self._key)
 
     def learn_peer(self, place: int, value: int = 0) -> None:
         """A peer saw the place with digest ``place`` vary (``value`` 0) or saw it first with the
@@ -262,14 +288,14 @@ class VarianceLearner:
                 place = None
             announce: int | None = None  # the value digest to announce (0: varies)
             if place is None:
-                place_id = place_digest(rule, where, context)
+                place_id = place_digest(rule, where, context, self._key)
                 peers_saw = self._peers_heard() and self._peers_saw_vary(place_id, value)  # then it moves at once
                 example = self._example(value)
                 place = Place(rule, where, digest(context), value_hash, example, 1, int(peers_saw), now, place_id)
                 self._places[key] = place
                 self._evict(now)
                 if self._sink is not NO_LEARN_SINK:  # the digest costs a hash: only when someone hears it
-                    announce = 0 if peers_saw else value_digest(value)
+                    announce = 0 if peers_saw else value_digest(value, self._key)
             else:
                 self._places.move_to_end(key)
                 place.seen += 1

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from itertools import pairwise
 
 from gateway.routing.key_weights import KeyWeights, even_weights, stride_weights
@@ -439,6 +439,27 @@ class AffinityIndex:
         already held keep the weight they came with (a key names one prefix, so it always adds
         the same tokens).
         """
+        steps = self.record_stored_steps(name, stored, prompt_tokens, weights)
+        while True:  # never pauses (no ``pause``): runs to its end at once
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    def record_stored_steps(
+        self,
+        name: str,
+        stored: Sequence[int],
+        prompt_tokens: int | None = None,
+        weights: KeyWeights | None = None,
+        pause: int = 0,
+    ) -> Generator[None, None, list[int]]:
+        """:meth:`record_stored`, pausing (a bare ``yield``) after every ``pause`` keys (0: never).
+
+        For a peer's record of up to 65,536 keys (~0.1 s at once): its applier lets the event
+        loop run at each pause.  What others do meanwhile is safe: requests may match the keys
+        recorded so far or record their own; if ``name`` leaves the pool, the rest is dropped.
+        """
         if not stored:
             return []
         is_new = name not in self._slot
@@ -475,6 +496,10 @@ class AffinityIndex:
                 if weight != standard:
                     key_weights[deepest] = weight
         for i, (after, key) in enumerate(pairwise(stored), 1):
+            if pause and i % pause == 0:
+                yield
+                if self._lru.get(name) is not lru:  # forgotten meanwhile (it left the pool)
+                    return added
             # What followed this key in this prompt: a key followed by two different
             # continuations is a fork — a prefix several prompts share (a system prompt),
             # not one conversation's history.

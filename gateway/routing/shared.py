@@ -14,6 +14,7 @@ from gateway.prefix.learn import VarianceLearner
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.routes import Route
 from gateway.routing.starts import HeadDemand
+from gateway.state.record_bounds import max_record_keys, relocated_bytes
 
 T = TypeVar("T")
 
@@ -41,3 +42,19 @@ def prefix_learners(routes: list[Route]) -> dict[str, VarianceLearner]:
 def prefix_demands(routes: list[Route]) -> dict[str, HeadDemand]:
     """Each route's shared-head start counts, for the policies that keep them (shared through Redis)."""
     return _policy_parts(routes, "demand", HeadDemand)
+
+
+def prefix_key_caps(routes: list[Route], body_bytes: int) -> dict[str, int]:
+    """Each shared route's most keys per affinity record: what a ``body_bytes`` prompt can produce
+    under its window, block, chunk and stride settings (:mod:`gateway.state.record_bounds`)."""
+    indexes = prefix_indexes(routes)
+    caps = {}
+    for route in routes:
+        index = indexes.get(route.name)
+        if index is not None and route.pipeline is not None:
+            s, n = route.pipeline.settings, route.pipeline.normalize_settings
+            relocated = relocated_bytes(n.mode, max(n.max_scan_chars, n.completion_prefix_chars))
+            caps[route.name] = max_record_keys(
+                body_bytes, s.window_tokens, s.block_size, s.chunk_bytes, index.stride, relocated
+            )
+    return caps

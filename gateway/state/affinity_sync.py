@@ -26,8 +26,14 @@ What travels (one JSON batch per publish; load reports on their own channel) is
 unknown routes or replicas, or malformed, are skipped and counted; none of them can raise
 into the gateway.  With a shared secret every message is
 wrapped in an HMAC envelope (:mod:`gateway.state.signing`) and anything unsigned or badly
-signed is dropped and counted (``rejected``): another client of the same Redis cannot forge
-load or affinity.
+signed is dropped and counted (``rejected``), and a replayed one too (``replayed``): another
+client of the same Redis cannot forge load or affinity, nor repeat what a pod sent.
+
+What a peer's message may cost is bounded: a record holds at most ``key_caps`` keys (what one
+``max_body_bytes`` prompt can make, :mod:`gateway.state.record_bounds`; more is ``oversize``),
+and the subscriber applies a message in chunks of ``APPLY_CHUNK_KEYS`` keys, letting the event
+loop run in between (:meth:`AffinitySync.receive`).  A failed publish counts what it held
+(``dropped``, ``dropped_sightings``) and keeps a catch-up's end mark queued.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.prefix.learn import NO_LEARN_SINK, VarianceLearner
@@ -54,12 +60,13 @@ from gateway.state.wire import (
     MAX_RECORDS_PER_MESSAGE,
     MAX_VARIES_PER_MESSAGE,
     Demand,
+    PackedRecord,
     Record,
     Sighting,
     Start,
     Withdrawal,
     decode_demand,
-    decode_records,
+    decode_packed,
     decode_starts,
     decode_varies,
     decode_withdrawn,
@@ -76,6 +83,9 @@ _SILENCE_PING_S = 15.0  # no message for this long: ping the server ...
 _PONG_WAIT_S = 5.0  # ... and reconnect if nothing answers within this
 _BACKOFF_START_S = 0.5
 _BACKOFF_MAX_S = 10.0
+# keys (or place rows) applied from a peer's message between two turns of the event loop: at
+# ~1 us a key, a turn every few milliseconds however large the message
+APPLY_CHUNK_KEYS = 4096
 
 
 @dataclass
@@ -87,8 +97,11 @@ class SyncStats:
     applied: int = 0  # records from peers applied to a local index
     ignored: int = 0  # records from peers for a route or replica this process does not have
     dropped: int = 0  # local records never published (queue full, or Redis down)
+    dropped_sightings: int = 0  # local starts and normalization places never published (a failed publish)
+    oversize: int = 0  # peers' records refused for more keys than a max_body_bytes prompt can make
     errors: int = 0  # failed Redis calls and malformed messages
     rejected: int = 0  # messages dropped for a missing, wrong or stale signature (state.secret_env)
+    replayed: int = 0  # signed messages refused as replays (a sequence already heard: state.secret_env)
     peers: int = 0  # other gateway processes whose load reports are current
     snapshots_heard: int = 0  # catch-up snapshots that ended (a peer's answer to a newcomer)
     starts_applied: int = 0  # peers' conversation starts behind shared heads, counted here too
@@ -98,6 +111,20 @@ class SyncStats:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+@dataclass
+class _Inbound:
+    """A peer's affinity message, decoded and validated, waiting to be applied."""
+
+    records: list[PackedRecord]
+    starts: list[Start]
+    varies: list[Sighting]
+    ends_snapshot: bool
+    demand: Demand = field(default_factory=dict)
+    #: withdrawals, each after the number of the message's records that precede it
+    withdrawn: list[tuple[int, Withdrawal]] = field(default_factory=list)
+    applied: int = 0
 
 
 class RouteSink:
@@ -170,9 +197,14 @@ class AffinitySync:
         self.peer_load = peer_load
         self._load_interval = load_interval_s
         self.signer = signer
+        # keys the normalization places' value digests on the channel (None without a secret)
+        self.digest_key = signer.derive_key("value-digests") if signer is not None else None
         self._rejected_warned = False
         self.subscribed_at: float | None = None  # monotonic time of the first subscription
         self._subscribed = asyncio.Event()
+        # route -> the most keys a record of it may hold (gateway.state.record_bounds), both ways:
+        # larger local records stay local, larger peer records are refused (oversize)
+        self.key_caps: dict[str, int] = {}
         self._attach()
 
     def _attach(self) -> None:
@@ -182,7 +214,7 @@ class AffinitySync:
         for route, demand in self._demands.items():
             demand.attach_sink(RouteSink(self, route))
         for route, learner in self._learners.items():
-            learner.attach_sink(RouteSink(self, route))
+            learner.attach_sink(RouteSink(self, route), self.digest_key)
 
     def set_indexes(
         self,
@@ -233,7 +265,7 @@ class AffinitySync:
     def _enqueue(
         self, route: str, replica: str, stored: list[int], prompt_tokens: int | None, weights: list[int] | None = None
     ) -> None:
-        if len(stored) > MAX_KEYS_PER_RECORD:  # peers would reject the batch: keep it local
+        if len(stored) > self.key_caps.get(route, MAX_KEYS_PER_RECORD):  # peers would refuse it: keep it local
             self.stats.dropped += 1
             return
         self._push(self._pending, Record(route, replica, stored, prompt_tokens, weights))
@@ -262,26 +294,62 @@ class AffinitySync:
 
     # -- peers' records -------------------------------------------------------------------
     def apply(self, payload: bytes | str) -> int:
-        """Apply one pub/sub payload from a peer; returns the records applied (never raises)."""
-        if self.signer is not None:
-            opened = self.signer.open(payload)
-            if opened is None:
-                self.stats.rejected += 1
-                if not self._rejected_warned:  # once: a flood of forgeries must not flood the log
-                    self._rejected_warned = True
-                    log.warning("affinity sync: dropped an unsigned or badly signed message on %s", self.channel)
-                return 0
-            payload = opened
+        """Apply one pub/sub payload from a peer at once; returns the records applied (never raises).
+
+        For tools and tests: the subscriber uses :meth:`receive`, which yields to the event
+        loop while it applies a large message.
+        """
+        inbound = self._inbound(payload)
+        if inbound is None:
+            return 0
+        for _ in self._apply_steps(inbound):
+            pass
+        return inbound.applied
+
+    async def receive(self, payload: bytes | str) -> int:
+        """:meth:`apply`, giving the event loop a turn after every ``APPLY_CHUNK_KEYS`` keys.
+
+        A peer's message may hold ~780k keys (8 MiB): applied in one go it would hold every
+        request of this process for about a second.
+        """
+        inbound = self._inbound(payload)
+        if inbound is None:
+            return 0
+        for _ in self._apply_steps(inbound, APPLY_CHUNK_KEYS):
+            await asyncio.sleep(0)
+        return inbound.applied
+
+    def _open(self, payload: bytes | str) -> bytes | str | None:
+        """The payload inside a valid signed envelope (or as is without a secret); None if refused (counted)."""
+        if self.signer is None:
+            return payload
+        opened, verdict = self.signer.verify(payload)
+        if opened is not None:
+            return opened
+        if verdict == "replayed":
+            self.stats.replayed += 1
+            return None
+        self.stats.rejected += 1
+        if not self._rejected_warned:  # once: a flood of forgeries must not flood the log
+            self._rejected_warned = True
+            log.warning("affinity sync: dropped an unsigned or badly signed message on %s", self.channel)
+        return None
+
+    def _inbound(self, payload: bytes | str) -> _Inbound | None:
+        """A peer's message decoded and validated, load reports applied; None when nothing more to apply."""
+        opened = self._open(payload)
+        if opened is None:
+            return None
         try:
-            message = parse_message(payload)
+            message = parse_message(opened)
             pod = message["pod"]
             if pod == self.pod_id:
-                return 0
+                return None
             if "load" in message:
                 if self.peer_load is not None:
                     self.peer_load.apply(pod, parse_load(message["load"]), time.monotonic())
-                return 0
-            records = decode_records(message)
+                return None
+            records = decode_packed(message)
             withdrawn = decode_withdrawn(message, len(records))
             starts = decode_starts(message)
             varies = decode_varies(message)
@@ -290,37 +358,57 @@ class AffinitySync:
         except Exception as exc:  # ValueError, or anything a hostile payload finds
             self.stats.errors += 1
             log.warning("affinity sync: skipped a malformed message on %s: %s", self.channel, exc)
-            return 0
-        applied = 0
-        taken_back = iter(withdrawn)
+            return None
+        return _Inbound(records, starts, varies, ends_snapshot, demand, withdrawn)
+
+    def _apply_steps(self, inbound: _Inbound, pause: int = 0) -> Iterator[None]:
+        """Apply ``inbound``, pausing (one ``yield``) after every ``APPLY_CHUNK_KEYS`` keys or rows
+        (inside a large record too, with ``pause``: the keys unpacked one record at a time).
+
+        A record with more keys than its route's ``key_caps`` (what one ``max_body_bytes``
+        prompt can produce, :func:`gateway.state.record_bounds.max_record_keys`) is refused
+        and counted in ``oversize``: no prompt of this fleet makes one.
+        """
+        done = 0
+        taken_back = iter(inbound.withdrawn)
         following = next(taken_back, None)
-        for position, (route, replica, keys, prompt_tokens, weights) in enumerate(records):
+        for position, packed in enumerate(inbound.records):
             following = self._withdraw_until(position, following, taken_back)
-            index = self._indexes.get(route)
-            if index is None or not index.knows(replica):
+            index = self._indexes.get(packed.route)
+            if index is None or not index.knows(packed.replica):
                 self.stats.ignored += 1
                 continue
-            index.record_stored(replica, keys, prompt_tokens, KeyWeights.of(weights))
-            applied += 1
-        self._withdraw_until(len(records), following, taken_back)
-        self.stats.applied += applied
-        for route, head in starts:
+            if packed.key_count > self.key_caps.get(packed.route, MAX_KEYS_PER_RECORD):
+                self.stats.oversize += 1
+                continue
+            record = packed.unpack()
+            weights = KeyWeights.of(record.weights)
+            yield from index.record_stored_steps(record.replica, record.keys, record.prompt_tokens, weights, pause)
+            inbound.applied += 1
+            self.stats.applied += 1
+            done += len(record.keys) % APPLY_CHUNK_KEYS if pause else len(record.keys)
+            if done >= APPLY_CHUNK_KEYS:
+                done = 0
+                yield
+        self._withdraw_until(len(inbound.records), following, taken_back)
+        for route, head in inbound.starts:
             head_demand = self._demands.get(route)
             if head_demand is not None:
                 head_demand.record_peer(head)
                 self.stats.starts_applied += 1
-        for route, place, value in varies:
+        for i, (route, place, value) in enumerate(inbound.varies, 1):
             learner = self._learners.get(route)
             if learner is not None:
                 learner.learn_peer(place, value)
                 self.stats.varies_applied += 1
-        if ends_snapshot:
+            if i % APPLY_CHUNK_KEYS == 0:
+                yield
+        if inbound.ends_snapshot:
             if not self.stats.snapshots_heard:  # a newcomer's first: the fleet's counts (one peer's suffice)
-                for route, (total, heads) in demand.items():
+                for route, (total, heads) in inbound.demand.items():
                     if route in self._demands:
                         self._demands[route].merge(total, heads)
             self.stats.snapshots_heard += 1
-        return applied
 
     def _withdraw_until(
         self,
@@ -395,7 +483,7 @@ class AffinitySync:
                     if message is not None:
                         heard, pinged = now, None
                         if message.get("type") == "message":
-                            self.apply(message["data"])
+                            await self.receive(message["data"])
                     elif pinged is not None and now - pinged > _PONG_WAIT_S:
                         raise ConnectionError(f"no reply from Redis within {_PONG_WAIT_S:.0f} s")
                     elif pinged is None and now - heard > _SILENCE_PING_S:
@@ -440,20 +528,46 @@ class AffinitySync:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    # affinity is a hint: records made while Redis is away are dropped, not replayed
                     self.stats.errors += 1
-                    self.stats.dropped += len(batch) + len(withdrawn) + len(self._pending)
-                    self._pending.clear()
+                    self._lost(
+                        batch, withdrawn, len(starts) + len(varies), demand if ends_snapshot else None, ends_snapshot
+                    )
                     if not self._publish_failing:
                         log.warning("affinity sync: cannot publish to Redis (%s); dropping records meanwhile", exc)
                         self._publish_failing = True
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                    self._wake.set()  # a snapshot's end waits in the queue: retry without waiting for traffic
                     break
                 self.stats.published += len(batch)
                 self.stats.withdrawn += len(withdrawn)
                 self._publish_failing = False
                 backoff = _BACKOFF_START_S
+
+    def _lost(
+        self,
+        batch: list[Record],
+        withdrawn: list[tuple[int, Withdrawal]],
+        sightings: int,
+        demand: Demand | None,
+        ended: bool,
+    ) -> None:
+        """A publish failed: count what it and the queue held, and keep a catch-up's end.
+
+        Affinity is a hint: records (and starts, places) made while Redis is away are dropped,
+        not replayed, and counted.  A snapshot's end is different: a newcomer answers ``/ready``
+        503 until it hears one, so it is queued again (without the snapshot's records) and goes
+        out once Redis takes it.
+        """
+        ended = ended or any(record is None for record in self._pending)
+        self.stats.dropped += len(batch) + len(withdrawn)
+        self.stats.dropped += sum(1 for item in self._pending if item is not None)
+        self.stats.dropped_sightings += sightings
+        self._pending.clear()
+        if ended:
+            if self._snapshot_demand is None:
+                self._snapshot_demand = demand
+            self._pending.append(None)
 
     def _next_batch(self) -> tuple[list[Record], list[tuple[int, Withdrawal]], bool]:
         """Up to ``MAX_RECORDS_PER_MESSAGE`` pending records and withdrawals (each withdrawal

@@ -209,10 +209,34 @@ def decode(payload: bytes | str) -> tuple[str, list[Record]]:
 
 
 def decode_records(message: Mapping[str, Any]) -> list[Record]:
+    return [packed.unpack() for packed in decode_packed(message)]
+
+
+class PackedRecord(NamedTuple):
+    """A validated record whose keys are still packed: unpacking ~780k keys into Python ints
+    takes ~0.2 s, so a receiver unpacks one record at a time between turns of its event loop."""
+
+    route: str
+    replica: str
+    raw: bytes  # the keys as little-endian u64
+    prompt_tokens: int | None
+    weights: list[int] | None = None
+
+    @property
+    def key_count(self) -> int:
+        return len(self.raw) // 8
+
+    def unpack(self) -> Record:
+        keys = list(struct.unpack(f"<{self.key_count}Q", self.raw))
+        return Record(self.route, self.replica, keys, self.prompt_tokens, self.weights)
+
+
+def decode_packed(message: Mapping[str, Any]) -> list[PackedRecord]:
+    """The message's records, all validated (``ValueError`` on any), keys left packed."""
     rows = message.get("records")
     if not isinstance(rows, list) or len(rows) > MAX_RECORDS_PER_MESSAGE:
         raise ValueError("bad records")
-    records: list[Record] = []
+    records: list[PackedRecord] = []
     for row in rows:
         if not (isinstance(row, list) and len(row) == 4):
             raise ValueError("a record must be [route, replica, prompt_tokens, keys]")
@@ -221,14 +245,13 @@ def decode_records(message: Mapping[str, Any]) -> list[Record]:
             raise ValueError("bad record field types")
         if type(prompt_tokens) is not int or prompt_tokens < 0:
             raise ValueError("prompt_tokens must be an int >= 0")
-        try:
-            raw = base64.b64decode(packed, validate=True)
+        try:  # strict: only the alphabet and padding (b64decode's validate=True, 10x faster)
+            raw = binascii.a2b_base64(packed, strict_mode=True)
         except (binascii.Error, ValueError):
             raise ValueError("keys are not base64") from None
         if len(raw) % 8 or not raw or len(raw) // 8 > MAX_KEYS_PER_RECORD:
             raise ValueError(f"keys must be 1..{MAX_KEYS_PER_RECORD} u64 values")
-        keys = list(struct.unpack(f"<{len(raw) // 8}Q", raw))
-        records.append(Record(route, replica, keys, prompt_tokens or None))
+        records.append(PackedRecord(route, replica, raw, prompt_tokens or None))
     return _with_weights(records, message.get("weights"))
 
 
@@ -253,7 +276,7 @@ def decode_withdrawn(message: Mapping[str, Any], records: int) -> list[tuple[int
     return out
 
 
-def _with_weights(records: list[Record], rows: Any) -> list[Record]:
+def _with_weights(records: list[PackedRecord], rows: Any) -> list[PackedRecord]:
     """``records`` with the weights a message carries for them (see the module docstring)."""
     if rows is None:
         return records
@@ -270,7 +293,7 @@ def _with_weights(records: list[Record], rows: Any) -> list[Record]:
         except (binascii.Error, ValueError):
             raise ValueError("weights are not base64") from None
         count = len(raw) // 4
-        if len(raw) % 4 or not count or count > len(records[position].keys):
+        if len(raw) % 4 or not count or count > records[position].key_count:
             raise ValueError("weights must be 1..len(keys) u32 values")
         values = [max(1, w) for w in struct.unpack(f"<{count}I", raw)]
         records[position] = records[position]._replace(weights=values)

@@ -13,7 +13,9 @@ The rendered string is split at the tokenizer's added tokens (as the tokenizer i
 before BPE), so each text run is cached and tokenized on its own.  As in the built-in
 renderers (:mod:`gateway.tokens.templates`), a special-token look-alike inside message content
 is then a special token, as it is for vLLM.  A template error (vLLM would answer 400) falls
-back to the generic template: routing must never fail on a request.
+back to the generic template: routing must never fail on a request.  A long conversation is rendered only as far as the
+token window needs, where the template renders a prefix of the messages as a prefix of the
+whole (checked: :mod:`gateway.tokens.prefix_render`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from __future__ import annotations
 import datetime
 import json
 import re
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from gateway.tokens.chat_template import GENERIC, Alignment, SpecialToken, hf_tojson, vllm_messages, vllm_tools
+from gateway.tokens.prefix_render import Measure, PrefixRendering
 from gateway.tokens.tokenizer import HFTokenizer, TokenizerUnavailable
 
 
@@ -93,13 +97,27 @@ class JinjaTemplate:
         # /v1/completions: vLLM encodes with add_special_tokens, i.e. the post-processor's prefix
         self.completion_prefix = tuple(SpecialToken(by_id.get(i, ""), i) for i in tokenizer.completion_prefix())
 
-    def render(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> str:
-        return self._template.render(
-            messages=vllm_messages(messages),
-            tools=vllm_tools(tools),
-            add_generation_prompt=add_generation_prompt,
-            **self._variables,
+        # the leading messages only, where that renders what the whole would (tokens.prefix_render)
+        self.prefixes = (
+            PrefixRendering(self._render, self._split, self._specials, vllm_messages) if self._split else None
         )
+
+    def render(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> str:
+        return self._render(vllm_messages(messages), vllm_tools(tools), add_generation_prompt)
+
+    def _render(self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool) -> str:
+        """Render messages and tools already in vLLM's shape."""
+        return self._template.render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self._variables
+        )
+
+    def leading_window(
+        self, messages: Sequence[Any], tools: Any, window: int, measure: Measure
+    ) -> tuple[array[int], float | None] | None:
+        """The window's tokens from the leading messages alone, or None: render them all (:meth:`segments`)."""
+        if self.prefixes is None or not self.prefixes.stable or len(messages) < 3:
+            return None
+        return self.prefixes.window(messages, vllm_tools(tools), window, measure)
 
     def segments(self, messages: Sequence[Any], tools: Any = None, add_generation_prompt: bool = True) -> Iterator[str]:
         try:

@@ -159,12 +159,21 @@ class WindowTokenizer:
         return out, pos
 
     def chat(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> array[int]:
-        return self.segments(self.template.segments(messages, tools))
+        return self.chat_measured(messages, tools)[0]
 
     def chat_measured(
         self, messages: Sequence[Mapping[str, Any]], tools: Any = None
     ) -> tuple[array[int], float | None]:
-        """:meth:`chat` and its bytes per token (see :meth:`measured`)."""
+        """:meth:`chat` and its bytes per token (see :meth:`measured`).
+
+        A template that can render only the leading messages the window needs does
+        (``leading_window``: ``hf:DIR`` templates, :mod:`gateway.tokens.prefix_render`).
+        """
+        leading = getattr(self.template, "leading_window", None)
+        if leading is not None:
+            found = leading(messages, tools, self.window, self.measured)
+            if found is not None:
+                return found  # type: ignore[no-any-return]
         return self.measured(self.template.segments(messages, tools))
 
     def text(self, prompt: str) -> array[int]:

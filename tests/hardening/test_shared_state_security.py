@@ -19,12 +19,14 @@ import redis as redis_sync
 
 from gateway.config import HealthSettings, ReplicaConfig
 from gateway.http.server import serve_in_thread
+from gateway.prefix.learn import NO_LEARN_SINK, VarianceLearner, place_digest, value_digest
 from gateway.replicas.pool import Replica
 from gateway.routing.affinity import AffinityIndex
 from gateway.state.affinity_sync import AffinitySync
 from gateway.state.peer_load import PeerLoad
-from gateway.state.signing import Signer
-from gateway.state.wire import encode_load
+from gateway.state.record_bounds import max_record_keys, relocated_bytes
+from gateway.state.signing import MAX_SKEW_S, Signer
+from gateway.state.wire import MAX_KEYS_PER_RECORD, encode_load
 from tests.configs import gateway_config
 from tests.polling import until, wait_for
 from tests.redis_server import find_redis_server, free_port
@@ -40,14 +42,66 @@ ACL_RULES += ["+time", "+hmget", "+hset", "+expire", "+zremrangebyscore", "+zcar
 
 # -- signing ---------------------------------------------------------------------------------
 def test_envelope_round_trip_and_refusals() -> None:
-    signer = Signer(SECRET)
+    signer = Signer(SECRET, now=1000.0)
     sealed = signer.seal(b'{"v":1}', now=1000.0)
     assert signer.open(sealed, now=1001.0) == b'{"v":1}'
     assert signer.open(b'{"v":1}', now=1001.0) is None  # unsigned
-    assert Signer("another-secret-entirely").open(sealed, now=1001.0) is None  # wrong key
+    assert Signer("another-secret-entirely", now=1000.0).open(sealed, now=1001.0) is None  # wrong key
     assert signer.open(sealed.replace(b'"v":1', b'"v":2'), now=1001.0) is None  # tampered
-    assert signer.open(sealed, now=1000.0 + 60) is None  # replayed later
-    assert signer.open(b"h1:1:2", now=1001.0) is None and signer.open(b"h1:x:y:z", now=1001.0) is None
+    assert Signer(SECRET, now=900.0).open(sealed, now=1000.0 + 60) is None  # replayed later
+    assert signer.open(b"h2:1:2", now=1001.0) is None and signer.open(b"h2:x:y:z:w:v", now=1001.0) is None
+
+
+def test_a_replayed_message_is_refused_within_its_window_and_a_restarted_sender_is_heard() -> None:
+    sender, receiver = Signer(SECRET, now=1000.0), Signer(SECRET, now=1000.0)
+    first, second, third = (sender.seal(b"%d" % i, now=1001.0 + i) for i in range(3))
+    assert receiver.verify(second, now=1003.0) == (b"1", "ok")
+    assert receiver.verify(second, now=1003.5) == (None, "replayed")  # 1.5 s later: fresh, but heard
+    assert receiver.verify(first, now=1004.0) == (b"0", "ok")  # out of order (two channels): once
+    assert receiver.verify(first, now=1004.0) == (None, "replayed")
+    assert receiver.verify(third, now=1004.0) == (b"2", "ok")
+    restarted = Signer(SECRET, now=1005.0)  # the same pod after a restart: a new boot id, sequence from 1
+    assert restarted.sender != sender.sender
+    assert receiver.verify(restarted.seal(b"again", now=1005.0), now=1005.1) == (b"again", "ok")
+    # a receiver that starts later cannot know what it missed: older messages are refused
+    assert Signer(SECRET, now=1010.0).verify(third, now=1010.5) == (None, "replayed")
+    # a silent sender is forgotten after 2 x MAX_SKEW_S; by then its messages are refused for their age
+    assert receiver.verify(third, now=1004.0 + 2 * MAX_SKEW_S + 1) == (None, "stale")
+    assert receiver.senders <= 2
+
+
+async def test_a_dead_pods_replayed_load_report_does_not_keep_it_alive(redis_url: str) -> None:
+    """A recorded load report published again (within its 30 s) is refused and counted."""
+    channel = f"harden-replay-{uuid.uuid4().hex}"
+    a_replicas, b_replicas = _fleet(), _fleet()
+    a = _sync(a_replicas, redis_url, channel, SECRET)
+    b = _sync(b_replicas, redis_url, channel, SECRET)
+    recorder = redis_sync.Redis.from_url(redis_url)
+    pubsub = recorder.pubsub()
+    pubsub.subscribe(channel + ":load")
+    await a.start()
+    await b.start()
+    try:
+        await until(lambda: a.stats.connected and b.stats.connected, what="both subscribed")
+        b_replicas["r1"].in_flight = 7
+        await until(lambda: a_replicas["r1"].view().in_flight == 7, what="b's load at a")
+        recorded, deadline = None, time.monotonic() + 10
+        while recorded is None:  # the attacker records one of b's reports showing 7 in flight
+            assert time.monotonic() < deadline, "no report of b's showing 7 in flight recorded"
+            message = pubsub.get_message(timeout=0.05)
+            if message and message["type"] == "message" and b'"r1":[7,' in message["data"]:
+                recorded = message["data"]
+        await b.stop()  # b dies; its report expires at a after peer_load_ttl_s (0.5 s) ...
+        await until(lambda: a_replicas["r1"].view().in_flight == 0, what="b's load expired")
+        for _ in range(3):  # ... unless a replay keeps it alive
+            recorder.publish(channel + ":load", recorded)
+        await until(lambda: a.stats.replayed >= 3, what="the replays refused")
+        assert a_replicas["r1"].view().in_flight == 0 and a.stats.rejected == 0
+    finally:
+        pubsub.close()
+        recorder.close()
+        await a.stop()
+        await b.stop()
 
 
 def _fleet() -> dict[str, Replica]:
@@ -80,6 +134,28 @@ def test_forged_load_is_dropped_and_counted() -> None:
     assert replicas["r0"].view().in_flight == 0
     sync.apply(Signer(SECRET).seal(forged))  # a peer holding the secret is heard
     assert replicas["r0"].view().in_flight == 500
+
+
+def test_value_digests_on_the_channel_are_keyed_with_the_state_secret() -> None:
+    """A date's unkeyed digest is found by hashing a year of dates; with a secret it is not."""
+    heard: dict[str | None, tuple[int, int]] = {}
+    for secret in (None, SECRET, "another-secret-entirely"):
+        learner = VarianceLearner()
+        signer = Signer(secret) if secret else None
+        sync = AffinitySync("redis://unused", "c", {}, learners={"chat": learner}, signer=signer)
+        learner.record("iso_date", "system", "Today is \x00.", "2025-03-04")
+        heard[secret] = sync._varies[0][1:]
+    place, value = heard[None]
+    assert (place, value) == (place_digest("iso_date", "system", "Today is \x00."), value_digest("2025-03-04"))
+    keyed_place, keyed_value = heard[SECRET]
+    assert keyed_value != value and keyed_place != place  # the enumeration above finds nothing
+    assert heard["another-secret-entirely"][1] != keyed_value  # only holders of this secret can compute it
+    # peers holding the secret still understand each other: another value at that place varies
+    peer = VarianceLearner()
+    peer.attach_sink(NO_LEARN_SINK, Signer(SECRET).derive_key("value-digests"))
+    peer.learn_peer(keyed_place, keyed_value)
+    assert not peer.varies("iso_date", "system", "Today is \x00.", "2025-03-04")
+    assert peer.varies("iso_date", "system", "Today is \x00.", "2025-03-05")
 
 
 async def test_signed_peers_share_load_and_a_forger_is_refused(redis_url: str) -> None:
@@ -238,3 +314,16 @@ def test_bundled_redis_requires_the_secret_password_and_the_gateway_reads_it() -
     env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in gateway["env"] if "valueFrom" in e}
     assert env["PREFIX_GATEWAY_REDIS_URL"]["name"] == "prefix-gateway-redis"
     assert env["PREFIX_GATEWAY_STATE_SECRET"] == {**env["PREFIX_GATEWAY_STATE_SECRET"], "name": "prefix-gateway-redis"}
+
+
+def test_the_gateway_caps_peer_records_at_what_its_body_limit_allows(
+    upstream: tuple[str, list[dict[str, Any]]], redis_url: str
+) -> None:
+    state = {"backend": "redis", "redis_url": redis_url, "channel": f"harden-caps-{uuid.uuid4().hex[:8]}"}
+    route = {"name": "main", "policy": "prefix", "normalize": {"mode": "relocate"}}
+    config = gateway_config([upstream[0]], state=state, routes=[route], server={"max_body_bytes": 65536})
+    with serve_in_thread(config) as gw:
+        sync = gw.gateway.state_sync
+        assert sync is not None
+        expected = max_record_keys(65536, 4096, 16, 1024, 4, relocated_bytes("relocate", 32768))
+        assert sync.key_caps == {"main": expected} and expected < MAX_KEYS_PER_RECORD
