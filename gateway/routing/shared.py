@@ -54,7 +54,9 @@ def prefix_key_caps(routes: list[Route], body_bytes: int) -> dict[str, int]:
         if index is not None and route.pipeline is not None:
             s, n = route.pipeline.settings, route.pipeline.normalize_settings
             relocated = relocated_bytes(n.mode, max(n.max_scan_chars, n.completion_prefix_chars))
+            # ``auto``: the engines pick the size, any size down to one token per block
+            smallest_block = s.block_size if isinstance(s.block_size, int) else 1
             caps[route.name] = max_record_keys(
-                body_bytes, s.window_tokens, s.block_size, s.chunk_bytes, index.stride, relocated
+                body_bytes, s.window_tokens, smallest_block, s.chunk_bytes, index.stride, relocated
             )
     return caps
