@@ -33,6 +33,15 @@ def first_block_seed(model: str, lora: str | None = None, cache_salt: str | None
     return xxhash.xxh3_64_intdigest(extra, seed=ROOT_KEY & 0xFFFFFFFFFFFFFFFF)
 
 
+def engine_seed(base_model: str, lora: str | None, cache_salt: str | None) -> int:
+    """The first block's seed keyed as the engine isolates caches: by LoRA adapter and
+    ``cache_salt`` (its extra keys), with ``base_model`` the replica's base served model id
+    (never a served-model alias).  The request side and the KV-event side both call this, so
+    a key recomputed from an engine's ``BlockStored`` equals the request's key for the same
+    tokens."""
+    return first_block_seed(base_model, lora, cache_salt)
+
+
 def chain_block_keys(
     tokens: Sequence[int],
     block_size: int,
