@@ -115,10 +115,10 @@ class Subscription:
         verdict = self.ingestor.ingest(
             self.name, batch.dp_rank, batch.seq, batch.events, on_gap="report" if replay else "clear"
         )
-        if verdict != "gap":
-            return
+        if verdict != "gap" or not replay:
+            return  # in order, or a gap already handled by dropping the replica's entries
         start = feed.last_seq[batch.dp_rank] + 1
-        if replay and await self.replay(replay, batch.dp_rank, start, batch.seq):
+        if await self.replay(replay, batch.dp_rank, start, batch.seq):
             feed.replays["ok"] += 1
             feed.gaps += 1
             self.ingestor.ingest(self.name, batch.dp_rank, batch.seq, batch.events)
