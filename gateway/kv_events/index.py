@@ -273,7 +273,7 @@ class PreciseIndex:
         holders = self._holders
         remaining = want
         i = 0
-        for i, key in enumerate(keys):  # noqa: B007 - i is read after the loop
+        for i, key in enumerate(keys):
             mask = holders.get(key, 0) & remaining
             lost = remaining ^ mask
             if lost and i:

@@ -32,7 +32,9 @@ class KvEventsCollector(Collector):
             labels=["replica", "mode"],
         )
         why_approximate = GaugeMetricFamily(
-            p + "approximate_reason", "1 for why a replica is routed by the approximate model", labels=["replica", "reason"]
+            p + "approximate_reason",
+            "1 for why a replica is routed by the approximate model",
+            labels=["replica", "reason"],
         )
         messages = CounterMetricFamily(p + "messages", "KV event messages received and applied", labels=["replica"])
         decoded = CounterMetricFamily(p + "events", "KV events decoded from those messages", labels=["replica"])
@@ -43,8 +45,12 @@ class KvEventsCollector(Collector):
         replays = CounterMetricFamily(
             p + "replays", "Gap replays over the replica's replay socket", labels=["replica", "outcome"]
         )
-        restarts = CounterMetricFamily(p + "restarts", "Sequences that went backwards (engine restarts)", labels=["replica"])
-        blocks = GaugeMetricFamily(p + "indexed_blocks", "Blocks the precise index holds for the replica", labels=["replica"])
+        restarts = CounterMetricFamily(
+            p + "restarts", "Sequences that went backwards (engine restarts)", labels=["replica"]
+        )
+        blocks = GaugeMetricFamily(
+            p + "indexed_blocks", "Blocks the precise index holds for the replica", labels=["replica"]
+        )
         for name in events.replicas():
             current, reason = events.mode_of(name)
             for value in ("precise", "approximate"):
@@ -68,11 +74,26 @@ class KvEventsCollector(Collector):
         )
         for why, count in events.index.skipped.items():
             skipped.add_metric([why], count)
-        memory = GaugeMetricFamily(p + "index_bytes", "Bytes the precise index budgets (bounded by kv_events.max_bytes)")
+        memory = GaugeMetricFamily(
+            p + "index_bytes", "Bytes the precise index budgets (bounded by kv_events.max_bytes)"
+        )
         memory.add_metric([], events.index.memory_bytes())
         evicted = CounterMetricFamily(p + "index_evicted", "Entries the precise index dropped at its memory bound")
         evicted.add_metric([], events.index.evicted)
-        yield from (mode, why_approximate, messages, decoded, dropped, gaps, replays, restarts, blocks, skipped, memory, evicted)
+        yield from (
+            mode,
+            why_approximate,
+            messages,
+            decoded,
+            dropped,
+            gaps,
+            replays,
+            restarts,
+            blocks,
+            skipped,
+            memory,
+            evicted,
+        )
 
 
 __all__ = ["APPROXIMATE_REASONS", "KvEventsCollector"]

@@ -53,7 +53,7 @@ class Speculative:
             return
         now = self.clock()
         self._purge(now)
-        stored = tuple(keys[_SPEC_STRIDE - 1 :: _SPEC_STRIDE]) + (keys[-1],)
+        stored = (*tuple(keys[_SPEC_STRIDE - 1 :: _SPEC_STRIDE]), keys[-1])
         expiry = now + self.ttl_s
         by_key = self._by_key
         for key in stored:

@@ -78,7 +78,11 @@ def parse_sources(data: Any, replica_url: str) -> list[Source]:
 
 def configured_sources(endpoints: list[KvEndpoint], replica_url: str) -> list[Source]:
     return [
-        Source(e.dp_rank, connectable(e.endpoint, replica_url), e.replay_endpoint and connectable(e.replay_endpoint, replica_url))
+        Source(
+            e.dp_rank,
+            connectable(e.endpoint, replica_url),
+            e.replay_endpoint and connectable(e.replay_endpoint, replica_url),
+        )
         for e in endpoints
     ]
 

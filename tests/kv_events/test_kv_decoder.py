@@ -105,7 +105,7 @@ def test_truncated_msgpack_is_dropped_at_every_cut() -> None:
         (msgpack.packb({"ts": 1}), "shape"),
         (msgpack.packb([1.0, "events", 0]), "shape"),
         (msgpack.packb([1.0]), "shape"),
-        (msgpack.packb([1.0, [], 0], use_bin_type=False) [:-1] + b"\xd4\x01\x02", "malformed"),  # ext type
+        (msgpack.packb([1.0, [], 0], use_bin_type=False)[:-1] + b"\xd4\x01\x02", "malformed"),  # ext type
         (msgpack.packb([1.0, [{"type": b"\xff\xfe".decode("latin-1")}], 0]), None),
         (b"\xa3\xff\xfe\xfd", "malformed"),  # invalid UTF-8 in a str
     ],

@@ -99,14 +99,19 @@ def test_routing_follows_the_engines_events_through_clears_and_restarts(
         {"role": "system", "content": "You are the reference desk. " + "Cite every source you use. " * 40},
         {"role": "user", "content": "Where are the atlases?"},
     ]
-    tokens = list(PrefixPipeline(NormalizeSettings(), PrefixSettings()).window_tokens("chat", {"model": MODEL, "messages": messages}))
+    tokens = list(
+        PrefixPipeline(NormalizeSettings(), PrefixSettings()).window_tokens(
+            "chat", {"model": MODEL, "messages": messages}
+        )
+    )
     blocks = len(tokens) // BS
     held = tokens[: blocks * BS]
     assert blocks >= 10
 
-    with serve_in_thread(config) as gw, httpx.Client(
-        base_url=gw.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30
-    ) as api:
+    with (
+        serve_in_thread(config) as gw,
+        httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30) as api,
+    ):
         sdk = openai_client(gw.openai_base_url, api_key="unused", timeout=30)
 
         def ask() -> str:

@@ -37,9 +37,9 @@ def test_keys_recomputed_from_token_ids_equal_the_request_side_keys_across_chain
     # the engine stores 3 blocks, then 2 more chained to the third (a later step of the same prefill)
     index.apply("r0", _events(stored(hashes[:3], tokens[: 3 * BS], BS)))
     index.apply("r0", _events(stored(hashes[3:], tokens[3 * BS :], BS, parent=hashes[2])))
-    keys = _keys(tokens + [1, 2, 3])  # a partial tail block has no key on either side
+    keys = _keys([*tokens, 1, 2, 3])  # a partial tail block has no key on either side
     assert index.leading(keys) == {"r0": 5}
-    assert index.leading(keys[:2] + [12345] + keys[3:]) == {"r0": 2}  # vLLM stops at the first miss
+    assert index.leading([*keys[:2], 12345, *keys[3:]]) == {"r0": 2}  # vLLM stops at the first miss
 
 
 def test_block_removed_goes_through_the_engine_hash_map_and_copies_count() -> None:
@@ -154,6 +154,10 @@ def test_entry_bytes_covers_what_the_structures_really_hold() -> None:
     gc.collect()
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
-    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename") if "kv_events" in str(stat) or "blocks.py" in str(stat))
+    grown = sum(
+        stat.size_diff
+        for stat in after.compare_to(before, "filename")
+        if "kv_events" in str(stat) or "blocks.py" in str(stat)
+    )
     assert index.blocks() == n
     assert 0 < grown <= n * ENTRY_BYTES

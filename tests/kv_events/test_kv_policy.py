@@ -70,7 +70,7 @@ def _views() -> list[ReplicaView]:
 
 
 def test_routing_follows_what_the_engine_holds_not_what_the_model_remembers() -> None:
-    policy, events, clock = _setup(speculative_s=0)
+    policy, events, _clock = _setup(speculative_s=0)
     tokens = _tokens(1, 6)
     first = policy.choose(_request(tokens), _views())
     assert first.detail["kv_mode"] == "precise"
@@ -85,7 +85,7 @@ def test_routing_follows_what_the_engine_holds_not_what_the_model_remembers() ->
 
 
 def test_a_choice_counts_as_held_until_the_engine_speaks_then_only_for_speculative_s() -> None:
-    policy, events, clock = _setup(speculative_s=10, stale_s=1000)
+    policy, _, clock = _setup(speculative_s=10, stale_s=1000)
     tokens = _tokens(2, 8)
     first = policy.choose(_request(tokens, rid="a"), _views())
     burst = policy.choose(_request(tokens, rid="b"), _views())
@@ -100,7 +100,7 @@ def test_a_choice_counts_as_held_until_the_engine_speaks_then_only_for_speculati
 
 
 def test_past_the_window_the_engines_whole_window_extends_with_the_models_text_keys() -> None:
-    policy, events, clock = _setup(speculative_s=0)
+    policy, events, _clock = _setup(speculative_s=0)
     tokens = _tokens(3, 4)
     text = (111, 222, 333)
     first = policy.choose(_request(tokens, text), _views())  # the model records the text keys there
@@ -131,7 +131,7 @@ def test_approximate_replicas_keep_the_model_and_modes_show_in_the_decision() ->
 
 
 def test_a_route_hashing_another_block_size_is_not_matched_precisely() -> None:
-    policy, events, clock = _setup(speculative_s=0)
+    _policy, events, _clock = _setup(speculative_s=0)
     events.ingestor.ingest("r0", 0, 1, _events(stored(hashes_for(1), list(range(128)), 128)))
     assert events.mode_of("r0", 16) == ("approximate", "block_size_mismatch")
     assert events.mode_of("r0", 128) == ("precise", None)
