@@ -21,12 +21,18 @@ from tests.kv_events.frames import payload
 class TestPublisher:
     __test__ = False  # not a test class
 
-    def __init__(self, replay: bool = True, topic: bytes = b"", connect: str | None = None) -> None:
+    def __init__(
+        self, replay: bool = True, topic: bytes = b"", connect: str | None = None, port: int | None = None
+    ) -> None:
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         if connect is None:
-            port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            if port is None:
+                port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            else:  # an engine restarted on its old port
+                self.pub.bind(f"tcp://127.0.0.1:{port}")
+            self.port = port
             self.endpoint = f"tcp://*:{port}"  # as /kv_event_sources shows a binding engine
         else:
             self.pub.connect(connect)

@@ -210,3 +210,32 @@ def test_a_replica_that_stops_publishing_while_served_goes_approximate_until_it_
     assert events.mode_of("r0") == ("approximate", "stale")
     events.ingestor.ingest("r0", 0, 1, [])
     assert events.mode_of("r0") == ("precise", None)
+
+
+async def test_an_engine_killed_and_restarted_on_its_port_is_precise_again_without_a_gateway_restart(
+    setup: Any,
+) -> None:
+    replicas, publishers, services = setup
+    pub = TestPublisher(replay=False)
+    replicas["r0"] = FakeReplica("r0", FakeClient(pub.sources()))
+    events = _service(replicas, services)
+    await events.start()
+    await _connected(events, "r0", pub)
+    feed = events.ingestor.feeds["r0"]
+    a, b = _prompt(1), _prompt(2)
+    pub.publish([stored(a[1], a[0], BS)])
+    await until(lambda: events.index.blocks("r0") == 2)
+    port = pub.port
+    pub.close()  # the engine process dies: its socket is gone
+    reborn = TestPublisher(replay=False, port=port)
+    publishers.append(reborn)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 15
+    while feed.restarts == 0:  # ZMQ reconnects by itself; the new engine numbers from 0 again
+        assert loop.time() < deadline, "the restarted engine was never heard"
+        reborn.restart()
+        reborn.publish([stored(b[1], b[0], BS)])
+        await asyncio.sleep(0.05)
+    assert events.index.leading(_keys(a[0])) == {}  # what the dead engine held is gone
+    assert events.index.leading(_keys(b[0])) == {"r0": 2}
+    assert events.mode_of("r0") == ("precise", None)
