@@ -19,7 +19,7 @@ from typing import Any
 from gateway.kv_events.index import PreciseIndex
 from gateway.kv_events.ingest import Ingestor
 from gateway.kv_events.routing import PreciseRouting
-from gateway.kv_events.settings import KvEventsSettings
+from gateway.kv_events.settings import KvEndpoint, KvEventsSettings
 from gateway.kv_events.sources import Source, base_model, configured_sources, discover
 from gateway.replicas.pool import Replica
 from gateway.tasks import cancel_and_wait
@@ -119,9 +119,14 @@ class KvEvents:
             self.index.set_model(replica.name, model)
             if configured is not None:
                 return configured_sources(configured, replica.url), None
-            if not self.settings.discover:
-                return [], "not listed in kv_events.endpoints (discover: false)"
-            return await discover(replica, _MODEL_TIMEOUT_S)
+            found, why = [], "not listed in kv_events.endpoints (discover: false)"
+            if self.settings.discover:
+                found, why = await discover(replica, _MODEL_TIMEOUT_S)
+            fallback = self.settings.fallback_endpoint
+            if not found and fallback is not None:
+                endpoint = KvEndpoint(endpoint=fallback, replay_endpoint=self.settings.fallback_replay_endpoint)
+                return configured_sources([endpoint], replica.url), None
+            return found, why
 
         sub = Subscription(replica.name, self._ctx, self.ingestor, self.settings, resolve, source)
         await self._guard(sub.run, f"subscription {replica.name}")

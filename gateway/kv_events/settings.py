@@ -53,8 +53,16 @@ class KvEventsSettings(BaseModel):
     )
     discover: bool = Field(
         True,
-        description="find each replica's publisher by GET /kv_event_sources on the replica (vLLM >= 0.11); a "
-        "tcp://*:PORT endpoint is read as the replica's own host",
+        description="find each replica's publisher by GET /kv_event_sources on the replica (vLLM 0.32 serves it); "
+        "a tcp://*:PORT endpoint is read as the replica's own host",
+    )
+    fallback_endpoint: str | None = Field(
+        None,
+        description="where a replica whose /kv_event_sources is missing publishes, e.g. tcp://*:5557 (`*`: the "
+        "replica's host): for discovered fleets of older vLLMs started with the same --kv-events-config",
+    )
+    fallback_replay_endpoint: str | None = Field(
+        None, description="the replay endpoint that goes with fallback_endpoint, e.g. tcp://*:5558"
     )
     endpoints: dict[str, list[KvEndpoint]] = Field(
         default_factory=dict,
@@ -99,7 +107,7 @@ class KvEventsSettings(BaseModel):
         64 * 1024 * 1024, ge=1024, description="larger ZMQ messages are refused by the socket (never allocated)"
     )
 
-    @field_validator("collector_bind")
+    @field_validator("collector_bind", "fallback_endpoint", "fallback_replay_endpoint")
     @classmethod
     def _bind_ok(cls, value: str | None) -> str | None:
         return None if value is None else _zmq_endpoint(value)

@@ -239,3 +239,15 @@ async def test_an_engine_killed_and_restarted_on_its_port_is_precise_again_witho
     assert events.index.leading(_keys(a[0])) == {}  # what the dead engine held is gone
     assert events.index.leading(_keys(b[0])) == {"r0": 2}
     assert events.mode_of("r0") == ("precise", None)
+
+
+async def test_a_replica_without_kv_event_sources_uses_the_fallback_endpoint(setup: Any) -> None:
+    replicas, publishers, services = setup
+    pub = TestPublisher(replay=False)
+    publishers.append(pub)
+    replicas["old"] = FakeReplica("old", FakeClient(None))  # GET /kv_event_sources: 404
+    events = _service(replicas, services, fallback_endpoint=pub.endpoint)
+    await events.start()
+    await _connected(events, "old", pub)
+    assert events.ingestor.feeds["old"].endpoints == [pub.endpoint.replace("*", "127.0.0.1")]
+    assert events.mode_of("old") == ("precise", None)
