@@ -149,6 +149,14 @@ def decode_payload(topic: bytes, seq: int, payload: bytes) -> Batch:
     return batch
 
 
+def decode_events(raw: Any) -> list[Event]:
+    """Events already unpacked (an in-process source: the simulator's callback hands over the
+    structures a msgpack decoder yields); those that cannot be read are left out."""
+    if not isinstance(raw, list):
+        return []
+    return [event for event, _ in map(decode_event, raw) if event is not None]
+
+
 def decode_event(raw: Any) -> tuple[Event | None, str]:
     """One event in either layout: (event, "") or (None, why it was skipped)."""
     if isinstance(raw, dict):

@@ -31,7 +31,7 @@ replica (a shorter match, never a longer one); size ``max_bytes`` to the fleet's
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.kv_events.decoder import AllBlocksCleared, BlockRemoved, BlockStored, Event
@@ -75,6 +75,9 @@ class PreciseIndex:
         self._entries = 0
         self.evicted = 0
         self.skipped: dict[str, int] = dict.fromkeys(SKIP_REASONS, 0)
+        # hears (replica, our keys) of every BlockStored indexed: the router's speculative
+        # choices end when the engine confirms them
+        self.on_stored: Callable[[str, list[int]], None] | None = None
 
     # -- membership ------------------------------------------------------------------------
     def add(self, name: str, base_model: str | None = None) -> None:
@@ -184,6 +187,8 @@ class PreciseIndex:
         except (OverflowError, TypeError, ValueError):  # ids that are not u32 ints
             self._skip("bad_tokens")
             return
+        if self.on_stored is not None:
+            self.on_stored(self._names[replica.slot], keys)
         engine, refs, holders = replica.engine, replica.refs, self._holders
         bit = 1 << replica.slot
         for i in range(take):

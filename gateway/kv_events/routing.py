@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from gateway.kv_events.ingest import Ingestor
 from gateway.routing.affinity import AffinityIndex
@@ -35,47 +36,73 @@ _SPEC_MAX_KEYS = 500_000  # (key, replica) speculative entries at most (~50 MB);
 _MODES_EVERY_S = 0.1  # the set of precise replicas is recomputed this often (its staleness is seconds)
 
 
+@dataclass(slots=True, eq=False)
+class _Choice:
+    """One routing choice held speculatively until its engine reports the blocks (or it expires)."""
+
+    name: str
+    expiry: float
+    stored: tuple[int, ...]
+    confirm: int | None  # the key whose BlockStored from this replica ends the speculation
+    live: bool = True
+
+
 class Speculative:
-    """Recent choices, held for ``ttl_s``: key → {replica: expiry}."""
+    """Recent choices, held until the engine confirms them or ``ttl_s`` passes: key → {replica: choice}.
+
+    A choice ends as soon as its replica's engine reports storing its deepest token block in
+    the index's reach (:meth:`confirm`): from then on the engine's word (which also tells of
+    evictions) replaces it.  ``ttl_s`` bounds a choice whose events never come.
+    """
 
     def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
         self.ttl_s = ttl_s
         self.clock = clock
-        self._by_key: dict[int, dict[str, float]] = {}
-        self._queue: deque[tuple[float, str, tuple[int, ...]]] = deque()
+        self._by_key: dict[int, dict[str, _Choice]] = {}
+        self._pending: dict[tuple[str, int], list[_Choice]] = {}
+        self._queue: deque[_Choice] = deque()
         self._size = 0
 
     def __len__(self) -> int:
         return self._size
 
-    def record(self, name: str, keys: Sequence[int]) -> None:
+    def record(self, name: str, keys: Sequence[int], confirm: int | None = None) -> None:
         if self.ttl_s <= 0 or not keys:
             return
         now = self.clock()
         self._purge(now)
-        stored = (*tuple(keys[_SPEC_STRIDE - 1 :: _SPEC_STRIDE]), keys[-1])
-        expiry = now + self.ttl_s
+        choice = _Choice(name, now + self.ttl_s, (*keys[_SPEC_STRIDE - 1 :: _SPEC_STRIDE], keys[-1]), confirm)
         by_key = self._by_key
-        for key in stored:
+        for key in choice.stored:
             holders = by_key.get(key)
             if holders is None:
                 holders = by_key[key] = {}
             if name not in holders:
                 self._size += 1
-            holders[name] = expiry
-        self._queue.append((expiry, name, stored))
+            holders[name] = choice
+        if confirm is not None:
+            self._pending.setdefault((name, confirm), []).append(choice)
+        self._queue.append(choice)
         while self._size > _SPEC_MAX_KEYS and self._queue:
-            self._expire(*self._queue.popleft(), forced=True)
+            self._drop(self._queue.popleft())
+
+    def confirm(self, name: str, keys: Sequence[int]) -> None:
+        """``name``'s engine stored blocks with these keys: choices waiting for them end."""
+        pending = self._pending
+        if not pending:
+            return
+        for key in keys:
+            waiting = pending.pop((name, key), None)
+            if waiting is not None:
+                for choice in waiting:
+                    self._drop(choice)
 
     def withdraw(self, name: str, keys: Sequence[int]) -> None:
         """The attempt failed before the replica computed anything: it holds none of it."""
-        stored = tuple(keys[_SPEC_STRIDE - 1 :: _SPEC_STRIDE]) + tuple(keys[-1:])
-        for key in stored:
-            holders = self._by_key.get(key)
-            if holders is not None and holders.pop(name, None) is not None:
-                self._size -= 1
-                if not holders:
-                    del self._by_key[key]
+        holders = self._by_key.get(keys[-1]) if keys else None
+        choice = holders.get(name) if holders is not None else None
+        if choice is not None:
+            self._drop(choice)
 
     def depths(self, keys: Sequence[int], names: set[str]) -> dict[str, int]:
         """For each of ``names`` with a live record among ``keys``: the deepest such depth."""
@@ -83,14 +110,13 @@ class Speculative:
         by_key = self._by_key
         if not by_key or not names:
             return found
-        now = self.clock()
-        self._purge(now)
+        self._purge(self.clock())
         for i in range(len(keys) - 1, -1, -1):
             holders = by_key.get(keys[i])
             if holders is None:
                 continue
-            for name, expiry in holders.items():
-                if expiry > now and name in names and name not in found:
+            for name in holders:
+                if name in names and name not in found:
                     found[name] = i + 1
             if len(found) == len(names):
                 break
@@ -98,21 +124,28 @@ class Speculative:
 
     def _purge(self, now: float) -> None:
         queue = self._queue
-        while queue and queue[0][0] <= now:
-            self._expire(*queue.popleft())
+        while queue and queue[0].expiry <= now:
+            self._drop(queue.popleft())
 
-    def _expire(self, expiry: float, name: str, stored: tuple[int, ...], forced: bool = False) -> None:
-        by_key = self._by_key
-        for key in stored:
+    def _drop(self, choice: _Choice) -> None:
+        if not choice.live:
+            return
+        choice.live = False
+        by_key, name = self._by_key, choice.name
+        for key in choice.stored:
             holders = by_key.get(key)
-            if holders is None:
-                continue
-            held = holders.get(name)
-            if held is not None and (forced or held <= expiry):
+            if holders is not None and holders.get(name) is choice:
                 del holders[name]
                 self._size -= 1
                 if not holders:
                     del by_key[key]
+        if choice.confirm is not None:
+            waiting = self._pending.get((name, choice.confirm))
+            if waiting is not None:
+                if choice in waiting:
+                    waiting.remove(choice)
+                if not waiting:
+                    del self._pending[(name, choice.confirm)]
 
 
 class PreciseRouting:
@@ -132,6 +165,7 @@ class PreciseRouting:
         self.clock = clock
         self.enabled = enabled
         self.speculative = Speculative(speculative_s, clock)
+        self.index.on_stored = self.speculative.confirm  # the engine's word ends a speculation
         self._modes_at = -1.0
         self._live: frozenset[str] = frozenset()
         self._version = 0
@@ -234,8 +268,9 @@ class PreciseRouting:
         keys = request.block_keys
         if not keys:
             return
-        self.speculative.record(name, keys)
         blocks = len(keys) if request.token_blocks is None else request.token_blocks
+        reach = min(blocks, self.index.max_depth_tokens // max(1, request.block_size or 1))
+        self.speculative.record(name, keys, keys[reach - 1] if reach > 0 else None)
         feed = self.ingestor.feeds.get(name)
         if feed is not None and blocks and not self.index.holds(name, keys[blocks - 1]):
             feed.routed(self.clock())

@@ -10,7 +10,7 @@ from gateway.kv_events.settings import KvEventsSettings
 from gateway.prefix.blocks import chain_block_keys, engine_seed
 from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings
-from tests.kv_events.frames import cleared, hashes_for, stored
+from tests.kv_events.frames import cleared, hashes_for, removed, stored
 from tests.kv_events.test_kv_index import _events
 
 NAMES = ["r0", "r1", "r2", "r3"]
@@ -136,3 +136,15 @@ def test_a_route_hashing_another_block_size_is_not_matched_precisely() -> None:
     assert events.mode_of("r0", 16) == ("approximate", "block_size_mismatch")
     assert events.mode_of("r0", 128) == ("precise", None)
     assert events.routing.mode_of("r1", 16) == ("precise", None)  # no store seen: nothing to disagree with
+
+
+def test_the_engines_word_ends_a_speculative_choice_so_its_evictions_count_at_once() -> None:
+    policy, events, clock = _setup(speculative_s=10, stale_s=1000)
+    tokens = _tokens(7, 4)
+    first = policy.choose(_request(tokens), _views())
+    hashes = hashes_for(4, 700)
+    events.ingestor.ingest(first.replica, 0, 1, _events(stored(hashes, tokens, BS)))  # the engine confirms
+    assert len(events.routing.speculative) == 0
+    events.ingestor.ingest(first.replica, 0, 2, _events(*(removed([h]) for h in reversed(hashes[2:]))))
+    clock.now += 1  # well within speculative_s: only the engine's word counts now
+    assert policy.peek(_request(tokens), _views()).detail["predicted_cached_tokens"] == 2 * BS
