@@ -47,6 +47,7 @@ class Feed:
     gaps: int = 0
     replays: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0})
     restarts: int = 0
+    disconnects: int = 0  # the publisher's connection dropped (its engine ended): entries cleared
     clears: int = 0  # entries dropped: AllBlocksCleared, restarts, unreplayed gaps
 
     def check(self, rank: int, seq: int) -> str:
@@ -101,6 +102,7 @@ class Feed:
             "gaps": self.gaps,
             "replays": dict(self.replays),
             "restarts": self.restarts,
+            "disconnects": self.disconnects,
             "clears": self.clears,
             "error": self.error,
         }

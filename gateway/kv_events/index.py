@@ -78,6 +78,7 @@ class PreciseIndex:
         # hears (replica, our keys) of every BlockStored indexed: the router's speculative
         # choices end when the engine confirms them
         self.on_stored: Callable[[str, list[int]], None] | None = None
+        self.on_cleared: Callable[[str], None] | None = None  # ... and of every clear
 
     # -- membership ------------------------------------------------------------------------
     def add(self, name: str, base_model: str | None = None) -> None:
@@ -121,6 +122,8 @@ class PreciseIndex:
         self._entries -= len(replica.engine)
         replica.engine = {}
         replica.refs = {}
+        if self.on_cleared is not None:
+            self.on_cleared(name)
 
     def names(self) -> list[str]:
         return list(self._replicas)

@@ -97,6 +97,11 @@ class Speculative:
                 for choice in waiting:
                     self._drop(choice)
 
+    def forget(self, name: str) -> None:
+        """``name``'s cache was cleared (reset, restart): its pending choices say nothing now."""
+        for choice in [c for c in self._queue if c.name == name]:
+            self._drop(choice)
+
     def withdraw(self, name: str, keys: Sequence[int]) -> None:
         """The attempt failed before the replica computed anything: it holds none of it."""
         holders = self._by_key.get(keys[-1]) if keys else None
@@ -166,6 +171,7 @@ class PreciseRouting:
         self.enabled = enabled
         self.speculative = Speculative(speculative_s, clock)
         self.index.on_stored = self.speculative.confirm  # the engine's word ends a speculation
+        self.index.on_cleared = self.speculative.forget
         self._modes_at = -1.0
         self._live: frozenset[str] = frozenset()
         self._version = 0
@@ -270,7 +276,9 @@ class PreciseRouting:
             return
         blocks = len(keys) if request.token_blocks is None else request.token_blocks
         reach = min(blocks, self.index.max_depth_tokens // max(1, request.block_size or 1))
-        self.speculative.record(name, keys, keys[reach - 1] if reach > 0 else None)
+        confirm = keys[reach - 1] if reach > 0 else None
+        if confirm is None or not self.index.holds(name, confirm):  # held already: nothing to wait for
+            self.speculative.record(name, keys, confirm)
         feed = self.ingestor.feeds.get(name)
         if feed is not None and blocks and not self.index.holds(name, keys[blocks - 1]):
             feed.routed(self.clock())

@@ -51,6 +51,7 @@ class KvEvents:
         self._subs: dict[str, asyncio.Task[None]] = {}
         self._collector: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._restarts_seen: dict[str, int] = {}  # per replica: engine restarts its scrapes showed
 
     # -- routes ------------------------------------------------------------------------------
     def attach(self, routes: Iterable[Any], max_depth_tokens: int | None = None) -> None:
@@ -100,11 +101,29 @@ class KvEvents:
         for name in [n for n in self._subs if n not in current]:
             self._subs.pop(name).cancel()
             self.ingestor.forget(name)
+            self._restarts_seen.pop(name, None)
+        self.notice_restarts(current)
         for name, replica in current.items():
             task = self._subs.get(name)
             if task is not None and not task.done():
                 continue
             self._subs[name] = asyncio.create_task(self._subscribe(replica), name=f"kv-sub-{name}")
+
+    def notice_restarts(self, current: Mapping[str, Replica]) -> None:
+        """A replica whose engine counters went backwards restarted with an empty cache: clear
+        its entries now.  Its sequence going back to 0 says the same, but only once it
+        publishes again, and an idle restarted engine publishes nothing."""
+        for name, replica in current.items():
+            restarts = getattr(replica, "restarts_detected", {}).get("counters_reset", 0)
+            seen = self._restarts_seen.setdefault(name, restarts)
+            if restarts > seen:
+                self._restarts_seen[name] = restarts
+                feed = self.ingestor.feeds.get(name)
+                if feed is not None:
+                    feed.restarts += 1
+                    feed.clears += 1
+                    feed.last_seq.clear()  # its next message starts a new stream
+                self.index.clear(name)
 
     async def _subscribe(self, replica: Replica) -> None:
         from gateway.kv_events.subscriber import Subscription

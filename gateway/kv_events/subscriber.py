@@ -17,11 +17,13 @@ not close the gap in ``replay_timeout_s``, the replica's entries are dropped and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from gateway.kv_events.decoder import Batch, Dropped, decode_frames, decode_payload
 from gateway.kv_events.ingest import Ingestor
@@ -82,6 +84,7 @@ class Subscription:
         self.sources = sources
         self._replay_of = {s.dp_rank: s.replay_endpoint for s in sources if s.replay_endpoint}
         sock = _sub_socket(self.ctx, self.settings)
+        watch = asyncio.create_task(self._watch_disconnects(sock), name=f"kv-monitor-{self.name}")
         try:
             for source in sources:
                 sock.connect(source.endpoint)
@@ -101,7 +104,30 @@ class Subscription:
                     return
                 feed.error = error
         finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            sock.disable_monitor()
             sock.close(0)
+
+    async def _watch_disconnects(self, sock: zmq.asyncio.Socket) -> None:
+        """A publisher's connection dropping means its engine process ended (or the network
+        did): what it held is not to be trusted — cleared at once, not when (if ever) the
+        restarted engine publishes again (an idle engine publishes nothing)."""
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                frames = await monitor.recv_multipart()
+                if parse_monitor_message(frames)["event"] != zmq.EVENT_DISCONNECTED:
+                    continue
+                feed = self.ingestor.feed(self.name)
+                feed.disconnects += 1
+                feed.clears += 1
+                feed.last_seq.clear()  # a new engine numbers from 0: its stream starts afresh
+                self.ingestor.index.clear(self.name)
+                log.info("kv events: %s publisher disconnected; its entries are cleared", self.name)
+        finally:
+            monitor.close(0)
 
     async def handle(self, frames: list[bytes]) -> None:
         """One message: decode, check its sequence, replay a gap if possible, apply."""

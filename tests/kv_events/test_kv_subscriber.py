@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
+from gateway.kv_events.decoder import decode_frames
 from gateway.kv_events.service import KvEvents
 from gateway.kv_events.settings import KvEventsSettings
 from gateway.prefix.blocks import chain_block_keys, engine_seed
-from tests.kv_events.frames import cleared, hashes_for, stored
+from tests.kv_events.frames import cleared, hashes_for, message, stored
 from tests.kv_events.publisher import TestPublisher
 from tests.polling import until
 
@@ -43,6 +44,10 @@ class FakeReplica:
     client: FakeClient
     url: str = "http://127.0.0.1:9"
     auth_header: str | None = None
+
+
+def _decoded(*raw: Any) -> list[Any]:
+    return decode_frames(message(0, list(raw))).events
 
 
 def _keys(tokens: list[int]) -> list[int]:
@@ -227,11 +232,13 @@ async def test_an_engine_killed_and_restarted_on_its_port_is_precise_again_witho
     await until(lambda: events.index.blocks("r0") == 2)
     port = pub.port
     pub.close()  # the engine process dies: its socket is gone
+    await until(lambda: feed.disconnects == 1, what="the disconnect")
+    assert events.index.blocks("r0") == 0  # cleared at once: the restarted engine may stay silent
     reborn = TestPublisher(replay=False, port=port)
     publishers.append(reborn)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 15
-    while feed.restarts == 0:  # ZMQ reconnects by itself; the new engine numbers from 0 again
+    while events.index.blocks("r0") == 0:  # ZMQ reconnects by itself; the new engine numbers from 0
         assert loop.time() < deadline, "the restarted engine was never heard"
         reborn.restart()
         reborn.publish([stored(b[1], b[0], BS)])
@@ -251,3 +258,18 @@ async def test_a_replica_without_kv_event_sources_uses_the_fallback_endpoint(set
     await _connected(events, "old", pub)
     assert events.ingestor.feeds["old"].endpoints == [pub.endpoint.replace("*", "127.0.0.1")]
     assert events.mode_of("old") == ("precise", None)
+
+
+def test_a_restart_the_scrape_saw_clears_the_replica_before_it_publishes_again() -> None:
+    replica = FakeReplica("r0", FakeClient(None))
+    replica.restarts_detected = {"counters_reset": 0, "rejoined": 0}  # type: ignore[attr-defined]
+    events = KvEvents(KvEventsSettings(), lambda: {"r0": replica})  # type: ignore[arg-type, return-value]
+    events.index.add("r0", MODEL)
+    a = _prompt(1)
+    events.ingestor.ingest("r0", 0, 5, _decoded(stored(a[1], a[0], BS)))
+    events.notice_restarts({"r0": replica})  # type: ignore[dict-item]
+    assert events.index.blocks("r0") == 2
+    replica.restarts_detected["counters_reset"] = 1  # type: ignore[attr-defined]
+    events.notice_restarts({"r0": replica})  # type: ignore[dict-item]
+    assert events.index.blocks("r0") == 0 and events.ingestor.feeds["r0"].restarts == 1
+    assert events.ingestor.ingest("r0", 0, 0, []) == "first"  # the new engine's stream
