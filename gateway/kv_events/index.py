@@ -44,6 +44,7 @@ ENTRY_BYTES = 400
 _FIXED_BYTES = 2048  # per replica: its dicts and sets, empty
 
 _KEY, _DEPTH, _COPIES = 0, 1, 2
+PROBE_STRIDE = 8  # leading(): keys probed per stretch (see there)
 FULL_KINDS = (None, "full_attention")
 MEDIA = (None, "GPU")
 #: Why an event (or part of one) was not indexed, as metric labels (bounded).
@@ -73,6 +74,7 @@ class PreciseIndex:
         self._names: dict[int, str] = {}
         self._holders: dict[int, int] = {}
         self._entries = 0
+        self.generation = 0  # moves whenever a slot is given or taken: masks from mask_of() expire
         self.evicted = 0
         self.skipped: dict[str, int] = dict.fromkeys(SKIP_REASONS, 0)
         # hears (replica, our keys) of every BlockStored indexed: the router's speculative
@@ -88,6 +90,7 @@ class PreciseIndex:
             slot = next(i for i in range(len(self._names) + 1) if i not in self._names)
             replica = self._replicas[name] = _Replica(slot)
             self._names[slot] = name
+            self.generation += 1
         if base_model is not None:
             replica.base_model = base_model
 
@@ -105,6 +108,7 @@ class PreciseIndex:
         self.clear(name)
         replica = self._replicas.pop(name)
         del self._names[replica.slot]
+        self.generation += 1
 
     def clear(self, name: str) -> None:
         """Everything ``name`` held is gone (``AllBlocksCleared``, a restart, an unreplayed gap)."""
@@ -269,29 +273,53 @@ class PreciseIndex:
                 self._drop_key(replica, entry[_KEY])
 
     # -- reading ---------------------------------------------------------------------------
-    def leading(self, keys: Sequence[int], names: Iterable[str] | None = None) -> dict[str, int]:
-        """For each of ``names`` (None: all) whose engine holds ``keys[0]``: how many leading
-        keys it holds in a row — vLLM's own lookup stops at the first missing block."""
+    def mask_of(self, names: Iterable[str] | None = None) -> int:
+        """The bit mask of ``names`` (None: every tracked replica), for :meth:`leading`."""
         want = 0
         for name in self._replicas if names is None else names:
             replica = self._replicas.get(name)
             if replica is not None:
                 want |= 1 << replica.slot
+        return want
+
+    def leading(
+        self, keys: Sequence[int], names: Iterable[str] | None = None, mask: int | None = None
+    ) -> dict[str, int]:
+        """For each of ``names`` (or the replicas of ``mask`` from :meth:`mask_of`; None: all)
+        whose engine holds ``keys[0]``: how many leading keys it holds in a row — vLLM's own
+        lookup stops at the first missing block.
+
+        Probes every ``PROBE_STRIDE``-th key, then the keys since the last probe for the
+        replicas a probe lost, so a full window costs ~1/8 of the lookups.  A hole inside a
+        stretch the engine holds on both sides goes unseen; vLLM frees a request's blocks tail
+        first, so its cache loses the ends of prefixes, not their middles.
+        """
+        remaining = self.mask_of(names) if mask is None else mask
         depth: dict[str, int] = {}
         holders = self._holders
-        remaining = want
-        i = 0
-        for i, key in enumerate(keys):
-            mask = holders.get(key, 0) & remaining
-            lost = remaining ^ mask
-            if lost and i:
-                self._assign(depth, lost, i)
-            remaining = mask
+        n = len(keys)
+        if not n or not remaining:
+            return depth
+        prev = -1
+        probe = min(PROBE_STRIDE, n) - 1
+        while True:
+            held = holders.get(keys[probe], 0) & remaining
+            lost = remaining ^ held
+            k = prev + 1
+            while lost and k <= probe:  # each lost replica's first miss lies in (prev, probe]
+                still = holders.get(keys[k], 0) & lost
+                gone = lost ^ still
+                if gone and k:
+                    self._assign(depth, gone, k)
+                lost = still
+                k += 1
+            remaining = held
             if not remaining:
                 return depth
-        if remaining:
-            self._assign(depth, remaining, i + 1)
-        return depth
+            if probe == n - 1:
+                self._assign(depth, remaining, n)
+                return depth
+            prev, probe = probe, min(probe + PROBE_STRIDE, n - 1)
 
     def _assign(self, depth: dict[str, int], mask: int, value: int) -> None:
         names = self._names

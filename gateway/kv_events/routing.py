@@ -176,6 +176,9 @@ class PreciseRouting:
         self._live: frozenset[str] = frozenset()
         self._version = 0
         self._masks: dict[tuple[int, int, int, int], tuple[int, dict[int, str]]] = {}
+        # (affinity index, its generation, live version, index generation, affinity mask) -> the
+        # names and the precise index's mask
+        self._eligible: dict[tuple[int, int, int, int, int], tuple[set[str], int]] = {}
 
     # -- modes -------------------------------------------------------------------------------
     def live(self) -> frozenset[str]:
@@ -189,6 +192,7 @@ class PreciseRouting:
                 self._live = live
                 self._version += 1
                 self._masks.clear()
+                self._eligible.clear()
             self._modes_at = now
         return self._live if self.enabled else frozenset()
 
@@ -238,9 +242,16 @@ class PreciseRouting:
         if approx:
             for depth, mask in affinity.match_groups(keys, approx):
                 by_depth[depth] = by_depth.get(depth, 0) | mask
-        names = {bit_names[bit] for bit in _bits(pmask)}
+        cache_key = (id(affinity), affinity.generation, self._version, self.index.generation, pmask)
+        eligible = self._eligible.get(cache_key)
+        if eligible is None:
+            names = {bit_names[bit] for bit in _bits(pmask)}
+            eligible = self._eligible[cache_key] = (names, self.index.mask_of(names))
+            if len(self._eligible) > 256:
+                self._eligible.clear()
+        names, index_mask = eligible
         blocks = len(keys) if request.token_blocks is None else request.token_blocks
-        depth_of = self.index.leading(keys[:blocks], names) if blocks else {}
+        depth_of = self.index.leading(keys[:blocks], mask=index_mask) if blocks else {}
         for name, depth in self.speculative.depths(keys, names).items():
             if depth > depth_of.get(name, 0):
                 depth_of[name] = depth

@@ -8,7 +8,9 @@ replica killed and restarted at the same address comes back without anything don
 (its sequence starts again at 0: a restart, its entries are cleared); a replica silent for
 ``rediscover_s`` is resolved again, and reconnected if its publishers moved.
 
-A gap is replayed when the rank has a replay endpoint: a DEALER sends ``[b"", start]`` and
+So is the first message after (re)connecting when the engine already published before it
+(from sequence 0: what its replay buffer still holds).  A gap is replayed when the rank has a
+replay endpoint: a DEALER sends ``[b"", start]`` and
 reads ``[b"", topic, seq, payload]`` until the end marker (seq ``0xFF`` x 8); the replayed
 batches are applied in order, then the message that revealed the gap.  If the replay does
 not close the gap in ``replay_timeout_s``, the replica's entries are dropped and relearned.
@@ -33,6 +35,7 @@ from gateway.kv_events.sources import Source
 log = logging.getLogger("prefix_gateway.kv_events")
 
 END_SEQ = b"\xff" * 8
+CATCH_UP_AFTER_S = 1.0  # a fresh stream quiet this long asks its replay buffer (see catch_up)
 Resolver = Callable[[], Awaitable[tuple[list[Source], str | None]]]
 
 
@@ -65,6 +68,7 @@ class Subscription:
         self.source = source
         self.sources: list[Source] = []
         self._replay_of: dict[int, str] = {}
+        self._fresh_until = 0.0  # (re)connected or disconnected lately: catch up while quiet until then
 
     async def run(self) -> None:
         feed = self.ingestor.feed(self.name)
@@ -93,11 +97,19 @@ class Subscription:
             feed.endpoints = [s.endpoint for s in sources]
             feed.replay_endpoints = [s.replay_endpoint for s in sources if s.replay_endpoint]
             log.info("kv events: %s subscribed to %s", self.name, ", ".join(feed.endpoints))
-            timeout_ms = int(self.settings.rediscover_s * 1000)
+            loop = asyncio.get_running_loop()
+            silent_since = loop.time()
+            self._fresh_until = loop.time() + self.settings.rediscover_s
             while True:
-                if await sock.poll(timeout_ms):
+                if await sock.poll(int(CATCH_UP_AFTER_S * 1000)):
                     await self.handle(await sock.recv_multipart(copy=True))
+                    silent_since = loop.time()
                     continue
+                if loop.time() < self._fresh_until:
+                    await self.catch_up()
+                if loop.time() - silent_since < self.settings.rediscover_s:
+                    continue
+                silent_since = loop.time()
                 again, error = await self.resolve()  # silent: did its publishers move?
                 if again and again != sources:
                     log.info("kv events: %s publishers moved; reconnecting", self.name)
@@ -121,6 +133,8 @@ class Subscription:
                 if parse_monitor_message(frames)["event"] != zmq.EVENT_DISCONNECTED:
                     continue
                 feed = self.ingestor.feed(self.name)
+                # the engine that comes back may publish before this SUB reconnects: catch up
+                self._fresh_until = asyncio.get_running_loop().time() + self.settings.rediscover_s
                 feed.disconnects += 1
                 feed.clears += 1
                 feed.last_seq.clear()  # a new engine numbers from 0: its stream starts afresh
@@ -128,6 +142,20 @@ class Subscription:
                 log.info("kv events: %s publisher disconnected; its entries are cleared", self.name)
         finally:
             monitor.close(0)
+
+    async def catch_up(self) -> None:
+        """A fresh stream gone quiet: fetch what each rank's replay buffer holds (an engine
+        restarted, or started, and published its first batches before this SUB was connected:
+        ZMQ drops what a PUB sends while nobody is connected).  Tried each quiet second for
+        ``rediscover_s`` after a (re)connection or a disconnect, until a rank is heard."""
+        feed = self.ingestor.feed(self.name)
+        pending = [(rank, endpoint) for rank, endpoint in self._replay_of.items() if rank not in feed.last_seq]
+        if not pending:
+            self._fresh_until = 0.0  # every rank is followed live
+            return
+        for rank, endpoint in pending:
+            if await self.replay(endpoint, rank, 0, None):
+                feed.replays["ok"] += 1
 
     async def handle(self, frames: list[bytes]) -> None:
         """One message: decode, check its sequence, replay a gap if possible, apply."""
@@ -138,6 +166,12 @@ class Subscription:
             feed.dropped[dropped.reason] += 1
             return
         replay = self._replay_of.get(batch.dp_rank)
+        if replay and batch.seq > 0 and feed.check(batch.dp_rank, batch.seq) == "first":
+            # the first message since (re)connecting, and the engine published before it (a
+            # gateway joining a running engine, or a restarted engine quicker than ZMQ's
+            # reconnect): fetch what its replay buffer still holds first
+            caught_up = await self.replay(replay, batch.dp_rank, 0, batch.seq)
+            feed.replays["ok" if caught_up else "failed"] += 1
         verdict = self.ingestor.ingest(
             self.name, batch.dp_rank, batch.seq, batch.events, on_gap="report" if replay else "clear"
         )
@@ -152,8 +186,9 @@ class Subscription:
             feed.replays["failed"] += 1
             self.ingestor.resync(self.name, batch.dp_rank, batch.seq, batch.events)
 
-    async def replay(self, endpoint: str, rank: int, start: int, until: int) -> bool:
-        """Fetch and apply batches ``start .. until - 1``; True when the gap is closed."""
+    async def replay(self, endpoint: str, rank: int, start: int, until: int | None) -> bool:
+        """Fetch and apply batches ``start .. until - 1`` (None: all it holds); True when the
+        gap is closed (None: when anything was applied)."""
         feed = self.ingestor.feed(self.name)
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -173,19 +208,21 @@ class Subscription:
                     continue
                 _, topic, seq_bytes, payload = frames
                 if seq_bytes == END_SEQ:
+                    if until is None:
+                        return rank in feed.last_seq
                     return feed.last_seq.get(rank) == until - 1
                 if len(seq_bytes) != 8:
                     feed.dropped["sequence"] += 1
                     continue
                 seq = int.from_bytes(seq_bytes, "big")
-                if seq < start or seq >= until:
+                if seq < start or (until is not None and seq >= until):
                     continue
                 try:
                     batch = decode_payload(topic, seq, payload)
                 except Dropped as dropped:
                     feed.dropped[dropped.reason] += 1
                     return False
-                if feed.check(rank, seq) != "next":
+                if feed.check(rank, seq) not in ("next", "first"):
                     return False  # the replay buffer no longer holds the start of the gap
                 self.ingestor.ingest(self.name, rank, seq, batch.events)
         except zmq.ZMQError as exc:

@@ -39,7 +39,10 @@ def test_keys_recomputed_from_token_ids_equal_the_request_side_keys_across_chain
     index.apply("r0", _events(stored(hashes[3:], tokens[3 * BS :], BS, parent=hashes[2])))
     keys = _keys([*tokens, 1, 2, 3])  # a partial tail block has no key on either side
     assert index.leading(keys) == {"r0": 5}
-    assert index.leading([*keys[:2], 12345, *keys[3:]]) == {"r0": 2}  # vLLM stops at the first miss
+    other = tokens[: 2 * BS] + [7] * BS + tokens[3 * BS :]  # the same prompt but for block 2
+    assert index.leading(_keys(other)) == {"r0": 2}  # vLLM stops at the first miss
+    for blocks in range(1, 6):  # every depth, also between the probes
+        assert index.leading(keys[:blocks]) == {"r0": blocks}
 
 
 def test_block_removed_goes_through_the_engine_hash_map_and_copies_count() -> None:
@@ -161,3 +164,16 @@ def test_entry_bytes_covers_what_the_structures_really_hold() -> None:
     )
     assert index.blocks() == n
     assert 0 < grown <= n * ENTRY_BYTES
+
+
+def test_leading_finds_each_replicas_first_miss_between_probes() -> None:
+    index = _index()
+    tokens = list(range(20 * BS))
+    hashes = hashes_for(20)
+    index.apply("r0", _events(stored(hashes, tokens, BS)))
+    index.apply("r1", _events(stored(hashes_for(20, 5000), tokens, BS)))
+    index.apply("r1", _events(*(removed([h]) for h in reversed(hashes_for(20, 5000)[11:]))))  # tail first
+    keys = _keys(tokens)
+    assert index.leading(keys) == {"r0": 20, "r1": 11}
+    assert index.leading(keys, mask=index.mask_of(["r1"])) == {"r1": 11}
+    assert index.leading(keys[:9]) == {"r0": 9, "r1": 9}

@@ -106,7 +106,7 @@ async def test_discovered_publisher_feeds_the_index_and_a_replayed_gap_loses_not
     pub.publish([stored(b[1], b[0], BS)], send=False)  # lost on the way: a gap
     pub.publish([stored(c[1], c[0], BS)])
     await until(lambda: events.index.blocks("r0") == 6, what="the gap replayed")
-    assert feed.gaps == 1 and feed.replays == {"ok": 1, "failed": 0} and feed.clears == 0
+    assert feed.gaps == 1 and feed.replays["ok"] >= 1 and feed.replays["failed"] == 0 and feed.clears == 0
     for tokens, _ in (a, b, c):
         assert events.index.leading(_keys(tokens)) == {"r0": 2}
 
@@ -273,3 +273,19 @@ def test_a_restart_the_scrape_saw_clears_the_replica_before_it_publishes_again()
     events.notice_restarts({"r0": replica})  # type: ignore[dict-item]
     assert events.index.blocks("r0") == 0 and events.ingestor.feeds["r0"].restarts == 1
     assert events.ingestor.ingest("r0", 0, 0, []) == "first"  # the new engine's stream
+
+
+async def test_the_first_message_after_connecting_catches_up_from_the_replay_buffer(setup: Any) -> None:
+    replicas, publishers, services = setup
+    pub = TestPublisher(replay=True)
+    publishers.append(pub)
+    a, b = _prompt(1), _prompt(2)
+    pub.publish([stored(a[1], a[0], BS)], send=False)  # published before the gateway listened
+    replicas["r0"] = FakeReplica("r0", FakeClient(pub.sources()))
+    events = _service(replicas, services)
+    await events.start()
+    await _connected(events, "r0", pub)
+    pub.publish([stored(b[1], b[0], BS)])
+    await until(lambda: events.index.blocks("r0") == 4, what="caught up")
+    assert events.index.leading(_keys(a[0])) == {"r0": 2}  # learned from the replay
+    assert events.ingestor.feeds["r0"].gaps == 0
