@@ -14,6 +14,10 @@ busy engine's (vLLM 0.32's tagged maps, 64-bit integer hashes), one scheduler st
 - ``cpu_prefill``: the same with vLLM's CPU block size 128 (fewer, larger blocks).
 - ``decode_steps``: one block stored and one removed per step (long decodes filling blocks).
 
+And what precise matching adds to a routing decision: the ``prefix`` policy's ``choose`` on
+full-window (4,096-token) prompts held by the replicas' engines, with the precise matcher
+attached and without (``--replicas``: fleet sizes, default 4 and 64).
+
 Timed in CPU time of the thread (``time.thread_time``) over the whole scenario; "events/s" counts
 ``BlockStored`` + ``BlockRemoved`` events, "blocks/s" the blocks in them.  With ``--repeat N``
 each figure is the median of N runs.  Results: a table on stdout and
@@ -40,6 +44,11 @@ sys.path.insert(0, str(ROOT))
 from gateway.kv_events.decoder import decode_frames  # noqa: E402
 from gateway.kv_events.index import PreciseIndex  # noqa: E402
 from gateway.kv_events.ingest import Ingestor  # noqa: E402
+from gateway.kv_events.service import KvEvents  # noqa: E402
+from gateway.kv_events.settings import KvEventsSettings  # noqa: E402
+from gateway.prefix.blocks import chain_block_keys, engine_seed  # noqa: E402
+from gateway.routing.base import ReplicaView, RequestView  # noqa: E402
+from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_kv_events.json"
 SCENARIOS = {"gpu_prefill": (16, 1, 32), "cpu_prefill": (128, 1, 8), "decode_steps": (16, 1, 1)}
@@ -113,11 +122,42 @@ def run_once(name: str, steps: int, seed: int) -> dict[str, float]:
     }
 
 
+def decision_us(replicas: int, precise: bool, decisions: int = 400, prompts: int = 50) -> float:
+    """CPU microseconds per ``PrefixPolicy.choose`` over ``replicas``, engines holding the prompts."""
+    names = [f"r{i}" for i in range(replicas)]
+    events = KvEvents(KvEventsSettings(), lambda: {})
+    for name in names:
+        events.index.add(name, "m")
+        events.ingestor.feed(name).subscribed = True
+        events.ingestor.ingest(name, 0, 0, [])
+    policy = PrefixPolicy(PrefixPolicySettings(), [ReplicaView(name) for name in names])
+    if precise:
+        policy.attach_precise(events.routing)
+    rnd = random.Random(1)
+    views = [ReplicaView(name) for name in names]
+    requests = []
+    for i in range(prompts):
+        tokens = [rnd.randrange(128_000) for _ in range(4096)]
+        hashes = [(i * 1000 + j) * 0x9E3779B97F4A7C15 % (1 << 64) for j in range(256)]
+        batch = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": tokens,
+                 "block_size": 16, "medium": "GPU"}  # fmt: skip
+        events.ingestor.ingest(
+            names[i % replicas], 0, i + 1, decode_frames([b"", bytes(8), msgpack.packb([0.0, [batch], 0])]).events
+        )
+        keys = tuple(chain_block_keys(tokens, 16, engine_seed("m", None, None)))
+        requests.append(RequestView("x", "route", "m", "chat", None, keys, 16, 4099, 4099))
+    start = time.thread_time()
+    for k in range(decisions):
+        policy.choose(requests[k % prompts], views)
+    return 1e6 * (time.thread_time() - start) / decisions
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps, one run")
     parser.add_argument("--steps", type=int, default=4000, help="messages per scenario")
     parser.add_argument("--repeat", type=int, default=3, help="runs per scenario (the median is reported)")
+    parser.add_argument("--replicas", type=int, action="append", help="fleet sizes for the decision cost (4, 64)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     steps, repeat = (800, 1) if args.quick else (args.steps, args.repeat)
@@ -133,6 +173,14 @@ def main() -> None:
             f"{name:<14}{row['events_per_s']:>12,.0f}{row['blocks_per_s']:>12,.0f}{row['messages_per_s']:>10,.0f}"
             f"{row['decode_us_per_event']:>14.1f}{row['apply_us_per_event']:>13.1f}"
         )
+    decisions: dict[str, Any] = {}
+    for n in args.replicas or [4, 64]:
+        model = statistics.median(decision_us(n, False) for _ in range(repeat))
+        precise = statistics.median(decision_us(n, True) for _ in range(repeat))
+        decisions[str(n)] = {"model_us": model, "precise_us": precise, "added_us": precise - model}
+    print(f"\n{'replicas':<10}{'decision us (model)':>22}{'with precise':>15}{'added':>9}")
+    for n, row in decisions.items():
+        print(f"{n:<10}{row['model_us']:>22.1f}{row['precise_us']:>15.1f}{row['added_us']:>9.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
@@ -143,6 +191,7 @@ def main() -> None:
                 "steps": steps,
                 "repeat": repeat,
                 "scenarios": rows,
+                "decision_cost": decisions,
             },
             indent=2,
         )
