@@ -16,6 +16,7 @@ import pytest
 from gateway.kv_events.decoder import AllBlocksCleared, Batch, BlockRemoved, BlockStored, decode_frames, decode_payload
 from gateway.kv_events.index import PreciseIndex
 from gateway.kv_events.ingest import Ingestor
+from gateway.prefix.blocks import chain_block_keys, engine_seed
 from gateway.prefix.pipeline import PrefixPipeline
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 
@@ -73,9 +74,14 @@ def test_every_recorded_message_decodes_in_sequence_and_applies_cleanly() -> Non
         assert batch.skipped == {}
         kinds.update(type(event).__name__ for event in batch.events)
         before = set(ingestor.index._replicas["real"].refs)
-        assert ingestor.ingest("real", batch.dp_rank, batch.seq, batch.events) in ("first", "next")
-        if any(isinstance(event, AllBlocksCleared) for event in batch.events):
+        events = batch.events
+        clear = next((i for i, event in enumerate(events) if isinstance(event, AllBlocksCleared)), None)
+        if clear is None:
+            assert ingestor.ingest("real", batch.dp_rank, batch.seq, events) in ("first", "next")
+        else:  # the reset's clear comes first in the next step's batch, then that step's stores
+            assert ingestor.ingest("real", batch.dp_rank, batch.seq, events[: clear + 1]) in ("first", "next")
             assert before and not any(ingestor.index.holds("real", key) for key in before)
+            ingestor.index.apply("real", events[clear + 1 :])
         # the engine's cache holds at most num_gpu_blocks: so does what the index learned of it
         assert ingestor.index.blocks("real") <= _recording()["num_gpu_blocks_override"]
     assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
@@ -142,3 +148,37 @@ def test_the_recorded_replay_answer_decodes_to_the_live_messages() -> None:
         assert frames[3] == live[batch.seq]
         seqs.append(batch.seq)
     assert seqs == sorted(seqs) and seqs[0] == start
+
+
+def test_lora_requests_events_key_like_the_contracts_engine_seed() -> None:
+    """A LoRA adapter's events (``lora_name``, the name in every block's extra keys) recompute to
+    ``engine_seed(base model, adapter, salt)``-seeded keys over the request's prompt ids."""
+    models = json.loads((FIXTURES / "models.json").read_text())["data"]
+    base = _base_model()
+    adapters = {m["id"] for m in models if m.get("parent") == base}
+    expected: dict[str, list[int]] = {}
+    for row in _lines("requests.jsonl"):
+        request = row.get("request") or {}
+        model = request.get("model")
+        if row.get("prompt_token_ids") and row["status"] == 200 and model in adapters:
+            seed = engine_seed(base, model, request.get("cache_salt"))
+            expected[row["id"]] = chain_block_keys(row["prompt_token_ids"], _recording()["block_size"], seed)
+    if not adapters:
+        pytest.skip("recorded without a LoRA adapter")
+    assert expected
+    ingestor = _ingestor()
+    compared = 0
+    for row, batch in _batches("kv_events.jsonl"):
+        ingestor.ingest("real", batch.dp_rank, batch.seq, batch.events)
+        keys = expected.get(row.get("after"))
+        engine = ingestor.index._replicas["real"].engine
+        for event in batch.events:
+            if keys is None or not isinstance(event, BlockStored):
+                continue
+            assert event.lora_name in adapters
+            for block in event.block_hashes:
+                ours, depth, _ = engine[block]
+                if depth <= len(keys):
+                    assert ours == keys[depth - 1]
+                    compared += 1
+    assert compared > 0
