@@ -24,6 +24,14 @@ keys (the best match when it covers more than 30 % of the prompt, else the worke
 smallest tree; the shortest queue when loads differ by more than 64 and 1.5x). It is a model of
 the peer, not the peer: the real router stays a row of ``bench_policies.py``.
 
+``--precise`` adds ``precise``: the ``prefix`` policy with every simulated engine's KV events
+(the simulator's in-process callback: the batches its ZMQ publisher sends) feeding the
+gateway's precise index (:mod:`gateway.kv_events`) on the virtual clock, and
+``prefix_aligned``: the same requests keyed under a Llama 3.1 name, so the gateway tokenizes
+as the simulator's llama3 engine does (events name token ids: precise matching needs the
+engine's tokens; ``prefix`` keeps the deliberate mismatch), with the approximate model only.
+The ``pred err`` column is the mean |predicted - reported cached tokens| per prompt token.
+
 Left out by design: HTTP, the gateway's and the client's own latency (TTFT here is queueing
 plus prefill in simulated time), and slow-replica detection (it reacts to wall-clock time).
 Verdicts stay with ``bench_policies.py``; this is for design and tuning. Results: a table on
@@ -35,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import heapq
+import importlib.util
 import json
 import statistics
 import sys
@@ -58,6 +67,11 @@ from benchmarks.bench_prefix_path import pct  # noqa: E402
 from benchmarks.replay import wire_body  # noqa: E402
 from benchmarks.workloads import BenchRequest, Workload, build  # noqa: E402
 from gateway.config import HealthSettings, ReplicaConfig, RouteConfig  # noqa: E402
+from gateway.kv_events.decoder import decode_events  # noqa: E402
+from gateway.kv_events.index import PreciseIndex  # noqa: E402
+from gateway.kv_events.ingest import Ingestor  # noqa: E402
+from gateway.kv_events.routing import PreciseRouting  # noqa: E402
+from gateway.kv_events.settings import KvEventsSettings  # noqa: E402
 from gateway.prefix.pipeline import PrefixPipeline  # noqa: E402
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings  # noqa: E402
 from gateway.replicas.engine import EngineStats  # noqa: E402
@@ -74,6 +88,7 @@ from gateway.sim.replica import Replica as SimReplica  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_WORKLOADS = ("mooncake_synthetic", "mooncake_conversation", "rag", "agent_long", "agent", "agent_toolloop")
 QUICK_SIZE = 0.5
+ALIGNED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # keyed with the simulator's own tokens (SimOptions.tokenizer)
 
 
 # -- the virtual clock ---------------------------------------------------------------------
@@ -131,6 +146,7 @@ class _Held:
     view: RequestView
     decision: Decision
     charge: int
+    predicted: int = 0
 
 
 class GatewayRouter:
@@ -150,11 +166,15 @@ class GatewayRouter:
         hold_tokens: float | None = None,
         hold_fleet_tokens: float = 0.0,
         ring_salt: int = 0,
+        gateway_model: str | None = None,
     ) -> None:
         health = HealthSettings()
         self.pool = [Replica(ReplicaConfig(name=f"r{i}", url=f"http://10.0.0.{i + 1}:8000"), None, health)  # type: ignore[arg-type]
                      for i in range(n)]  # fmt: skip
         config = RouteConfig(name="bench", policy=policy, normalize={"mode": normalize}, policy_settings=settings)
+        # the model name the gateway keys requests under (None: the bench's own, a deliberate
+        # mismatch with the simulator's llama3 tokenizer; ALIGNED_MODEL: the same tokens)
+        self.gateway_model = gateway_model
         with salted_ring(ring_salt):  # the policy builds its ring from the pool here
             self.route_: Route = build_route(config, self.pool)
         engine = sim_options(n == 1)  # what the gateway's first scrape of each replica tells it
@@ -163,6 +183,7 @@ class GatewayRouter:
         self.index = {r.name: i for i, r in enumerate(self.pool)}
         self.reasons: dict[str, int] = {}
         self.predicted_tokens = 0  # the policy's predicted cached tokens, summed over decisions
+        self.prediction_error = 0  # sum over answered requests of |predicted - reported cached tokens|
         self.hold_tokens = hold_tokens
         self.hold_fleet_tokens = hold_fleet_tokens  # ...and only while the fleet's mean queue is over this
         self._prepared: dict[int, tuple[RequestView, dict[str, Any]]] = {}  # held requests: prepared once
@@ -174,6 +195,8 @@ class GatewayRouter:
         known = self._prepared.get(id(req))
         if known is not None:
             return known
+        if self.gateway_model is not None:
+            body = {**body, "model": self.gateway_model}
         route = self.route_
         prepared = route.pipeline.prepare(req.endpoint, body) if route.needs_keys(req.endpoint) else None  # type: ignore[union-attr]
         view = request_view(route.name, req.endpoint, body, prepared, headers.get(route.session_header))
@@ -197,9 +220,10 @@ class GatewayRouter:
         route = self.route_
         decision, replica = route.runner.decide(view)
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
-        self.predicted_tokens += int(decision.detail.get("predicted_cached_tokens", 0))
+        predicted = int(decision.detail.get("predicted_cached_tokens", 0))
+        self.predicted_tokens += predicted
         charge = route.runner.acquire(replica, view, decision)
-        return self.index[replica.name], sent, _Held(replica, view, decision, charge)
+        return self.index[replica.name], sent, _Held(replica, view, decision, charge, predicted)
 
     def first_token(self, handle: _Held) -> None:
         PolicyRunner.prefill_done(handle.replica, handle.charge)
@@ -207,7 +231,39 @@ class GatewayRouter:
 
     def finished(self, handle: _Held, cached_tokens: int) -> None:
         self.first_token(handle)
+        self.prediction_error += abs(handle.predicted - cached_tokens)
         self.route_.runner.release(handle.replica, handle.view, handle.decision, cached_tokens, True)
+
+
+def sim_publishes_events() -> bool:
+    """Whether the simulator's engine records vLLM's KV events (the ``simkv`` work)."""
+    return importlib.util.find_spec("gateway.sim.kvevents") is not None
+
+
+class PreciseGatewayRouter(GatewayRouter):
+    """The ``prefix`` row with every simulated engine's KV events feeding the precise index.
+
+    The events arrive through the simulator's in-process callback (the batches its ZMQ
+    publisher would send, without sockets) at the end of each engine step, on the virtual
+    clock; the gateway's own ingestion (:class:`~gateway.kv_events.ingest.Ingestor`) and
+    matching (:class:`~gateway.kv_events.routing.PreciseRouting`) run as in production.
+    """
+
+    def attach_engines(self, engines: Sequence[Any], clock: VirtualClock) -> None:
+        settings = KvEventsSettings()
+        window = self.route_.pipeline.settings.window_tokens if self.route_.pipeline is not None else 4096
+        self.ingestor = Ingestor(PreciseIndex(settings.max_bytes, window), clock.monotonic)
+        routing = PreciseRouting(self.ingestor, settings.stale_s, settings.speculative_s, clock.monotonic)
+        for replica, engine in zip(self.pool, engines, strict=True):
+            name = replica.name
+            self.ingestor.index.add(name, self.gateway_model or bp.MODEL)  # the seed the requests are keyed with
+            self.ingestor.feed(name).subscribed = True
+
+            def on_batch(batch: Any, name: str = name) -> None:
+                self.ingestor.ingest(name, batch.data_parallel_rank, batch.seq, decode_events(batch.events))
+
+            engine.kv_events.subscribe(on_batch)
+        self.route_.runner.policy.attach_precise(routing)  # type: ignore[attr-defined]
 
 
 class SglangLikeRouter:
@@ -301,6 +357,9 @@ class VirtualFleet:
         way to its engine and each answer's way back to the router (the gateway's own latency)."""
         replicas = [SimReplica(o) for o in self.options]
         engines = [r.engine for r in replicas]
+        attach = getattr(router, "attach_engines", None)
+        if attach is not None:  # the precise row: the engines' KV events feed the router
+            attach(engines, self.clock)
         seed = replicas[0].block_seed(None, None)
         outcomes: list[Outcome | None] = [None] * len(arrivals)
         events: list[tuple[float, int, int, Any]] = []  # (time, seq, kind, payload)
@@ -488,6 +547,7 @@ def rows_for(
     peers: bool,
     hold: Sequence[float | str] = (),
     salts: int = 1,
+    precise: bool = False,
 ) -> list[Row]:
     """The rows of one workload: ``prefix``, the variants and hold rows (each also on ``salts``
     - 1 more ring instances, see :func:`salted_ring`), the peers, the oracle."""
@@ -497,6 +557,16 @@ def rows_for(
     ]
     for name, policy, settings in variants:
         gateway_rows.append((name, partial(GatewayRouter, policy, wl.normalize, dict(settings), n)))
+    if precise:
+        if not sim_publishes_events():
+            raise SystemExit("--precise needs the simulator's KV events (gateway/sim/kvevents.py)")
+        # Events name token ids: the route must tokenize as the engine does (the simulator's
+        # llama3 vocabulary and Llama 3.1 template: the gateway picks them for a Llama 3.1 name;
+        # the `prefix` row keeps the deliberate mismatch), so the approximate model gets the same
+        # alignment as a row of its own: `prefix_aligned`.
+        aligned = {"gateway_model": ALIGNED_MODEL}
+        gateway_rows.append(("prefix_aligned", partial(GatewayRouter, "prefix", wl.normalize, {}, n, **aligned)))
+        gateway_rows.append(("precise", partial(PreciseGatewayRouter, "prefix", wl.normalize, {}, n, **aligned)))
     for spec in hold:
         tokens, _, fleet = str(spec).partition(":")
         name = f"prefix_hold{float(tokens):g}" + (f"_fleet{float(fleet):g}" if fleet else "")
@@ -530,6 +600,8 @@ def run_level(wl: Workload, level: str, rows: Sequence[Row], hop_ms: float = 0.0
         if predicted is not None and stats["prompt_tokens"]:
             # what the gateway told /admin/stats it expected, against what the engines reported
             stats["predicted_hit_rate"] = predicted / stats["prompt_tokens"]
+            # mean |predicted - reported cached tokens| per prompt token
+            stats["prediction_error"] = getattr(router, "prediction_error", 0) / stats["prompt_tokens"]
         stats["seconds"] = round(time.perf_counter() - t0, 2)
         out[name] = stats
     return out
@@ -541,7 +613,7 @@ def print_table(wname: str, level: str, cells: dict[str, Any]) -> None:
     print(
         f"  {'row':<22} {'hit %':>7} {'% orcl':>7} {'pred %':>7} "
         + " ".join(f"{h:>8}" for h in ("p50 ms", "p90 ms", "p99 ms", "alone90"))
-        + f" {'work':>5}  decisions"
+        + f" {'work':>5} {'pred err':>8}  decisions"
     )
     for name, s in cells.items():
         rel = 100 * s["hit_rate"] / oracle if oracle else 0.0
@@ -549,7 +621,9 @@ def print_table(wname: str, level: str, cells: dict[str, Any]) -> None:
         print(
             f"  {name:<22} {100 * s['hit_rate']:7.2f} {rel:7.1f} {predicted}"
             f" {s['ttft_p50_ms']:8.0f} {s['ttft_p90_ms']:8.0f} {s['ttft_p99_ms']:8.0f}"
-            f" {s['alone_p90_ms']:8.0f} {s['work_max_mean']:5.2f}  {s['decisions']}"
+            f" {s['alone_p90_ms']:8.0f} {s['work_max_mean']:5.2f}"
+            + (f" {100 * s['prediction_error']:7.2f}%" if "prediction_error" in s else f" {'-':>8}")
+            + f"  {s['decisions']}"
         )
 
 
@@ -666,6 +740,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "more than TOKENS prompt tokens queued for prefill (late binding) [and the replicas' mean "
                         "queue is over FLEET tokens]; repeatable")  # fmt: skip
     parser.add_argument("--no-peers", action="store_true", help="leave out least_loaded and sglang_like")
+    parser.add_argument(
+        "--precise",
+        action="store_true",
+        help="add the `precise` row (the simulated engines' KV events feed the gateway's precise index) and "
+        "`prefix_aligned` (the same tokens, approximate model only)",
+    )
     parser.add_argument("--salts", type=int, default=1, metavar="N",
                         help="run every gateway row on N ring instances (the same rules, the ring's points hashed "
                         "with salts 1..N-1 as rows ROW~1..): hit rates then come with their spread between equally "
@@ -697,7 +777,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_seed = []
             for seed in range(args.seeds):
                 wl = build(wname, size=size * bp.LEVEL_SIZE[level], seed=seed)
-                rows = rows_for(wl, variants, not args.no_peers, args.hold, args.salts)
+                rows = rows_for(wl, variants, not args.no_peers, args.hold, args.salts, args.precise)
                 cells = run_level(wl, level, rows, args.hop_ms)
                 per_seed.append(cells)
                 print_table(f"{wname} (seed {seed})", level, cells)

@@ -27,6 +27,8 @@ from gateway.discovery.build import build_sources
 from gateway.discovery.membership import Membership
 from gateway.errors import ModelNotFound
 from gateway.http.capacity import Capacity
+from gateway.kv_events.metrics import KvEventsCollector
+from gateway.kv_events.service import KvEvents
 from gateway.limits.admission import KeyLimiter
 from gateway.limits.context import ContextLimits
 from gateway.limits.identity import ClientIdentity
@@ -68,7 +70,7 @@ STOP_TIMEOUT_S = 10.0  # how long shutdown waits for background tasks and connec
 # how long a replica removed from the file keeps its connections for running requests
 STATIC_DRAIN_TIMEOUT_S = 600.0
 #: config sections bound at start: a reload leaves them as they are until a restart
-RESTART_ONLY = ("state", "logging", "health", "scrape", "upstream", "limits", "samples")
+RESTART_ONLY = ("state", "logging", "health", "scrape", "upstream", "limits", "samples", "kv_events")
 #: the ``server:`` settings the request path reads per request, so a reload changes them live
 SERVER_LIVE = ("max_body_bytes", "response_headers", "max_concurrency", "max_buffered_body_bytes")
 
@@ -109,6 +111,9 @@ class Gateway:
             # discovered replicas join these pools once their sources answer (gateway.discovery.membership)
         )
         self.monitor = ReplicaMonitor(list(self.replicas.values()), config.health, config.scrape)
+        # precise routing from the engines' KV events: one index and subscription per replica
+        self.kv_events = KvEvents(config.kv_events, lambda: self.replicas)
+        self.kv_events.attach(self.routes.routes, _deepest_window(config))
         # warm restarts (off unless warm_restart.enabled): hot prefixes in, replays out
         self.warmer = Warmer(lambda: self.config, lambda: self.routes.routes, lambda: self.replicas)
         self.fleet.on_cold = self.warmer.on_cold
@@ -155,6 +160,7 @@ class Gateway:
         self.reloader: Reloader | None = None  # set by the server when serving from a file
         self.metrics.registry.register(MembershipCollector(self.membership, lambda: self.reloads))
         self.metrics.registry.register(WarmupCollector(self.warmer))
+        self.metrics.registry.register(KvEventsCollector(self.kv_events))
         self.started_at = time.time()
 
     def _build_limiter(self, env: Mapping[str, str]) -> KeyLimiter:
@@ -230,6 +236,7 @@ class Gateway:
         # no await from here to the pool refresh: leavers' drains start only after it
         old_routes = self.routes.routes
         self.routes = RouteTable(routes)
+        self.kv_events.attach(routes, _deepest_window(effective))
         self.membership.refresh_pools()
         self.admin_keys, self.client_keys = admin_keys, client_keys
         _redeclare_routes(self.metrics, old_routes, self.routes.routes)
@@ -252,6 +259,7 @@ class Gateway:
             gc.freeze()
         await self.monitor.start()
         await self.membership.start(build_sources(self.config.discovery, self.membership.sources, self.environ))
+        await self.kv_events.start()
         self.summary.start()
         if self.reloader is not None:
             await self.reloader.start()
@@ -298,6 +306,7 @@ class Gateway:
         if self.state_sync is not None:
             await self.state_sync.stop()
         await self.summary.stop()
+        await self.kv_events.stop()
         await self.membership.stop()
         await self.warmer.stop()
         await self.monitor.stop()
@@ -431,6 +440,8 @@ class Gateway:
                     "healthy": replica.healthy,
                     "slow": replica.slow,
                     "engine_hit_rate": None if replica.engine is None else replica.engine.hit_rate,
+                    # precise: matched from its engine's KV events; approximate: the gateway's model
+                    "kv_mode": self.kv_events.mode_of(replica.name, _route_block_size(route))[0],
                 }
             routes[route.name] = {
                 "policy": route.policy,
@@ -465,6 +476,7 @@ class Gateway:
             "reloads": dict(self.reloads),
             "warm_restart": self.warmer.snapshot(),
             "models": self.identities.snapshot(),  # LoRA adapters (and aliases) keyed as their base's engine cache
+            "kv_events": self.kv_events.snapshot(),
         }
 
     def _normalizers(self) -> list[tuple[str, Any]]:
@@ -512,6 +524,15 @@ def _redeclare_routes(metrics: GatewayMetrics, old_routes: list[Route], routes: 
                     metrics.route_replica_info.remove(route.name, replica.name)
     for route in routes:
         metrics.declare_route(route.name, route.policy, [r.name for r in route.runner.replicas])
+
+
+def _deepest_window(config: GatewayConfig) -> int:
+    """The deepest token window of the routes: KV-event blocks deeper than it are never asked for."""
+    return max((route.prefix.window_tokens for route in config.routes), default=4096)
+
+
+def _route_block_size(route: Route) -> int | None:
+    return route.pipeline.block_size if route.pipeline is not None else None  # the size in use (auto: the engines')
 
 
 def _policy_state(route: Route) -> dict[str, Any] | None:

@@ -220,6 +220,8 @@ def _normalize_section(plan: Plan) -> dict[str, Any] | None:
 
 def _replica_rows(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     rows = []
+    # how each replica's match was made: from its engine's KV events, or the gateway's model
+    precise = getattr(plan.route.runner.policy, "precise", None)
     for replica in plan.route.runner.replicas:
         engine = replica.engine
         row: dict[str, Any] = {
@@ -241,6 +243,8 @@ def _replica_rows(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> li
                 "block_size": replica.block_size,  # as the engine last published it
             },
         }
+        if precise is not None:
+            row["kv_mode"], row["kv_reason"] = precise.mode_of(replica.name, plan.request.block_size or None)
         candidate = candidates.get(replica.name)
         if candidate is not None:
             for key in ("ring_rank", "bound", "under_bound", "matched_blocks", "matched_tokens", "score"):
@@ -400,11 +404,24 @@ def render_text(report: Mapping[str, Any]) -> str:
                 str(r.get("matched_blocks", "-")),
                 "-" if score is None else f"{score:.1f}",
                 str(r.get("ring_rank", "-")),
+                {"precise": "events", "approximate": "model"}.get(r.get("kv_mode", ""), "-"),
                 "-" if r["engine"] is None or r["engine"]["hit_rate"] is None else f"{r['engine']['hit_rate']:.1%}",
                 "<- chosen" if r["chosen"] else "",
             ]
         )
-    header = ["replica", "healthy", "in-flight", "queued", "bound", "matched", "score", "ring", "engine hit", ""]
+    header = [
+        "replica",
+        "healthy",
+        "in-flight",
+        "queued",
+        "bound",
+        "matched",
+        "score",
+        "ring",
+        "match by",
+        "engine hit",
+        "",
+    ]
     lines += _table(header, rows)
     decision = report["decision"]
     predicted = decision.get("predicted_cached_tokens")

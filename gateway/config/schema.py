@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from gateway.config.errors import ConfigError
 from gateway.discovery.settings import DiscoveryConfig
+from gateway.kv_events.settings import KvEventsSettings
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 
 ENDPOINTS = ("chat", "completions", "embeddings")
@@ -665,6 +666,10 @@ class GatewayConfig(_Strict):
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
     samples: SampleSettings = Field(default_factory=SampleSettings)
     warm_restart: WarmRestartSettings = Field(default_factory=WarmRestartSettings)
+    kv_events: KvEventsSettings = Field(
+        default_factory=KvEventsSettings,
+        description="precise routing from the replicas' KV cache events (vLLM --kv-events-config)",
+    )
     replicas: list[ReplicaConfig] = Field(
         default_factory=list, description="static replicas (at least one, unless discovery sources are set)"
     )
@@ -684,6 +689,9 @@ class GatewayConfig(_Strict):
         _unique([d.name for d in self.discovery], "discovery")
         _unique([r.name for r in self.replicas] + [d.name for d in self.discovery], "replicas and discovery")
         _unique([r.name for r in self.routes], "routes")
+        unknown = sorted(set(self.kv_events.endpoints) - {r.name for r in self.replicas})
+        if unknown and not self.discovery:
+            raise ValueError(f"kv_events.endpoints: no replica named {', '.join(map(repr, unknown))}")
         return self
 
     def warm_restart_of(self, route: RouteConfig) -> WarmRestartSettings:

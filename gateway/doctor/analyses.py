@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.doctor.evidence import reported_rate
+from gateway.doctor.kv_modes import kv_fallbacks, kv_mode_notes
 from gateway.doctor.live_stats import (
     imbalance_spills,
     kv_pressure,
@@ -39,7 +40,7 @@ class Diagnosis:
 
 def diagnose(corpus: Corpus) -> Diagnosis:
     """Every analysis over every route, findings ranked by what fixing them gains."""
-    out = Diagnosis(source=corpus.source, notes=list(corpus.notes))
+    out = Diagnosis(source=corpus.source, notes=[*corpus.notes, *kv_mode_notes(corpus.stats)])
     by_route = corpus.by_route()
     stats_routes = (corpus.stats or {}).get("routes") or {}
     names = list(dict.fromkeys([*corpus.routes, *by_route, *stats_routes]))
@@ -62,6 +63,7 @@ def diagnose(corpus: Corpus) -> Diagnosis:
         if not samples:
             findings += volatile_from_stats(info, live)
         findings += warmup_misses(info, live)
+        findings += kv_fallbacks(name, live, corpus.stats)
         out.routes.append(summary)
         out.findings += findings
     out.findings.sort(key=lambda f: f.rank, reverse=True)

@@ -90,6 +90,7 @@ from gateway.routing.policies.prefix_explain import candidate_table
 from gateway.routing.policies.prefix_fleet import LIST_AT_MOST, Cheapest, Cost, DecisionFleet, Group
 from gateway.routing.policies.prefix_keys import beyond_window, depth_tokens, ring_key_of, token_blocks
 from gateway.routing.policies.prefix_settings import PrefixPolicySettings
+from gateway.routing.precise import PreciseMatcher
 from gateway.routing.ring import HashRing
 from gateway.routing.starts import HeadDemand
 from gateway.routing.work import RecentWork
@@ -122,7 +123,14 @@ class PrefixPolicy:
         self._withdrawals = 0  # forget_attempt calls that took keys back (see observe)
         self._admitted: FleetLoad | None = None  # the live load whose names are all on the ring
         self._bits_cache: tuple[FleetLoad, int, int, list[int]] | None = None
+        # Replicas whose engines publish KV events are matched from what they hold (attached
+        # by the gateway, see gateway.kv_events); None: the affinity index's model only.
+        self.precise: PreciseMatcher | None = None
         self.set_members(members)
+
+    def attach_precise(self, matcher: PreciseMatcher | None) -> None:
+        """Match precise replicas through ``matcher`` from now on (None: the model only)."""
+        self.precise = matcher
 
     # -- membership --------------------------------------------------------------------
     def set_members(self, members: Sequence[ReplicaView]) -> None:
@@ -212,7 +220,10 @@ class PrefixPolicy:
 
         want, bits = self._eligible_bits(load)
         fleet = DecisionFleet(load, settings.load_factor, bits, self.index.name_of)
-        found = self.index.match_groups(keys, want) if keys else []
+        precise = self.precise
+        found = precise.match_groups(self.index, request, want) if precise is not None and keys else None
+        if found is None:
+            found = self.index.match_groups(keys, want) if keys else []
         best_any = found[0][0] if found else 0
         groups = self._groups(request, found)  # most of the prompt held first
         held = 0
@@ -303,6 +314,8 @@ class PrefixPolicy:
         started: Token | None = None
         if commit:
             added = self._record(pick, request)
+            if precise is not None:
+                precise.chose(pick, request)
             if start is not None:
                 started = self.demand.record(start)
         predicted = picked.tokens
@@ -320,6 +333,8 @@ class PrefixPolicy:
             "blocks": len(keys),
             "block_size": block_size,
         }
+        if precise is not None:
+            detail["kv_mode"] = precise.mode_of(pick, block_size)[0]  # precise: matched from the engine's events
         if added:
             detail["recorded_keys"] = added  # taken back by forget_attempt if the attempt fails
         if started is not None:
@@ -370,6 +385,8 @@ class PrefixPolicy:
         if keys:
             self.index.unrecord(decision.replica, keys)
             self._withdrawals += 1
+        if self.precise is not None:
+            self.precise.withdraw(decision.replica, request)
         started = decision.detail.get("started")
         if started is not None:
             self.demand.undo(started)

@@ -1,0 +1,361 @@
+"""What each replica's engine really holds, in the gateway's own block keys.
+
+Fed by the engines' KV cache events (:mod:`gateway.kv_events.decoder`).  The engine's block
+hashes are its own (SHA-256 over pickle, or CBOR, seeded per process), so they are never
+compared with ours: each ``BlockStored``'s ``token_ids`` are re-hashed with
+:func:`~gateway.prefix.blocks.chain_block_keys`, seeded by
+:func:`~gateway.prefix.blocks.engine_seed` (the replica's base model, the event's LoRA name
+and the ``cache_salt`` from the first block's extra keys) when the chain starts there, or
+chained from the parent block's key, found through a per-replica map engine hash → our key.
+That map is also what makes ``BlockRemoved`` work.  The engine may hold several physical
+copies of one block (the same prompt's last block is recomputed and stored again), each
+removed on its own, so copies are counted per (replica, engine hash).
+
+**Only keys a request can produce are kept.**  The request side hashes token blocks over a
+route's leading window only (``prefix.window_tokens``, 4,096 by default) and text chunks past
+it, which no event can reproduce; so blocks deeper than ``max_depth_tokens`` (the largest
+window of the routes) are not indexed (counted as ``deep``), and the index's memory goes to
+the part of the cache routing can use.  Past the window, the router extends a precise
+match with its own records (see :mod:`gateway.kv_events.routing`).
+
+Only full-attention groups are indexed (sliding-window or Mamba groups hold blocks that do
+not make a prefix hit on their own), on the ``GPU`` medium (offload tiers are not the
+prefix cache a request hits).
+
+Memory is bounded in bytes: every indexed (replica, engine hash) costs :data:`ENTRY_BYTES`
+at most; over ``max_bytes``, the replica holding the most entries loses its oldest ones
+(first stored).  The engine still holds them, so the index then under-predicts that
+replica (a shorter match, never a longer one); size ``max_bytes`` to the fleet's caches
+(see docs/kv_events.md).  Not thread-safe: one event loop feeds and reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.kv_events.decoder import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from gateway.prefix.blocks import chain_block_keys, engine_seed
+
+# Bytes one indexed (replica, engine hash) pair costs at most: the engine map's entry (dict
+# slot, the hash int, a 3-item list, our key int), the replica's key refcount entry and its
+# share of the holders dict, just after a resize.  tracemalloc: tests/kv_events/test_index.py.
+ENTRY_BYTES = 400
+_FIXED_BYTES = 2048  # per replica: its dicts and sets, empty
+
+_KEY, _DEPTH, _COPIES = 0, 1, 2
+PROBE_STRIDE = 8  # leading(): keys probed per stretch (see there)
+FULL_KINDS = (None, "full_attention")
+MEDIA = (None, "GPU")
+#: Why an event (or part of one) was not indexed, as metric labels (bounded).
+SKIP_REASONS = ("group", "medium", "bad_tokens", "unchained", "deep", "multimodal", "no_model", "unknown_removed")
+
+
+@dataclass(slots=True)
+class _Replica:
+    slot: int
+    base_model: str | None = None
+    engine: dict[int | bytes, list[int]] = field(default_factory=dict)  # engine hash -> [our key, depth, copies]
+    refs: dict[int, int] = field(default_factory=dict)  # our key -> engine hashes naming it
+    block_size: int | None = None  # of its last BlockStored
+    full_groups: set[int] = field(default_factory=set)
+    other_groups: set[int] = field(default_factory=set)
+
+
+class PreciseIndex:
+    """Our block key → the replicas whose engine holds it (a bit mask), fed by KV events."""
+
+    def __init__(self, max_bytes: int, max_depth_tokens: int = 4096) -> None:
+        if max_bytes < 1 or max_depth_tokens < 1:
+            raise ValueError("max_bytes and max_depth_tokens must be >= 1")
+        self.max_bytes = max_bytes
+        self.max_depth_tokens = max_depth_tokens
+        self._replicas: dict[str, _Replica] = {}
+        self._names: dict[int, str] = {}
+        self._holders: dict[int, int] = {}
+        self._entries = 0
+        self.generation = 0  # moves whenever a slot is given or taken: masks from mask_of() expire
+        self.evicted = 0
+        self.skipped: dict[str, int] = dict.fromkeys(SKIP_REASONS, 0)
+        # hears (replica, our keys) of every BlockStored indexed: the router's speculative
+        # choices end when the engine confirms them
+        self.on_stored: Callable[[str, list[int]], None] | None = None
+        self.on_cleared: Callable[[str], None] | None = None  # ... and of every clear
+
+    # -- membership ------------------------------------------------------------------------
+    def add(self, name: str, base_model: str | None = None) -> None:
+        """Track ``name`` (its engine's base served model id seeds chains that start there)."""
+        replica = self._replicas.get(name)
+        if replica is None:
+            slot = next(i for i in range(len(self._names) + 1) if i not in self._names)
+            replica = self._replicas[name] = _Replica(slot)
+            self._names[slot] = name
+            self.generation += 1
+        if base_model is not None:
+            replica.base_model = base_model
+
+    def set_model(self, name: str, base_model: str) -> None:
+        """The replica's base model changed (a redeploy): what it held was another model's."""
+        replica = self._replicas.get(name)
+        if replica is not None and replica.base_model not in (None, base_model):
+            self.clear(name)
+        self.add(name, base_model)
+
+    def forget(self, name: str) -> None:
+        """``name`` left: drop it and its slot."""
+        if name not in self._replicas:
+            return
+        self.clear(name)
+        replica = self._replicas.pop(name)
+        del self._names[replica.slot]
+        self.generation += 1
+
+    def clear(self, name: str) -> None:
+        """Everything ``name`` held is gone (``AllBlocksCleared``, a restart, an unreplayed gap)."""
+        replica = self._replicas.get(name)
+        if replica is None:
+            return
+        keep = ~(1 << replica.slot)
+        holders = self._holders
+        for key in replica.refs:
+            mask = holders.get(key, 0) & keep
+            if mask:
+                holders[key] = mask
+            else:
+                holders.pop(key, None)
+        self._entries -= len(replica.engine)
+        replica.engine = {}
+        replica.refs = {}
+        if self.on_cleared is not None:
+            self.on_cleared(name)
+
+    def names(self) -> list[str]:
+        return list(self._replicas)
+
+    def knows(self, name: str) -> bool:
+        return name in self._replicas
+
+    # -- ingestion -------------------------------------------------------------------------
+    def apply(self, name: str, events: Iterable[Event]) -> None:
+        """Apply one batch's events to ``name`` (an unknown replica is added)."""
+        replica = self._replicas.get(name)
+        if replica is None:
+            self.add(name)
+            replica = self._replicas[name]
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._store(replica, event)
+            elif isinstance(event, BlockRemoved):
+                self._remove(replica, event)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear(name)
+        if self._entries * ENTRY_BYTES + _FIXED_BYTES * len(self._replicas) > self.max_bytes:
+            self._evict()
+
+    def _skip(self, reason: str, count: int = 1) -> None:
+        self.skipped[reason] += count
+
+    def _store(self, replica: _Replica, event: BlockStored) -> None:
+        group = event.group_idx or 0
+        if event.kv_cache_spec_kind not in FULL_KINDS:
+            replica.other_groups.add(group)
+            self._skip("group")
+            return
+        if event.medium not in MEDIA:
+            self._skip("medium")
+            return
+        replica.full_groups.add(group)
+        size = event.block_size
+        hashes = event.block_hashes
+        tokens = event.token_ids
+        replica.block_size = size
+        if len(tokens) != len(hashes) * size:
+            self._skip("bad_tokens")
+            return
+        parent_hash = event.parent_block_hash
+        if parent_hash is None:
+            seed = self._seed(replica, event)
+            if seed is None:
+                return
+            parent, depth = seed, 0
+        else:
+            known = replica.engine.get(parent_hash)
+            if known is None:
+                self._skip("unchained")  # stored before we listened, past the window, or evicted here
+                return
+            parent, depth = known[_KEY], known[_DEPTH]
+        take = min(len(hashes), self.max_depth_tokens // size - depth, _plain_blocks(event))
+        if take < len(hashes):
+            self._skip("deep" if take == self.max_depth_tokens // size - depth else "multimodal")
+        if take <= 0:
+            return
+        try:
+            keys = chain_block_keys(tokens, size, parent, take)
+        except (OverflowError, TypeError, ValueError):  # ids that are not u32 ints
+            self._skip("bad_tokens")
+            return
+        if self.on_stored is not None:
+            self.on_stored(self._names[replica.slot], keys)
+        engine, refs, holders = replica.engine, replica.refs, self._holders
+        bit = 1 << replica.slot
+        for i in range(take):
+            block = hashes[i]
+            entry = engine.get(block)
+            if entry is not None:
+                entry[_COPIES] += 1
+                continue
+            key = keys[i]
+            engine[block] = [key, depth + i + 1, 1]
+            self._entries += 1
+            held = refs.get(key, 0)
+            refs[key] = held + 1
+            if not held:
+                holders[key] = holders.get(key, 0) | bit
+
+    def _seed(self, replica: _Replica, event: BlockStored) -> int | None:
+        """The first block's seed: base model, LoRA name and ``cache_salt`` as the engine keys them."""
+        if replica.base_model is None:
+            self._skip("no_model")
+            return None
+        salt: str | None = None
+        extra = event.extra_keys[0] if event.extra_keys else None
+        if isinstance(extra, list):
+            items = extra
+            if event.lora_name and items and items[0] == event.lora_name:
+                items = items[1:]  # the LoRA name comes first when lora_name is set
+            salt = next((item for item in items if isinstance(item, str)), None)
+        return engine_seed(replica.base_model, event.lora_name, salt)
+
+    def _remove(self, replica: _Replica, event: BlockRemoved) -> None:
+        group = event.group_idx or 0
+        if group in replica.other_groups and group not in replica.full_groups:
+            return  # a sliding-window (or other) group's block: never indexed
+        if event.medium not in MEDIA:
+            return
+        engine = replica.engine
+        for block in event.block_hashes:
+            entry = engine.get(block)
+            if entry is None:
+                self._skip("unknown_removed")
+                continue
+            entry[_COPIES] -= 1
+            if entry[_COPIES] <= 0:
+                del engine[block]
+                self._drop_key(replica, entry[_KEY])
+
+    def _drop_key(self, replica: _Replica, key: int) -> None:
+        self._entries -= 1
+        refs = replica.refs
+        held = refs.get(key, 0) - 1
+        if held > 0:
+            refs[key] = held
+            return
+        refs.pop(key, None)
+        mask = self._holders.get(key, 0) & ~(1 << replica.slot)
+        if mask:
+            self._holders[key] = mask
+        else:
+            self._holders.pop(key, None)
+
+    def _evict(self) -> None:
+        """Over the byte bound: the biggest replica loses its oldest entries (see module doc)."""
+        budget = (self.max_bytes - _FIXED_BYTES * len(self._replicas)) // ENTRY_BYTES
+        target = max(0, budget - max(1, budget // 64))  # a little room, so eviction runs in batches
+        while self._entries > target:
+            replica = max(self._replicas.values(), key=lambda r: len(r.engine))
+            engine = replica.engine
+            if not engine:
+                break
+            for _ in range(min(len(engine), self._entries - target)):
+                block = next(iter(engine))
+                entry = engine.pop(block)
+                self.evicted += 1
+                self._drop_key(replica, entry[_KEY])
+
+    # -- reading ---------------------------------------------------------------------------
+    def mask_of(self, names: Iterable[str] | None = None) -> int:
+        """The bit mask of ``names`` (None: every tracked replica), for :meth:`leading`."""
+        want = 0
+        for name in self._replicas if names is None else names:
+            replica = self._replicas.get(name)
+            if replica is not None:
+                want |= 1 << replica.slot
+        return want
+
+    def leading(
+        self, keys: Sequence[int], names: Iterable[str] | None = None, mask: int | None = None
+    ) -> dict[str, int]:
+        """For each of ``names`` (or the replicas of ``mask`` from :meth:`mask_of`; None: all)
+        whose engine holds ``keys[0]``: how many leading keys it holds in a row — vLLM's own
+        lookup stops at the first missing block.
+
+        Probes every ``PROBE_STRIDE``-th key, then the keys since the last probe for the
+        replicas a probe lost, so a full window costs ~1/8 of the lookups.  A hole inside a
+        stretch the engine holds on both sides goes unseen; vLLM frees a request's blocks tail
+        first, so its cache loses the ends of prefixes, not their middles.
+        """
+        remaining = self.mask_of(names) if mask is None else mask
+        depth: dict[str, int] = {}
+        holders = self._holders
+        n = len(keys)
+        if not n or not remaining:
+            return depth
+        prev = -1
+        probe = min(PROBE_STRIDE, n) - 1
+        while True:
+            held = holders.get(keys[probe], 0) & remaining
+            lost = remaining ^ held
+            k = prev + 1
+            while lost and k <= probe:  # each lost replica's first miss lies in (prev, probe]
+                still = holders.get(keys[k], 0) & lost
+                gone = lost ^ still
+                if gone and k:
+                    self._assign(depth, gone, k)
+                lost = still
+                k += 1
+            remaining = held
+            if not remaining:
+                return depth
+            if probe == n - 1:
+                self._assign(depth, remaining, n)
+                return depth
+            prev, probe = probe, min(probe + PROBE_STRIDE, n - 1)
+
+    def _assign(self, depth: dict[str, int], mask: int, value: int) -> None:
+        names = self._names
+        while mask:
+            low = mask & -mask
+            depth[names[low.bit_length() - 1]] = value
+            mask ^= low
+
+    def block_size(self, name: str) -> int | None:
+        """The block size of ``name``'s last ``BlockStored`` (None: none seen)."""
+        replica = self._replicas.get(name)
+        return None if replica is None else replica.block_size
+
+    def blocks(self, name: str | None = None) -> int:
+        """Indexed (replica, engine hash) pairs, of one replica or all."""
+        if name is None:
+            return self._entries
+        replica = self._replicas.get(name)
+        return 0 if replica is None else len(replica.engine)
+
+    def holds(self, name: str, key: int) -> bool:
+        replica = self._replicas.get(name)
+        return replica is not None and bool(self._holders.get(key, 0) >> replica.slot & 1)
+
+    def memory_bytes(self) -> int:
+        """The bytes the bound counts (what :data:`ENTRY_BYTES` budgets)."""
+        return self._entries * ENTRY_BYTES + _FIXED_BYTES * len(self._replicas)
+
+
+def _plain_blocks(event: BlockStored) -> int:
+    """Leading blocks whose extra keys name no multimodal input (``(mm_id, offset)`` pairs):
+    the request side keys images past them as text, never as these blocks."""
+    extra = event.extra_keys
+    if not extra:
+        return len(event.block_hashes)
+    for i, item in enumerate(extra):
+        if isinstance(item, list) and any(isinstance(part, list) for part in item):
+            return i
+    return len(event.block_hashes)

@@ -1,0 +1,309 @@
+"""Precise matching at the prefix policy's matching point.
+
+For each eligible replica in **precise** mode (its feed is live and its events' block size
+is the route's) the policy's "how much of this prompt does it hold" comes from what its
+engine reported (:class:`~gateway.kv_events.index.PreciseIndex`) instead of the affinity
+index's model; replicas in approximate mode are matched by the model as before.  On top of
+the engine's word, per precise replica:
+
+- **speculative records**: a choice counts as held for ``speculative_s`` (10 s) — the
+  engine reports blocks only once it computed them, so a burst behind a new prefix, or a
+  conversation's quick next turn, would otherwise scatter before the events arrive.  Every
+  ``_SPEC_STRIDE``-th key of the choice and its deepest are kept (bounded, expiring).
+- **past the token window**: requests key text chunks there, which no event can name.  A
+  replica whose engine holds the request's whole token window is credited with the deeper
+  text keys the affinity index recorded for it (the engine's word up to the window, the
+  model's past it).
+
+The affinity index keeps recording every choice, so a replica whose events stop falls back
+to a warm model.  What the policy calls: :meth:`PreciseRouting.match_groups`,
+:meth:`~PreciseRouting.chose`, :meth:`~PreciseRouting.withdraw`, :meth:`~PreciseRouting.mode_of`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gateway.kv_events.ingest import Ingestor
+from gateway.routing.affinity import AffinityIndex
+from gateway.routing.base import RequestView
+
+_SPEC_STRIDE = 8  # speculative records keep every 8th key (and the deepest): matches within 7 blocks
+_SPEC_MAX_KEYS = 500_000  # (key, replica) speculative entries at most (~50 MB); the oldest choices go first
+_MODES_EVERY_S = 0.1  # the set of precise replicas is recomputed this often (its staleness is seconds)
+
+
+@dataclass(slots=True, eq=False)
+class _Choice:
+    """One routing choice held speculatively until its engine reports the blocks (or it expires)."""
+
+    name: str
+    expiry: float
+    stored: tuple[int, ...]
+    confirm: int | None  # the key whose BlockStored from this replica ends the speculation
+    live: bool = True
+
+
+class Speculative:
+    """Recent choices, held until the engine confirms them or ``ttl_s`` passes: key → {replica: choice}.
+
+    A choice ends as soon as its replica's engine reports storing its deepest token block in
+    the index's reach (:meth:`confirm`): from then on the engine's word (which also tells of
+    evictions) replaces it.  ``ttl_s`` bounds a choice whose events never come.
+    """
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._by_key: dict[int, dict[str, _Choice]] = {}
+        self._pending: dict[tuple[str, int], list[_Choice]] = {}
+        self._queue: deque[_Choice] = deque()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def record(self, name: str, keys: Sequence[int], confirm: int | None = None) -> None:
+        if self.ttl_s <= 0 or not keys:
+            return
+        now = self.clock()
+        self._purge(now)
+        choice = _Choice(name, now + self.ttl_s, (*keys[_SPEC_STRIDE - 1 :: _SPEC_STRIDE], keys[-1]), confirm)
+        by_key = self._by_key
+        for key in choice.stored:
+            holders = by_key.get(key)
+            if holders is None:
+                holders = by_key[key] = {}
+            if name not in holders:
+                self._size += 1
+            holders[name] = choice
+        if confirm is not None:
+            self._pending.setdefault((name, confirm), []).append(choice)
+        self._queue.append(choice)
+        while self._size > _SPEC_MAX_KEYS and self._queue:
+            self._drop(self._queue.popleft())
+
+    def confirm(self, name: str, keys: Sequence[int]) -> None:
+        """``name``'s engine stored blocks with these keys: choices waiting for them end."""
+        pending = self._pending
+        if not pending:
+            return
+        for key in keys:
+            waiting = pending.pop((name, key), None)
+            if waiting is not None:
+                for choice in waiting:
+                    self._drop(choice)
+
+    def forget(self, name: str) -> None:
+        """``name``'s cache was cleared (reset, restart): its pending choices say nothing now."""
+        for choice in [c for c in self._queue if c.name == name]:
+            self._drop(choice)
+
+    def withdraw(self, name: str, keys: Sequence[int]) -> None:
+        """The attempt failed before the replica computed anything: it holds none of it."""
+        holders = self._by_key.get(keys[-1]) if keys else None
+        choice = holders.get(name) if holders is not None else None
+        if choice is not None:
+            self._drop(choice)
+
+    def depths(self, keys: Sequence[int], names: set[str]) -> dict[str, int]:
+        """For each of ``names`` with a live record among ``keys``: the deepest such depth."""
+        found: dict[str, int] = {}
+        by_key = self._by_key
+        if not by_key or not names:
+            return found
+        self._purge(self.clock())
+        for i in range(len(keys) - 1, -1, -1):
+            holders = by_key.get(keys[i])
+            if holders is None:
+                continue
+            for name in holders:
+                if name in names and name not in found:
+                    found[name] = i + 1
+            if len(found) == len(names):
+                break
+        return found
+
+    def _purge(self, now: float) -> None:
+        queue = self._queue
+        while queue and queue[0].expiry <= now:
+            self._drop(queue.popleft())
+
+    def _drop(self, choice: _Choice) -> None:
+        if not choice.live:
+            return
+        choice.live = False
+        by_key, name = self._by_key, choice.name
+        for key in choice.stored:
+            holders = by_key.get(key)
+            if holders is not None and holders.get(name) is choice:
+                del holders[name]
+                self._size -= 1
+                if not holders:
+                    del by_key[key]
+        if choice.confirm is not None:
+            waiting = self._pending.get((name, choice.confirm))
+            if waiting is not None:
+                if choice in waiting:
+                    waiting.remove(choice)
+                if not waiting:
+                    del self._pending[(name, choice.confirm)]
+
+
+class PreciseRouting:
+    """The policy's view of the precise index: which replicas are precise, and their matches."""
+
+    def __init__(
+        self,
+        ingestor: Ingestor,
+        stale_s: float,
+        speculative_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        enabled: bool = True,
+    ) -> None:
+        self.ingestor = ingestor
+        self.index = ingestor.index
+        self.stale_s = stale_s
+        self.clock = clock
+        self.enabled = enabled
+        self.speculative = Speculative(speculative_s, clock)
+        self.index.on_stored = self.speculative.confirm  # the engine's word ends a speculation
+        self.index.on_cleared = self.speculative.forget
+        self._modes_at = -1.0
+        self._live: frozenset[str] = frozenset()
+        self._version = 0
+        self._masks: dict[tuple[int, int, int, int], tuple[int, dict[int, str]]] = {}
+        # (affinity index, its generation, live version, index generation, affinity mask) -> the
+        # names and the precise index's mask
+        self._eligible: dict[tuple[int, int, int, int, int], tuple[set[str], int]] = {}
+
+    # -- modes -------------------------------------------------------------------------------
+    def live(self) -> frozenset[str]:
+        """Replicas whose feed is live now (recomputed every ``_MODES_EVERY_S``)."""
+        now = self.clock()
+        if now - self._modes_at >= _MODES_EVERY_S:
+            live = frozenset(
+                name for name, feed in self.ingestor.feeds.items() if feed.mode(now, self.stale_s)[0] == "precise"
+            )
+            if live != self._live:
+                self._live = live
+                self._version += 1
+                self._masks.clear()
+                self._eligible.clear()
+            self._modes_at = now
+        return self._live if self.enabled else frozenset()
+
+    def mode_of(self, name: str, block_size: int | None = None) -> tuple[str, str | None]:
+        """("precise", None) or ("approximate", why) for ``name`` on a route hashing ``block_size``."""
+        if not self.enabled:
+            return "approximate", "disabled"
+        feed = self.ingestor.feeds.get(name)
+        if feed is None:
+            return "approximate", "not_subscribed"
+        mode, reason = feed.mode(self.clock(), self.stale_s)
+        if mode == "precise" and block_size and self.index.block_size(name) not in (None, block_size):
+            return "approximate", "block_size_mismatch"
+        return mode, reason
+
+    def _precise_mask(self, affinity: AffinityIndex, block_size: int) -> tuple[int, dict[int, str]]:
+        """The affinity bits of the precise replicas for this block size, and bit → name."""
+        live = self.live()
+        cache_key = (id(affinity), affinity.generation, self._version, block_size)
+        cached = self._masks.get(cache_key)
+        if cached is not None:
+            return cached
+        mask, names = 0, {}
+        for name in live:
+            slot = affinity.slot_of(name)
+            if slot is None or self.index.block_size(name) not in (None, block_size):
+                continue
+            mask |= 1 << slot
+            names[slot] = name
+        if len(self._masks) > 64:
+            self._masks.clear()
+        self._masks[cache_key] = (mask, names)
+        return mask, names
+
+    # -- matching ----------------------------------------------------------------------------
+    def match_groups(self, affinity: AffinityIndex, request: RequestView, want: int) -> list[tuple[int, int]] | None:
+        """What ``affinity.match_groups(keys, want)`` answers, with the precise replicas'
+        depths from their engines; None when no eligible replica is precise (the caller
+        asks the affinity index as before)."""
+        keys = request.block_keys
+        pmask, bit_names = self._precise_mask(affinity, request.block_size or 0)
+        pmask &= want
+        if not pmask or not keys:
+            return None
+        by_depth: dict[int, int] = {}
+        approx = want & ~pmask
+        if approx:
+            for depth, mask in affinity.match_groups(keys, approx):
+                by_depth[depth] = by_depth.get(depth, 0) | mask
+        cache_key = (id(affinity), affinity.generation, self._version, self.index.generation, pmask)
+        eligible = self._eligible.get(cache_key)
+        if eligible is None:
+            names = {bit_names[bit] for bit in _bits(pmask)}
+            eligible = self._eligible[cache_key] = (names, self.index.mask_of(names))
+            if len(self._eligible) > 256:
+                self._eligible.clear()
+        names, index_mask = eligible
+        blocks = len(keys) if request.token_blocks is None else request.token_blocks
+        depth_of = self.index.leading(keys[:blocks], mask=index_mask) if blocks else {}
+        for name, depth in self.speculative.depths(keys, names).items():
+            if depth > depth_of.get(name, 0):
+                depth_of[name] = depth
+        if len(keys) > blocks:
+            whole = [name for name, depth in depth_of.items() if depth >= blocks]
+            if whole:
+                mask = self._bits_of(affinity, whole)
+                for depth, held in affinity.match_groups(keys, mask):
+                    if depth > blocks:
+                        for bit in _bits(held):
+                            name = affinity.name_of(bit)
+                            depth_of[name] = max(depth_of[name], depth)
+        for name, depth in depth_of.items():
+            if depth > 0:
+                bit = 1 << affinity.slot_of(name)  # type: ignore[operator]  # in pmask: a member
+                by_depth[depth] = by_depth.get(depth, 0) | bit
+        return sorted(by_depth.items(), key=lambda group: -group[0])
+
+    @staticmethod
+    def _bits_of(affinity: AffinityIndex, names: list[str]) -> int:
+        mask = 0
+        for name in names:
+            slot = affinity.slot_of(name)
+            if slot is not None:
+                mask |= 1 << slot
+        return mask
+
+    def chose(self, name: str, request: RequestView) -> None:
+        """``name`` was chosen for ``request``: held speculatively, and events should follow
+        if it stores a block its engine does not hold (see ``stale_s``)."""
+        keys = request.block_keys
+        if not keys:
+            return
+        blocks = len(keys) if request.token_blocks is None else request.token_blocks
+        reach = min(blocks, self.index.max_depth_tokens // max(1, request.block_size or 1))
+        confirm = keys[reach - 1] if reach > 0 else None
+        if confirm is None or not self.index.holds(name, confirm):  # held already: nothing to wait for
+            self.speculative.record(name, keys, confirm)
+        feed = self.ingestor.feeds.get(name)
+        if feed is not None and blocks and not self.index.holds(name, keys[blocks - 1]):
+            feed.routed(self.clock())
+
+    def withdraw(self, name: str, request: RequestView) -> None:
+        """The attempt failed before an answer: the choice is no evidence of a cached prefix."""
+        if request.block_keys:
+            self.speculative.withdraw(name, request.block_keys)
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out

@@ -1,0 +1,179 @@
+"""The precise index: our own keys recomputed from ``token_ids``, removals through the engine
+hash map, copies, groups, clears, LoRA/salt seeds, the window cap and the byte bound."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+from gateway.kv_events.decoder import decode_frames
+from gateway.kv_events.index import ENTRY_BYTES, PreciseIndex
+from gateway.prefix.blocks import chain_block_keys, engine_seed
+from tests.kv_events.frames import cleared, hashes_for, message, removed, stored
+
+MODEL = "base-model"
+BS = 16
+
+
+def _events(*raw: object) -> list:
+    return decode_frames(message(0, list(raw))).events
+
+
+def _index(**kwargs: int) -> PreciseIndex:
+    index = PreciseIndex(kwargs.pop("max_bytes", 1 << 24), **kwargs)
+    index.add("r0", MODEL)
+    index.add("r1", MODEL)
+    return index
+
+
+def _keys(tokens: list[int], lora: str | None = None, salt: str | None = None) -> list[int]:
+    return chain_block_keys(tokens, BS, engine_seed(MODEL, lora, salt))
+
+
+def test_keys_recomputed_from_token_ids_equal_the_request_side_keys_across_chained_events() -> None:
+    index = _index()
+    tokens = list(range(100, 100 + 5 * BS))
+    hashes = hashes_for(5)
+    # the engine stores 3 blocks, then 2 more chained to the third (a later step of the same prefill)
+    index.apply("r0", _events(stored(hashes[:3], tokens[: 3 * BS], BS)))
+    index.apply("r0", _events(stored(hashes[3:], tokens[3 * BS :], BS, parent=hashes[2])))
+    keys = _keys([*tokens, 1, 2, 3])  # a partial tail block has no key on either side
+    assert index.leading(keys) == {"r0": 5}
+    other = tokens[: 2 * BS] + [7] * BS + tokens[3 * BS :]  # the same prompt but for block 2
+    assert index.leading(_keys(other)) == {"r0": 2}  # vLLM stops at the first miss
+    for blocks in range(1, 6):  # every depth, also between the probes
+        assert index.leading(keys[:blocks]) == {"r0": blocks}
+
+
+def test_block_removed_goes_through_the_engine_hash_map_and_copies_count() -> None:
+    index = _index()
+    tokens = list(range(3 * BS))
+    hashes = hashes_for(3)
+    index.apply("r0", _events(stored(hashes, tokens, BS)))
+    index.apply("r0", _events(stored(hashes[2:], tokens[2 * BS :], BS, parent=hashes[1])))  # re-stored last block
+    keys = _keys(tokens)
+    index.apply("r0", _events(removed(hashes[2:])))
+    assert index.leading(keys) == {"r0": 3}  # one copy left
+    index.apply("r0", _events(removed(hashes[2:])))
+    assert index.leading(keys) == {"r0": 2}
+    index.apply("r0", _events(removed([999]), removed(hashes[:1])))
+    assert index.leading(keys) == {}
+    assert index.skipped["unknown_removed"] == 1
+    assert index.blocks("r0") == 1  # block 1 still held: only unreachable
+
+
+def test_replicas_are_separate_and_all_blocks_cleared_clears_one() -> None:
+    index = _index()
+    tokens = list(range(2 * BS))
+    index.apply("r0", _events(stored(hashes_for(2), tokens, BS)))
+    index.apply("r1", _events(stored(hashes_for(1, 77), tokens[:BS], BS)))
+    keys = _keys(tokens)
+    assert index.leading(keys) == {"r0": 2, "r1": 1}
+    assert index.leading(keys, ["r1"]) == {"r1": 1}
+    index.apply("r0", _events(cleared()))
+    assert index.leading(keys) == {"r1": 1}
+    assert index.blocks() == 1
+
+
+def test_lora_and_cache_salt_seed_the_first_block_like_the_request_side() -> None:
+    index = _index()
+    tokens = list(range(2 * BS))
+    event = stored(hashes_for(2), tokens, BS, lora_name="sql-lora", extra_keys=[["sql-lora", "tenant-7"], ["sql-lora"]])
+    index.apply("r0", _events(event))
+    assert index.leading(_keys(tokens, "sql-lora", "tenant-7")) == {"r0": 2}
+    assert index.leading(_keys(tokens)) == {}
+    assert index.leading(_keys(tokens, "sql-lora")) == {}
+    index.apply("r1", _events(stored(hashes_for(2, 50), tokens, BS, extra_keys=[["tenant-9"], None])))
+    assert index.leading(_keys(tokens, None, "tenant-9")) == {"r1": 2}
+
+
+def test_only_full_attention_groups_on_the_gpu_are_indexed() -> None:
+    index = _index()
+    tokens = list(range(BS))
+    shared_hash = hashes_for(1)
+    index.apply("r0", _events(stored(shared_hash, tokens, BS, group_idx=0, kv_cache_spec_kind="full_attention")))
+    index.apply("r0", _events(stored(shared_hash, tokens, BS, group_idx=1, kv_cache_spec_kind="sliding_window")))
+    index.apply("r1", _events(stored(hashes_for(1, 5), tokens, BS, medium="CPU")))
+    # the sliding-window group's removal of the same engine hash must not remove the full group's
+    index.apply("r0", _events(removed(shared_hash, group_idx=1)))
+    assert index.leading(_keys(tokens)) == {"r0": 1}
+    assert index.skipped["group"] == 1 and index.skipped["medium"] == 1
+
+
+def test_unchained_multimodal_and_bad_token_events_are_counted() -> None:
+    index = _index()
+    index.apply("r0", _events(stored(hashes_for(1), list(range(BS)), BS, parent=424242)))
+    index.apply("r0", _events(stored(hashes_for(2), list(range(BS)), BS)))  # 2 hashes, 1 block of tokens
+    index.apply("r0", _events(stored(hashes_for(1), [-1] * BS, BS)))  # not u32
+    mm = stored(hashes_for(2, 9), list(range(2 * BS)), BS, extra_keys=[None, [["img-hash", 0]]])
+    index.apply("r0", _events(mm))
+    assert index.skipped["unchained"] == 1 and index.skipped["bad_tokens"] == 2 and index.skipped["multimodal"] == 1
+    assert index.leading(_keys(list(range(2 * BS)))) == {"r0": 1}  # the block before the image
+
+
+def test_blocks_past_the_deepest_window_are_not_indexed() -> None:
+    index = _index(max_depth_tokens=4 * BS)
+    tokens = list(range(6 * BS))
+    hashes = hashes_for(6)
+    index.apply("r0", _events(stored(hashes[:3], tokens[: 3 * BS], BS)))
+    index.apply("r0", _events(stored(hashes[3:], tokens[3 * BS :], BS, parent=hashes[2])))
+    assert index.blocks("r0") == 4
+    assert index.leading(_keys(tokens)) == {"r0": 4}
+    assert index.skipped["deep"] == 1
+
+
+def test_a_replica_without_its_base_model_keys_nothing_and_says_why() -> None:
+    index = PreciseIndex(1 << 20)
+    index.add("r9")
+    index.apply("r9", _events(stored(hashes_for(1), list(range(BS)), BS)))
+    assert index.blocks() == 0 and index.skipped["no_model"] == 1
+
+
+def test_memory_stays_under_the_byte_bound_by_evicting_the_biggest_replicas_oldest() -> None:
+    bound = 200 * ENTRY_BYTES + 2 * 2048
+    index = _index(max_bytes=bound)
+    for i in range(50):
+        tokens = [i] * (4 * BS)
+        index.apply("r0", _events(stored(hashes_for(4, 10_000 + 10 * i), tokens, BS)))
+        assert index.memory_bytes() <= bound
+    index.apply("r1", _events(stored(hashes_for(4, 999_999), list(range(4 * BS)), BS)))
+    assert index.memory_bytes() <= bound and index.evicted > 0
+    assert index.leading(_keys(list(range(4 * BS)))) == {"r1": 4}  # the small replica kept its newest
+    assert index.leading(_keys([49] * (4 * BS)), ["r0"]) == {"r0": 4}  # r0 kept its newest
+
+
+def test_entry_bytes_covers_what_the_structures_really_hold() -> None:
+    index = _index(max_bytes=1 << 30, max_depth_tokens=1 << 20)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    n = 0
+    for i in range(400):
+        tokens = [(i * 64 + j) % 50_000 for j in range(8 * BS)]
+        events = _events(stored(hashes_for(8, 100_000 + 8 * i), tokens, BS))
+        index.apply("r0" if i % 2 else "r1", events)
+        n += 8
+        del events
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(
+        stat.size_diff
+        for stat in after.compare_to(before, "filename")
+        if "kv_events" in str(stat) or "blocks.py" in str(stat)
+    )
+    assert index.blocks() == n
+    assert 0 < grown <= n * ENTRY_BYTES
+
+
+def test_leading_finds_each_replicas_first_miss_between_probes() -> None:
+    index = _index()
+    tokens = list(range(20 * BS))
+    hashes = hashes_for(20)
+    index.apply("r0", _events(stored(hashes, tokens, BS)))
+    index.apply("r1", _events(stored(hashes_for(20, 5000), tokens, BS)))
+    index.apply("r1", _events(*(removed([h]) for h in reversed(hashes_for(20, 5000)[11:]))))  # tail first
+    keys = _keys(tokens)
+    assert index.leading(keys) == {"r0": 20, "r1": 11}
+    assert index.leading(keys, mask=index.mask_of(["r1"])) == {"r1": 11}
+    assert index.leading(keys[:9]) == {"r0": 9, "r1": 9}

@@ -1,0 +1,150 @@
+"""The prefix policy with precise replicas: matched from what their engines hold, speculative
+choices, past-the-window extension, block-size mismatch and the stale fallback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.kv_events.service import KvEvents
+from gateway.kv_events.settings import KvEventsSettings
+from gateway.prefix.blocks import chain_block_keys, engine_seed
+from gateway.routing.base import ReplicaView, RequestView
+from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings
+from tests.kv_events.frames import cleared, hashes_for, removed, stored
+from tests.kv_events.test_kv_index import _events
+
+NAMES = ["r0", "r1", "r2", "r3"]
+MODEL = "m"
+BS = 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _setup(precise: list[str] = NAMES, **settings: Any) -> tuple[PrefixPolicy, KvEvents, Clock]:
+    clock = Clock()
+    events = KvEvents(KvEventsSettings(**settings), lambda: {}, clock=clock)
+    for name in precise:
+        events.index.add(name, MODEL)
+        feed = events.ingestor.feed(name)
+        feed.subscribed = True
+        events.ingestor.ingest(name, 0, 0, [])  # heard: precise
+    policy = PrefixPolicy(PrefixPolicySettings(), [ReplicaView(n) for n in NAMES])
+    policy.attach_precise(events.routing)
+    return policy, events, clock
+
+
+def _tokens(seed: int, blocks: int) -> list[int]:
+    return [seed * 10_000 + i for i in range(blocks * BS)]
+
+
+def _request(tokens: list[int], extra_keys: tuple[int, ...] = (), rid: str = "x") -> RequestView:
+    keys = tuple(chain_block_keys(tokens, BS, engine_seed(MODEL, None, None)))
+    blocks = len(keys)
+    return RequestView(
+        rid,
+        "route",
+        MODEL,
+        "chat",
+        None,
+        keys + extra_keys,
+        BS,
+        len(tokens) + 3,
+        len(tokens) + 3 + 1000 * len(extra_keys),
+        token_blocks=blocks if extra_keys else None,
+        key_tokens=tuple(len(tokens) + 1000 * (i + 1) for i in range(len(extra_keys))),
+    )
+
+
+def _engine_holds(events: KvEvents, name: str, tokens: list[int], seq: int) -> None:
+    events.ingestor.ingest(name, 0, seq, _events(stored(hashes_for(len(tokens) // BS, seq * 1000), tokens, BS)))
+
+
+def _views() -> list[ReplicaView]:
+    return [ReplicaView(n) for n in NAMES]
+
+
+def test_routing_follows_what_the_engine_holds_not_what_the_model_remembers() -> None:
+    policy, events, _clock = _setup(speculative_s=0)
+    tokens = _tokens(1, 6)
+    first = policy.choose(_request(tokens), _views())
+    assert first.detail["kv_mode"] == "precise"
+    # the model now remembers `first.replica`; the engine says another replica holds 4 blocks
+    other = next(n for n in NAMES if n != first.replica)
+    _engine_holds(events, other, tokens[: 4 * BS], 1)
+    decision = policy.choose(_request(tokens), _views())
+    assert decision.replica == other and decision.detail["predicted_cached_tokens"] == 4 * BS
+    # the engine reset its cache: nothing is held anywhere, whatever the model remembers
+    events.ingestor.ingest(other, 0, 2, _events(cleared()))
+    assert policy.peek(_request(tokens), _views()).detail["predicted_cached_tokens"] == 0
+
+
+def test_a_choice_counts_as_held_until_the_engine_speaks_then_only_for_speculative_s() -> None:
+    policy, _, clock = _setup(speculative_s=10, stale_s=1000)
+    tokens = _tokens(2, 8)
+    first = policy.choose(_request(tokens, rid="a"), _views())
+    burst = policy.choose(_request(tokens, rid="b"), _views())
+    assert burst.replica == first.replica and burst.detail["predicted_cached_tokens"] == 8 * BS  # its deepest key
+    clock.now += 11
+    assert policy.peek(_request(tokens), _views()).detail["predicted_cached_tokens"] == 0
+    # a failed attempt is withdrawn at once
+    clock.now += 100
+    again = policy.choose(_request(tokens, rid="c"), _views())
+    policy.forget_attempt(_request(tokens, rid="c"), again)
+    assert policy.peek(_request(tokens), _views()).detail["predicted_cached_tokens"] == 0
+
+
+def test_past_the_window_the_engines_whole_window_extends_with_the_models_text_keys() -> None:
+    policy, events, _clock = _setup(speculative_s=0)
+    tokens = _tokens(3, 4)
+    text = (111, 222, 333)
+    first = policy.choose(_request(tokens, text), _views())  # the model records the text keys there
+    assert first.detail["predicted_cached_tokens"] == 0
+    _engine_holds(events, first.replica, tokens, 1)  # the engine holds the whole window
+    deep = policy.peek(_request(tokens, text), _views())
+    assert deep.replica == first.replica and deep.detail["matched_blocks"] == 4 + 3
+    events.ingestor.ingest(first.replica, 0, 2, _events(cleared()))
+    assert policy.peek(_request(tokens, text), _views()).detail["matched_blocks"] == 0
+
+
+def test_approximate_replicas_keep_the_model_and_modes_show_in_the_decision() -> None:
+    policy, events, clock = _setup(precise=["r0", "r1"], speculative_s=0, stale_s=5)
+    tokens = _tokens(4, 4)
+    views = [ReplicaView("r2"), ReplicaView("r3")]  # only the approximate ones eligible
+    first = policy.choose(_request(tokens), views)
+    assert first.detail["kv_mode"] == "approximate"
+    again = policy.choose(_request(tokens), views)
+    assert again.replica == first.replica and again.detail["predicted_cached_tokens"] == 4 * BS
+    # r0 is precise, then goes stale after a request storing blocks got no events
+    _engine_holds(events, "r0", tokens, 1)
+    assert policy.peek(_request(tokens), [ReplicaView("r0")]).detail["kv_mode"] == "precise"
+    policy.choose(_request(_tokens(5, 4)), [ReplicaView("r0")])
+    clock.now += 6
+    stale = policy.peek(_request(_tokens(6, 4)), [ReplicaView("r0")])
+    assert stale.detail["kv_mode"] == "approximate"
+    assert events.mode_of("r0") == ("approximate", "stale")
+
+
+def test_a_route_hashing_another_block_size_is_not_matched_precisely() -> None:
+    _policy, events, _clock = _setup(speculative_s=0)
+    events.ingestor.ingest("r0", 0, 1, _events(stored(hashes_for(1), list(range(128)), 128)))
+    assert events.mode_of("r0", 16) == ("approximate", "block_size_mismatch")
+    assert events.mode_of("r0", 128) == ("precise", None)
+    assert events.routing.mode_of("r1", 16) == ("precise", None)  # no store seen: nothing to disagree with
+
+
+def test_the_engines_word_ends_a_speculative_choice_so_its_evictions_count_at_once() -> None:
+    policy, events, clock = _setup(speculative_s=10, stale_s=1000)
+    tokens = _tokens(7, 4)
+    first = policy.choose(_request(tokens), _views())
+    hashes = hashes_for(4, 700)
+    events.ingestor.ingest(first.replica, 0, 1, _events(stored(hashes, tokens, BS)))  # the engine confirms
+    assert len(events.routing.speculative) == 0
+    events.ingestor.ingest(first.replica, 0, 2, _events(*(removed([h]) for h in reversed(hashes[2:]))))
+    clock.now += 1  # well within speculative_s: only the engine's word counts now
+    assert policy.peek(_request(tokens), _views()).detail["predicted_cached_tokens"] == 2 * BS

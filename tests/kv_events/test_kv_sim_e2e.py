@@ -1,0 +1,92 @@
+"""End to end against simulated replicas that publish vLLM's KV events themselves: the gateway
+with its default settings finds each publisher by ``GET /kv_event_sources``, routes precisely,
+and after ``POST /reset_prefix_cache`` and after a replica's restart its prediction equals what
+the engine reports; the restarted replica is precise again without a gateway restart.
+
+Needs the simulator's KV events (gateway/sim/kvevents.py, the ``simkv`` work): skipped without.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("gateway.sim.kvevents")
+
+from gateway.http.server import serve_in_thread
+from gateway.sim.launcher import ReplicaGroup
+from tests.configs import gateway_config
+from tests.polling import wait_for
+from tests.replica_fleet import shared_group
+from tests.sdk import openai_client
+
+pytestmark = pytest.mark.slow
+
+# A Llama 3.1 name: the gateway's default tokenizer (auto) then keys with the simulator's own
+# llama3 vocabulary and chat template, so the keys recomputed from events are the requests'.
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+ADMIN_KEY = "kv-sim-admin"
+
+
+@pytest.fixture(scope="module")
+def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaGroup]:
+    options = {"served_model_name": MODEL, "time_scale": 0, "enable_admin": True, "max_output_tokens": 4}
+    with shared_group(tmp_path_factory, "kv-pub-sims", 2, kv_events=True, **options) as group:
+        yield group
+
+
+def _kv(api: httpx.Client) -> dict[str, Any]:
+    return api.get("/admin/stats").json()["kv_events"]["replicas"]
+
+
+def test_default_gateway_routes_precisely_through_a_reset_and_a_restart(
+    sims: ReplicaGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
+    config = gateway_config(sims.urls, routes=[{"name": "main", "policy": "prefix"}])  # kv_events: defaults
+    messages = [
+        {"role": "system", "content": "You answer for the map room. " + "Name the atlas you used. " * 60},
+        {"role": "user", "content": "Where is the coast survey?"},
+    ]
+    with (
+        serve_in_thread(config) as gw,
+        httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30) as api,
+    ):
+        sdk = openai_client(gw.openai_base_url, api_key="unused", timeout=30)
+
+        def ask() -> tuple[str, int, int]:
+            """(replica, predicted cached tokens as explain said just before, reported cached tokens)."""
+            plan = api.post("/admin/explain", json={"model": MODEL, "messages": messages}).json()
+            raw = sdk.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=4)
+            reply = raw.parse()
+            cached = reply.usage.prompt_tokens_details.cached_tokens or 0
+            return raw.headers["x-prefix-gateway-replica"], plan["decision"]["predicted_cached_tokens"], cached
+
+        wait_for(lambda: all(row.get("endpoints") for row in _kv(api).values()), 15, what="publishers discovered")
+        first, _, _ = ask()
+        wait_for(lambda: _kv(api)[first]["indexed_blocks"] > 0, 10, what="the engine's BlockStored")
+        again, predicted, cached = ask()
+        assert again == first and predicted == cached > 0
+        assert _kv(api)[first]["mode"] == "precise"
+
+        # the engine's cache is reset behind the gateway's back: the next prediction is what it reports
+        index = int(first[1:])  # replicas r0..rN in the order of sims.urls
+        httpx.post(f"{sims.urls[index]}/reset_prefix_cache", timeout=10).raise_for_status()
+        wait_for(lambda: _kv(api)[first]["indexed_blocks"] == 0, 10, what="AllBlocksCleared")
+        where, predicted, cached = ask()
+        assert predicted == cached == 0
+
+        # that replica restarts (an idle engine publishes nothing: its scrape's counters going
+        # back clear it); the next prediction is what it reports, and it is precise again
+        wait_for(lambda: _kv(api)[where]["indexed_blocks"] > 0, 10, what="relearned")
+        sims.restart(int(where[1:]))
+        wait_for(lambda: _kv(api)[where]["indexed_blocks"] == 0, 20, what="the restart noticed")
+        replica, predicted, cached = ask()
+        assert predicted == cached == 0
+        wait_for(lambda: _kv(api)[replica]["indexed_blocks"] > 0, 20, what="its events again")
+        assert _kv(api)[replica]["mode"] == "precise"
+        _, predicted, cached = ask()
+        assert predicted == cached > 0
