@@ -7,6 +7,9 @@ under test; see :mod:`gateway.sim.asgi`.  Endpoints, as vLLM serves them:
 - ``POST /v1/embeddings`` (:mod:`gateway.sim.embeddings`)
 - ``GET /v1/models``, ``GET /health``, ``GET /ping``, ``GET /version``, ``GET /metrics``
 - ``POST /tokenize``, ``POST /detokenize``
+- ``GET /kv_event_sources`` (the KV event publisher per data-parallel rank, ``{}`` without
+  one) and ``POST /reset_prefix_cache`` (``{"success": bool}``; vLLM serves it only with
+  ``VLLM_SERVER_DEV_MODE=1``, the simulator always)
 - with ``--enable-admin`` only: ``GET|POST /sim/faults``, ``POST /sim/restart``, ``GET /sim/state``
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -23,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.sim.asgi import TEXT, BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_bytes
 from gateway.sim.embeddings import embeddings
 from gateway.sim.generate import chat_completions, completions
+from gateway.sim.kvpublisher import ZmqKVPublisher
 from gateway.sim.options import SimOptions, build_options
 from gateway.sim.protocol import (
     APIError,
@@ -116,6 +121,21 @@ async def detokenize(replica: Replica, body: bytes, receive: Receive, send: Send
     return _json({"prompt": text})
 
 
+async def kv_event_sources(replica: Replica, body: bytes, receive: Receive, send: Send) -> tuple[int, bytes]:
+    publisher = replica.kv_publisher
+    return _json({"0": publisher.source()} if publisher is not None else {})
+
+
+async def reset_prefix_cache(
+    replica: Replica, body: bytes, receive: Receive, send: Send, query: bytes = b""
+) -> tuple[int, bytes]:
+    params = urllib.parse.parse_qs(query.decode("latin-1"))
+    running = params.get("reset_running_requests", ["false"])[-1].lower() in ("true", "1")
+    logger.info("Resetting prefix cache...")
+    success = replica.engine.reset_prefix_cache(reset_running_requests=running)
+    return _json({"success": success})
+
+
 # -- admin (fault injection) -----------------------------------------------------------------
 
 
@@ -201,6 +221,10 @@ class SimApp:
     def __init__(self, options: SimOptions) -> None:
         self.options = options
         self.replica = Replica(options)
+        config = options.kv_events_config
+        if config is not None and config.publishes:
+            self.replica.kv_publisher = ZmqKVPublisher(config)
+            self.replica.engine.kv_events.attach(self.replica.kv_publisher)
         self.stats_logger: StatsLogger | None = None
         if options.log_stats_interval > 0 and not options.disable_log_stats:
             self.stats_logger = StatsLogger(self.replica.engine, options.log_stats_interval)
@@ -216,6 +240,8 @@ class SimApp:
             "/metrics": {"GET": metrics},
             "/tokenize": {"POST": tokenize},
             "/detokenize": {"POST": detokenize},
+            "/kv_event_sources": {"GET": kv_event_sources},
+            "/reset_prefix_cache": {"POST": reset_prefix_cache},
         }
         for path, handler in self.inference.items():
             routes[path] = {"POST": handler}
@@ -233,6 +259,14 @@ class SimApp:
         await cancel_and_wait(self._background)
         self._background = None
         await self.replica.engine.close()
+        self.close()
+
+    def close(self) -> None:
+        """Release the KV event sockets (idempotent; also for apps never served)."""
+        publisher, self.replica.kv_publisher = self.replica.kv_publisher, None
+        if publisher is not None:
+            self.replica.engine.kv_events.attach(None)
+            publisher.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -269,7 +303,10 @@ class SimApp:
             body = await read_body(receive) if scope["method"] == "POST" else b""
             if path in self.inference:
                 await _inference_faults(replica)
-            result = await handler(replica, body, receive, send)
+            if handler is reset_prefix_cache:  # the one endpoint with query parameters
+                result = await reset_prefix_cache(replica, body, receive, send, scope.get("query_string", b""))
+            else:
+                result = await handler(replica, body, receive, send)
         except APIError as exc:
             await send_bytes(send, exc.status, exc.body())
             return

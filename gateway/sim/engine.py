@@ -18,6 +18,10 @@ Each step (one asyncio task per replica):
 
 So TTFT = queueing + prefill of the *uncached* tokens, and it shrinks with cache hits.
 
+Every cache change of a step (blocks stored, evicted, the cache reset) becomes a KV event,
+published as one batch at the end of the step, as vLLM's scheduler does
+(:mod:`gateway.sim.kvevents`); at time_scale 0 each request is its own step.
+
 At ``time_scale == 0`` every duration is zero, so a request is admitted, computed and
 finished synchronously inside its HTTP handler (:meth:`Engine.run_instant`): identical
 cache effects and metrics, no engine task, no extra event-loop hop.  That is what lets one
@@ -33,6 +37,7 @@ import time
 from collections import deque
 
 from gateway.sim.kvcache import Block, PrefixCache
+from gateway.sim.kvevents import KVEventRecorder, extra_keys_for
 from gateway.sim.metrics import SimMetrics
 from gateway.sim.options import SimOptions
 from gateway.tasks import cancel_and_wait
@@ -53,6 +58,7 @@ class EngineRequest:
     __slots__ = (
         "arrival",
         "blocks",
+        "cache_salt",
         "cached_tokens",
         "error",
         "finish_reason",
@@ -61,6 +67,8 @@ class EngineRequest:
         "first_token_at",
         "keys",
         "last_token_at",
+        "lora_id",
+        "lora_name",
         "max_tokens",
         "num_committed",
         "num_computed",
@@ -70,6 +78,7 @@ class EngineRequest:
         "scheduled_at",
         "stop_reason",
         "stream",
+        "token_ids",
         "waiter",
     )
 
@@ -80,12 +89,19 @@ class EngineRequest:
         keys: list[int],
         stop_reason: str,
         arrival: float,
+        token_ids: list[int] | None = None,
+        lora: tuple[int, str] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.num_prompt = num_prompt
         self.output = output
         self.max_tokens = len(output)
         # keys of the full blocks of prompt + output[:-1]: the last sampled token is never computed
         self.keys = keys
+        # the tokens behind ``keys`` (prompt + output[:-1]), for the KV events' token_ids
+        self.token_ids = token_ids
+        self.lora_id, self.lora_name = lora if lora is not None else (None, None)
+        self.cache_salt = cache_salt
         self.stop_reason = stop_reason  # finish_reason once max_tokens tokens exist
         self.arrival = arrival
         self.num_output = 0
@@ -112,6 +128,10 @@ class Engine:
         self.metrics = metrics
         self.block_size = options.block_size
         self.cache = PrefixCache(options.num_gpu_blocks, options.block_size)
+        self.kv_events = KVEventRecorder(
+            options.block_size, int_hashes=options.kv_events_int_hashes, layout=options.kv_events_layout
+        )
+        self.cache.on_evict = self._evicted
         self.time_scale = options.time_scale
         self.instant = options.time_scale == 0
         self.max_num_seqs = options.max_num_seqs
@@ -160,6 +180,8 @@ class Engine:
         cache.touch(hit)
         blocks = hit + cache.allocate(need)
         cache.commit(blocks, req.keys, len(hit), computed // self.block_size)
+        if self.kv_events.active:
+            self._stored(req, len(hit), computed // self.block_size)
         cache.free(blocks)
         req.scheduled_at = now
         self._record_admission(req, req.num_prompt, len(hit) * self.block_size)
@@ -176,6 +198,7 @@ class Engine:
         self.total_prompt_tokens += req.num_prompt
         self.total_generation_tokens += req.max_tokens
         self._finish(req, req.stop_reason, now)
+        self.kv_events.flush()
 
     def add_request(self, req: EngineRequest) -> None:
         """Queue a request for the stepping engine.
@@ -205,18 +228,59 @@ class Engine:
         self._finish(req, "abort", time.monotonic())
 
     def restart(self) -> int:
-        """What a vLLM restart does to the engine: in-flight requests fail, the cache is empty."""
+        """What a vLLM restart does to the engine: in-flight requests fail, the cache is empty,
+        and the KV event sequence starts from 0 again (no ``AllBlocksCleared``: a process that
+        dies says nothing; consumers see the sequence go backwards)."""
         victims = [*self.running, *self.waiting]
         for req in victims:
             self.abort(req, error="the engine restarted")
         self.cache.reset()
+        self.kv_events.restart()
         self._recent.clear()
         self._recent_queries = self._recent_hits = 0
         return len(victims)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``POST /reset_prefix_cache``: forget every cached block (``AllBlocksCleared``).
+
+        Fails (False) while requests hold blocks, unless ``reset_running_requests``: then the
+        running requests are preempted first (they recompute), as vLLM does.
+        """
+        if self.cache.num_free != self.cache.num_blocks:
+            if not reset_running_requests:
+                return False
+            while self.running:
+                self._preempt(self.running.pop())
+            self._wake.set()
+        self.cache.reset()
+        if self.kv_events.active:
+            self.kv_events.cleared()
+        self.kv_events.flush()
+        return True
+
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
+
+    # -- KV events -------------------------------------------------------------------------
+    def _evicted(self, key: int) -> None:
+        if self.kv_events.active:
+            self.kv_events.removed(key)
+
+    def _stored(self, req: EngineRequest, start: int, end: int) -> None:
+        """``BlockStored`` for ``req``'s blocks ``start..end-1``, just committed."""
+        if end <= start or req.token_ids is None:
+            return
+        bs = self.block_size
+        keys = req.keys
+        self.kv_events.stored(
+            keys[start:end],
+            keys[start - 1] if start else None,
+            req.token_ids[start * bs : end * bs],
+            req.lora_id,
+            req.lora_name,
+            extra_keys_for(end - start, start, req.lora_name, req.cache_salt),
+        )
 
     # -- accounting ------------------------------------------------------------------------
     def _record_admission(self, req: EngineRequest, queried: int, hit_tokens: int) -> None:
@@ -372,6 +436,8 @@ class Engine:
             full = req.num_computed // bs
             if full > req.num_committed:
                 cache.commit(req.blocks, req.keys, req.num_committed, full)
+                if self.kv_events.active:
+                    self._stored(req, req.num_committed, full)
                 req.num_committed = full
             if req.num_computed < req.num_prompt + req.num_output:
                 continue  # a prefill chunk: no token sampled yet
@@ -399,3 +465,4 @@ class Engine:
             self.total_prompt_tokens += prompt_tokens
         if any_finished:
             self.running = [r for r in self.running if not r.finished]
+        self.kv_events.flush()

@@ -30,6 +30,7 @@ from gateway.sim.protocol import (
     usage,
 )
 from gateway.sim.replica import Replica
+from gateway.sim.sampling import check_sampling
 
 logger = logging.getLogger("gateway.sim.api")
 
@@ -39,10 +40,34 @@ _dumps = json.JSONEncoder(separators=(",", ":")).encode
 class _Job:
     """One HTTP generation request: its prompts, its engine requests, how to render it."""
 
-    __slots__ = ("chat", "created", "echo", "model", "n", "prompts", "reqs", "rid", "stream_usage", "texts")
+    __slots__ = (
+        "cache_salt",
+        "chat",
+        "created",
+        "echo",
+        "lora",
+        "model",
+        "n",
+        "prompts",
+        "reqs",
+        "rid",
+        "stream_usage",
+        "texts",
+    )
 
-    def __init__(self, chat: bool, model: str, rid: str, prompts: list[list[int]], n: int) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        rid: str,
+        prompts: list[list[int]],
+        n: int,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
         self.chat = chat
+        self.lora = lora
+        self.cache_salt = cache_salt
         self.model = model
         self.rid = rid
         self.prompts = prompts
@@ -58,9 +83,15 @@ async def chat_completions(replica: Replica, body: bytes, receive: Receive, send
     model, lora = replica.resolve_model(req.model)
     seed = replica.block_seed(lora, req.cache_salt)
     check_messages(req.messages)
+    # vLLM checks max_tokens against max_model_len before it renders the prompt
+    if req.max_completion_tokens is not None:
+        requested: int | None = req.max_completion_tokens
+        replica.check_max_tokens(requested, "max_completion_tokens")
+    else:
+        requested = req.max_tokens
+        replica.check_max_tokens(requested)
     prompt = replica.prompts.chat(req.messages, req.tools, req.add_generation_prompt)
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    job = _Job(True, model, "chatcmpl-" + replica.new_id(), [prompt], req.n)
+    job = _Job(True, model, "chatcmpl-" + replica.new_id(), [prompt], req.n, lora, req.cache_salt)
     return await _generate(replica, job, req, requested, seed, "messages", receive, send)
 
 
@@ -68,6 +99,7 @@ async def completions(replica: Replica, body: bytes, receive: Receive, send: Sen
     req: CompletionRequest = parse(CompletionRequest, body)
     model, lora = replica.resolve_model(req.model)
     seed = replica.block_seed(lora, req.cache_salt)
+    replica.check_max_tokens(req.max_tokens)
     raw = req.prompt
     prompts: list[list[int]]
     texts: list[str] | None = None
@@ -87,7 +119,7 @@ async def completions(replica: Replica, body: bytes, receive: Receive, send: Sen
         if not ids:
             raise APIError(400, "Prompt cannot be empty.", param="prompt")
         check_token_ids(ids, "prompt")
-    job = _Job(False, model, "cmpl-" + replica.new_id(), prompts, req.n)
+    job = _Job(False, model, "cmpl-" + replica.new_id(), prompts, req.n, lora, req.cache_salt)
     if req.echo:
         job.echo = texts if texts is not None else [replica.tokenizer.decode(p) for p in prompts]
     return await _generate(replica, job, req, req.max_tokens, seed, "prompt", receive, send)
@@ -108,7 +140,12 @@ async def _generate(
     arrival = time.monotonic()
     for prompt in job.prompts:
         out_len, reason = replica.output_plan(len(prompt), requested, what)
-        job.reqs.extend(replica.engine_requests(prompt, out_len, reason, job.n, seed, arrival))
+        check_sampling(req, out_len, job.n)
+        job.reqs.extend(
+            replica.engine_requests(
+                prompt, out_len, reason, job.n, seed, arrival, lora=job.lora, cache_salt=job.cache_salt
+            )
+        )
     engine = replica.engine
     if req.stream:
         opts = req.stream_options
@@ -161,9 +198,20 @@ def _usage(replica: Replica, job: _Job, completion: int | None = None) -> dict[s
     if completion is None:
         completion = sum(r.num_output for r in reqs)
     cached: int | None = None
+    created: int | None = None
     if replica.options.enable_prompt_tokens_details:
-        cached = sum(max(reqs[i * n].cached_tokens, 0) for i in range(len(job.prompts)))
-    return usage(prompt_tokens, completion, cached)
+        firsts = [reqs[i * n] for i in range(len(job.prompts))]
+        cached = sum(max(r.cached_tokens, 0) for r in firsts)
+        if job.chat:
+            created = sum(_created_cache_tokens(r, replica.block_size) for r in firsts)
+    return usage(prompt_tokens, completion, cached, created)
+
+
+def _created_cache_tokens(req: EngineRequest, block_size: int) -> int:
+    """vLLM 0.32's ``created_cache_tokens``: the prompt tokens in full blocks cached once the
+    prompt is computed, less those that were already cached (``PrefillStats.finalize``)."""
+    full = req.num_prompt // block_size * block_size
+    return max(0, full - max(req.cached_tokens, 0))
 
 
 def _response(replica: Replica, job: _Job) -> dict[str, Any]:

@@ -11,13 +11,18 @@ Mirrors vLLM v1's ``BlockPool`` / ``KVCacheManager`` where it matters for routin
 - a finished request frees its blocks tail-first, so the tail of a prompt is evicted
   before its (more shareable) head;
 - a lookup returns the longest run of cached leading blocks, capped below the prompt's
-  last token (see :func:`hit_block_limit`).
+  last token (see :func:`hit_block_limit`);
+- a block computed again while an identical one is cached (the recomputed last block of a
+  repeated prompt, two identical prompts at once) is a second *copy* under the same key:
+  lookups find the first, and the key stays cached until its last copy is evicted
+  (vLLM's ``BlockHashToBlockMap``).  Every eviction of a keyed block is reported to
+  ``on_evict`` (vLLM's ``BlockRemoved``), one call per copy.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def hit_block_limit(num_tokens: int, block_size: int) -> int:
@@ -53,6 +58,8 @@ class PrefixCache:
         self._blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self._blocks)
         self._cached: dict[int, Block] = {}
+        self._copies: dict[int, list[Block]] = {}  # key -> further blocks holding it
+        self.on_evict: Callable[[int], None] | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -107,14 +114,11 @@ class PrefixCache:
         """Take ``num`` blocks from the LRU head (caller checked :meth:`can_allocate`)."""
         out: list[Block] = []
         free = self._free
-        cached = self._cached
         for _ in range(num):
             _, block = free.popitem(last=False)
             key = block.key
             if key is not None:
-                if cached.get(key) is block:
-                    del cached[key]
-                block.key = None
+                self._drop_key(block, key)
             block.ref = 1
             out.append(block)
         return out
@@ -122,17 +126,36 @@ class PrefixCache:
     def commit(self, blocks: Sequence[Block], keys: Sequence[int], start: int, end: int) -> None:
         """Mark ``blocks[start:end]`` as computed full blocks holding ``keys[start:end]``.
 
-        If another block already holds the same key (two identical prompts computed
-        concurrently), the first stays the one lookups find, as in vLLM.
+        If another block already holds the same key, this one becomes a further copy; the
+        first stays the one lookups find, as in vLLM.
         """
         cached = self._cached
         for i in range(start, end):
             block = blocks[i]
             if block.key is None:
                 key = keys[i]
-                if key not in cached:
+                block.key = key
+                if key in cached:
+                    self._copies.setdefault(key, []).append(block)
+                else:
                     cached[key] = block
-                    block.key = key
+
+    def _drop_key(self, block: Block, key: int) -> None:
+        """``block`` is taken for new data: forget its copy of ``key`` (and say so)."""
+        cached = self._cached
+        copies = self._copies.get(key)
+        if cached.get(key) is block:
+            if copies:
+                cached[key] = copies.pop()
+            else:
+                del cached[key]
+        elif copies is not None:
+            copies.remove(block)
+        if copies is not None and not copies:
+            del self._copies[key]
+        block.key = None
+        if self.on_evict is not None:
+            self.on_evict(key)
 
     def free(self, blocks: Sequence[Block]) -> None:
         """Unpin a request's blocks; unreferenced ones join the LRU tail, tail block first."""
@@ -149,4 +172,5 @@ class PrefixCache:
         for block in self._blocks:
             block.key = None
         self._cached.clear()
+        self._copies.clear()
         self._free = OrderedDict((b.block_id, b) for b in self._blocks)

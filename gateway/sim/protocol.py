@@ -2,7 +2,9 @@
 
 Request models accept unknown fields (vLLM has dozens of sampling extensions and clients
 send them freely) and validate only what the simulator uses.  Errors follow vLLM's
-OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
+OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``; vLLM 0.32's request
+validation errors (``VLLMValidationError``) end their message with
+`` (parameter=NAME, value=VALUE)``, which ``APIError(..., value=...)`` reproduces.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+_NO_VALUE: Any = object()
 
 
 class APIError(Exception):
@@ -32,7 +36,21 @@ class APIError(Exception):
         504: "GatewayTimeout",
     }
 
-    def __init__(self, status: int, message: str, param: str | None = None, err_type: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        err_type: str | None = None,
+        *,
+        value: Any = _NO_VALUE,
+    ):
+        if value is not _NO_VALUE:  # a VLLMValidationError: vLLM appends what was refused
+            extras = [f"parameter={param}"] if param is not None else []
+            if value is not None:
+                extras.append(f"value={value}")
+            if extras:
+                message = f"{message} ({', '.join(extras)})"
         super().__init__(message)
         self.status = status
         self.message = message
@@ -86,6 +104,14 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     cache_salt: str | None = None
     user: str | None = None
+    # sampling parameters vLLM validates (SamplingParams._verify_args); None = its default
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
 
 
 class ChatRequest(_Sampling):
@@ -139,14 +165,19 @@ def check_token_ids(ids: list[int], param: str) -> None:
             raise APIError(400, f"token id {tok} is out of vocabulary", param=param)
 
 
-def usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
+def usage(prompt: int, completion: int, cached: int | None, created: int | None = None) -> dict[str, Any]:
+    """vLLM's ``UsageInfo``; ``prompt_tokens_details`` only with ``--enable-prompt-tokens-details``.
+
+    ``created``: vLLM 0.32's ``created_cache_tokens`` (prompt tokens this request wrote into
+    the prefix cache), reported by chat completions; completions leave it null.
+    """
     out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
     }
     if cached is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": cached}
+        out["prompt_tokens_details"] = {"cached_tokens": cached, "created_cache_tokens": created}
     return out
 
 
