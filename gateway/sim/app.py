@@ -10,7 +10,8 @@ under test; see :mod:`gateway.sim.asgi`.  Endpoints, as vLLM serves them:
 - ``GET /kv_event_sources`` (the KV event publisher per data-parallel rank, ``{}`` without
   one) and ``POST /reset_prefix_cache`` (``{"success": bool}``; vLLM serves it only with
   ``VLLM_SERVER_DEV_MODE=1``, the simulator always)
-- with ``--enable-admin`` only: ``GET|POST /sim/faults``, ``POST /sim/restart``, ``GET /sim/state``
+- with ``--enable-admin`` only: ``GET|POST /sim/faults``, ``POST /sim/restart``, ``GET /sim/state``,
+  ``GET /sim/kv_blocks`` (the cached block keys and their copies)
 """
 
 from __future__ import annotations
@@ -201,6 +202,12 @@ async def state(replica: Replica, body: bytes, receive: Receive, send: Send) -> 
     )
 
 
+async def kv_blocks(replica: Replica, body: bytes, receive: Receive, send: Send) -> tuple[int, bytes]:
+    """The cache's content (key -> copies), to check the KV events against it in tests."""
+    copies = replica.engine.cache.copies()
+    return _json({"block_size": replica.block_size, "blocks": {str(k): v for k, v in copies.items()}})
+
+
 # -- the app ----------------------------------------------------------------------------------
 
 
@@ -249,6 +256,7 @@ class SimApp:
             routes["/sim/faults"] = {"GET": get_faults, "POST": set_faults}
             routes["/sim/restart"] = {"POST": restart}
             routes["/sim/state"] = {"GET": state}
+            routes["/sim/kv_blocks"] = {"GET": kv_blocks}
         self.routes = routes
 
     async def startup(self) -> None:

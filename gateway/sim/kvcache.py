@@ -76,6 +76,13 @@ class PrefixCache:
         """vLLM's ``kv_cache_usage_perc``: the share of blocks pinned by requests (0..1)."""
         return 1.0 - len(self._free) / self.num_blocks
 
+    def copies(self) -> dict[int, int]:
+        """Every cached key with how many blocks hold it (what KV events let a consumer count)."""
+        out = dict.fromkeys(self._cached, 1)
+        for key, extra in self._copies.items():
+            out[key] += len(extra)
+        return out
+
     def contains(self, key: int) -> bool:
         return key in self._cached
 
