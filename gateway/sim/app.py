@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.sim import SIM_VERSION
 from gateway.sim.asgi import TEXT, BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_bytes
 from gateway.sim.embeddings import embeddings
 from gateway.sim.generate import chat_completions, completions
@@ -37,7 +38,6 @@ from gateway.sim.protocol import (
     check_messages,
     check_token_ids,
     parse,
-    validation_error,
 )
 from gateway.sim.replica import Replica
 from gateway.sim.statslog import StatsLogger
@@ -47,7 +47,6 @@ logger = logging.getLogger("gateway.sim.app")
 
 Handler = Callable[[Replica, bytes, Receive, Send], Awaitable[tuple[int, bytes] | None]]
 
-SIM_VERSION = "0.1.0-sim"
 _NOT_FOUND = json.dumps({"detail": "Not Found"}).encode()
 _NOT_ALLOWED = json.dumps({"detail": "Method Not Allowed"}).encode()
 PROMETHEUS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
@@ -161,7 +160,8 @@ async def set_faults(replica: Replica, body: bytes, receive: Receive, send: Send
     try:
         settings = replica.faults.update(patch)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise APIError(400, problems or "invalid fault settings") from None
     logger.warning("fault injection settings now %s", settings.model_dump())
     return _json(settings.model_dump())
 

@@ -83,6 +83,7 @@ async def chat_completions(replica: Replica, body: bytes, receive: Receive, send
     model, lora = replica.resolve_model(req.model)
     seed = replica.block_seed(lora, req.cache_salt)
     check_messages(req.messages)
+    _check_tool_choice(replica, req)
     # vLLM checks max_tokens against max_model_len before it renders the prompt
     if req.max_completion_tokens is not None:
         requested: int | None = req.max_completion_tokens
@@ -93,6 +94,20 @@ async def chat_completions(replica: Replica, body: bytes, receive: Receive, send
     prompt = replica.prompts.chat(req.messages, req.tools, req.add_generation_prompt)
     job = _Job(True, model, "chatcmpl-" + replica.new_id(), [prompt], req.n, lora, req.cache_salt)
     return await _generate(replica, job, req, requested, seed, "messages", receive, send)
+
+
+def _check_tool_choice(replica: Replica, req: ChatRequest) -> None:
+    """vLLM without a tool parser refuses the tool choices that need one."""
+    if replica.options.enable_auto_tool_choice or not req.tools:
+        return
+    choice = req.tool_choice if req.tool_choice is not None else "auto"
+    if choice == "none":
+        return
+    if choice == "auto":
+        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+    named = isinstance(choice, dict)
+    desc = f'function "{(choice.get("function") or {}).get("name")}"' if named else f'"{choice}"'  # type: ignore[union-attr]
+    raise APIError(400, f"tool_choice={desc} requires --tool-call-parser to be set")
 
 
 async def completions(replica: Replica, body: bytes, receive: Receive, send: Send) -> tuple[int, bytes] | None:
@@ -191,7 +206,7 @@ def _watch(receive: Receive, waiter: asyncio.Event) -> asyncio.Future[Any]:
     return gone
 
 
-def _usage(replica: Replica, job: _Job, completion: int | None = None) -> dict[str, Any]:
+def _usage(replica: Replica, job: _Job, completion: int | None = None, *, stream: bool = False) -> dict[str, Any]:
     reqs = job.reqs
     n = job.n
     prompt_tokens = sum(len(p) for p in job.prompts)
@@ -204,7 +219,7 @@ def _usage(replica: Replica, job: _Job, completion: int | None = None) -> dict[s
         cached = sum(max(r.cached_tokens, 0) for r in firsts)
         if job.chat:
             created = sum(_created_cache_tokens(r, replica.block_size) for r in firsts)
-    return usage(prompt_tokens, completion, cached, created)
+    return usage(prompt_tokens, completion, cached, created, stream=stream)
 
 
 def _created_cache_tokens(req: EngineRequest, block_size: int) -> int:
@@ -223,10 +238,12 @@ def _response(replica: Replica, job: _Job) -> dict[str, Any]:
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": text, "tool_calls": []},
+                    "message": {**_MESSAGE, "content": text},  # vLLM 0.32 omits empty tool_calls
                     "logprobs": None,
                     "finish_reason": r.finish_reason,
                     "stop_reason": None,
+                    "token_ids": None,
+                    "routed_experts": None,
                 }
             )
         else:
@@ -239,16 +256,38 @@ def _response(replica: Replica, job: _Job) -> dict[str, Any]:
                     "logprobs": None,
                     "finish_reason": r.finish_reason,
                     "stop_reason": None,
+                    "token_ids": None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": None,
+                    "routed_experts": None,
                 }
             )
-    return {
+    body: dict[str, Any] = {
         "id": job.rid,
         "object": "chat.completion" if job.chat else "text_completion",
         "created": job.created,
         "model": job.model,
         "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": replica.fingerprint,
         "usage": _usage(replica, job),
     }
+    if job.chat:
+        body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+    body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+    return body
+
+
+# vLLM 0.32's assistant message with nothing but content
+_MESSAGE: dict[str, Any] = {
+    "role": "assistant",
+    "content": "",
+    "refusal": None,
+    "annotations": None,
+    "audio": None,
+    "function_call": None,
+    "reasoning": None,
+}
 
 
 # -- streaming --------------------------------------------------------------------------------
@@ -364,15 +403,25 @@ async def _emit_events(
     if job.chat:
 
         def make(index: int, piece: str, finish: str | None) -> dict[str, Any]:
-            choice = {"index": index, "delta": {"content": piece}, "logprobs": None, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": index, "delta": {"content": piece}, "logprobs": None}
+            choice["finish_reason"] = finish
             if finish is not None:
                 choice["stop_reason"] = None
+            choice["token_ids"] = None
             return choice
 
     else:
 
         def make(index: int, piece: str, finish: str | None) -> dict[str, Any]:
-            return {"index": index, "text": piece, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            return {
+                "index": index,
+                "text": piece,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "prompt_token_ids": None,
+                "token_ids": None,
+            }
 
     sent = [0] * len(reqs)
     generated = 0
@@ -382,7 +431,7 @@ async def _emit_events(
             for index in range(len(reqs)):
                 delta = {"role": "assistant", "content": ""}
                 role = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-                await sink.emit(sse({**base, "choices": [role]}))
+                await sink.emit(sse({**base, "choices": [role], "prompt_token_ids": None, "prompt_text": None}))
         for index, r in enumerate(reqs):
             if r.error is not None:
                 err = APIError(503, r.error)
@@ -398,7 +447,7 @@ async def _emit_events(
                 sent[index] = k + 1
                 generated += 1
                 if continuous:
-                    payload["usage"] = _usage(replica, job, generated)
+                    payload["usage"] = _usage(replica, job, generated, stream=True)
                 await sink.emit(sse(payload))
         if all(r.finished for r in reqs):
             break
@@ -409,4 +458,6 @@ async def _emit_events(
         if gone.done():
             raise _ClientLeft
     if include_usage:
-        await sink.emit(sse({**base, "choices": [], "usage": _usage(replica, job)}))
+        usage_chunk = {**base, "choices": [], "usage": _usage(replica, job, stream=True)}
+        usage_chunk["system_fingerprint"] = replica.fingerprint
+        await sink.emit(sse(usage_chunk))

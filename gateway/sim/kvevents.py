@@ -105,6 +105,26 @@ def parse_kv_events_config(value: Any) -> KVEventsConfig | None:
     return KVEventsConfig.model_validate(value)
 
 
+def offset_endpoint_port(endpoint: str | None, offset: int) -> str | None:
+    """vLLM's rule for data-parallel rank ``offset``: a tcp port + offset (port 0 stays 0)."""
+    if not endpoint or offset == 0 or not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
+        return endpoint
+    base, port = endpoint.rsplit(":", 1)
+    return endpoint if int(port) == 0 else f"{base}:{int(port) + offset}"
+
+
+def for_replica(config: KVEventsConfig | None, index: int) -> KVEventsConfig | None:
+    """One config for N replicas of one command line: replica ``index`` offsets its ports."""
+    if config is None or index == 0:
+        return config
+    return config.model_copy(
+        update={
+            "endpoint": offset_endpoint_port(config.endpoint, index),
+            "replay_endpoint": offset_endpoint_port(config.replay_endpoint, index),
+        }
+    )
+
+
 def is_bind_endpoint(endpoint: str) -> bool:
     """vLLM's ``ZmqEventPublisher._is_bind_endpoint``."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))

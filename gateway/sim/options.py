@@ -59,6 +59,9 @@ class SimOptions(BaseModel):
     # next chat turn then misses the cache from that block on.  0 = replies re-tokenize exactly.
     retokenize_drift: float = Field(0.02, ge=0.0, le=1.0)
     enable_prompt_tokens_details: bool = True
+    # vLLM's --enable-auto-tool-choice with a --tool-call-parser: requests with tools are served;
+    # off, vLLM's 400 for tool_choice "auto" (the default when tools are sent) or "required"
+    enable_auto_tool_choice: bool = True
     embedding_dim: int = Field(32, gt=0, le=4096)
     metrics_naming: Literal["current", "legacy", "both"] = "current"
 

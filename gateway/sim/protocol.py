@@ -63,14 +63,45 @@ class APIError(Exception):
         ).encode()
 
 
-def validation_error(exc: ValidationError) -> APIError:
-    """Pydantic's complaint as one readable 400 (vLLM maps request validation to 400 too)."""
-    parts = []
-    for err in exc.errors(include_url=False)[:5]:
-        loc = ".".join(str(p) for p in err["loc"]) or "body"
-        parts.append(f"{loc}: {err['msg']}")
-    first = exc.errors(include_url=False)[0]["loc"] if exc.errors() else ()
-    return APIError(400, "; ".join(parts) or "invalid request", param=str(first[0]) if first else None)
+_MAX_REPORTED_ERRORS = 10  # vLLM bounds the report (validation.py)
+_MAX_ERROR_INPUT_CHARS = 200
+_MAX_ERROR_CHARS = 1000
+
+
+def validation_error(exc: ValidationError, where: str = "body") -> APIError:
+    """Pydantic's complaint as vLLM 0.32's 400 for a ``RequestValidationError``.
+
+    vLLM (FastAPI) reports ``N validation error(s):`` then one ``str(dict)`` line per error
+    with ``loc`` dotted from ``body``, type ``"Bad Request"`` and ``param`` the first loc.
+    """
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return APIError(400, "Validation error", err_type="Bad Request")
+    locs = [".".join((where, *(str(p) for p in err["loc"]))) for err in errors]
+    label = "error" if len(errors) == 1 else "errors"
+    lines = [f"{len(errors)} validation {label}:"]
+    for err, loc in zip(errors[:_MAX_REPORTED_ERRORS], locs, strict=False):
+        shown: dict[str, Any] = {"type": err["type"], "loc": loc, "msg": err["msg"]}
+        if "input" in err:
+            shown["input"] = _summarize_input(err["input"])
+        if "ctx" in err:
+            shown["ctx"] = err["ctx"]
+        text = str(shown)
+        lines.append("  " + (text[:_MAX_ERROR_CHARS] + "...[truncated]" if len(text) > _MAX_ERROR_CHARS else text))
+    if len(errors) > _MAX_REPORTED_ERRORS:
+        lines.append(f"  ...and {len(errors) - _MAX_REPORTED_ERRORS} more {label}")
+    return APIError(400, "\n".join(lines), param=locs[0], err_type="Bad Request")
+
+
+def _summarize_input(value: Any) -> Any:
+    if isinstance(value, str):
+        return value[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]" if len(value) > _MAX_ERROR_INPUT_CHARS else value
+    if isinstance(value, bytes | bytearray):
+        return f"<{type(value).__name__} of {len(value)} bytes>"
+    if isinstance(value, list | tuple | set | frozenset | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    return text[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]" if len(text) > _MAX_ERROR_INPUT_CHARS else text
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:
@@ -118,6 +149,7 @@ class ChatRequest(_Sampling):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
 
@@ -165,19 +197,29 @@ def check_token_ids(ids: list[int], param: str) -> None:
             raise APIError(400, f"token id {tok} is out of vocabulary", param=param)
 
 
-def usage(prompt: int, completion: int, cached: int | None, created: int | None = None) -> dict[str, Any]:
-    """vLLM's ``UsageInfo``; ``prompt_tokens_details`` only with ``--enable-prompt-tokens-details``.
+def usage(
+    prompt: int, completion: int, cached: int | None, created: int | None = None, *, stream: bool = False
+) -> dict[str, Any]:
+    """vLLM 0.32's ``UsageInfo`` as it serializes it.
 
-    ``created``: vLLM 0.32's ``created_cache_tokens`` (prompt tokens this request wrote into
-    the prefix cache), reported by chat completions; completions leave it null.
+    ``cached`` is None without ``--enable-prompt-tokens-details``.  ``created``: vLLM 0.32's
+    ``created_cache_tokens`` (prompt tokens this request wrote into the prefix cache), which
+    chat completions report and completions leave null.  A response body carries every field
+    (nulls included); a stream's usage chunk leaves the null ones out, as vLLM's does.
     """
     out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
     }
+    details: dict[str, Any] | None = None
     if cached is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": cached, "created_cache_tokens": created}
+        details = {"cached_tokens": cached, "created_cache_tokens": created, "multimodal_tokens": None}
+    if not stream:
+        out["prompt_tokens_details"] = details
+        out["completion_tokens_details"] = None
+    elif details is not None:
+        out["prompt_tokens_details"] = {k: v for k, v in details.items() if v is not None}
     return out
 
 

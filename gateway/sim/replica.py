@@ -10,6 +10,7 @@ import itertools
 import os
 import time
 
+from gateway.sim import SIM_VERSION
 from gateway.sim.engine import Engine, EngineRequest
 from gateway.sim.faults import FaultState
 from gateway.sim.hashing import block_hashes, block_seed
@@ -40,6 +41,7 @@ class Replica:
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(6).hex()
         self._loras = frozenset(options.lora_modules)
+        self.fingerprint = "vllm-" + SIM_VERSION  # vLLM's system_fingerprint: its version
         # the ZMQ side of the KV events, when --kv-events-config publishes (set by the app)
         self.kv_publisher: ZmqKVPublisher | None = None
 
@@ -59,7 +61,9 @@ class Replica:
             return self.options.model, None
         if requested in self._loras:
             return requested, requested
-        raise APIError(404, f"The model `{requested}` does not exist.", param="model")
+        raise APIError(
+            404, f"The model `{requested}` does not exist. Valid aliases: {self.options.model}.", param="model"
+        )
 
     def block_seed(self, lora: str | None, cache_salt: str | None) -> int:
         if cache_salt is not None and not cache_salt:
