@@ -192,7 +192,8 @@ async def state(replica: Replica, body: bytes, receive: Receive, send: Send) -> 
             "running": engine.num_running,
             "waiting": engine.num_waiting,
             "kv_cache_usage": cache.usage,
-            "num_gpu_blocks": cache.num_blocks,
+            "num_gpu_blocks": replica.options.num_gpu_blocks,
+            "num_usable_blocks": cache.num_blocks,  # one is vLLM's null block
             "num_free_blocks": cache.num_free,
             "num_cached_blocks": cache.num_cached,
             "prefix_cache_queries": engine.total_queries,

@@ -127,7 +127,7 @@ class Engine:
         self.options = options
         self.metrics = metrics
         self.block_size = options.block_size
-        self.cache = PrefixCache(options.num_gpu_blocks, options.block_size)
+        self.cache = PrefixCache(options.usable_gpu_blocks, options.block_size)
         self.kv_events = KVEventRecorder(
             options.block_size, int_hashes=options.kv_events_int_hashes, layout=options.kv_events_layout
         )
@@ -178,10 +178,11 @@ class Engine:
         if not cache.can_allocate(hit, need):
             raise EngineError("the KV cache cannot hold this request right now")
         cache.touch(hit)
-        blocks = hit + cache.allocate(need)
-        cache.commit(blocks, req.keys, len(hit), computed // self.block_size)
         if self.kv_events.active:
-            self._stored(req, len(hit), computed // self.block_size)
+            blocks = self._instant_steps(req, hit, computed)
+        else:
+            blocks = hit + cache.allocate(need)
+            cache.commit(blocks, req.keys, len(hit), computed // self.block_size)
         cache.free(blocks)
         req.scheduled_at = now
         self._record_admission(req, req.num_prompt, len(hit) * self.block_size)
@@ -199,6 +200,41 @@ class Engine:
         self.total_generation_tokens += req.max_tokens
         self._finish(req, req.stop_reason, now)
         self.kv_events.flush()
+
+    def _instant_steps(self, req: EngineRequest, hit: list[Block], computed: int) -> list[Block]:
+        """The cache changes of :meth:`run_instant` step by step, one KV event batch per step
+        as the stepping engine (and vLLM) would publish them: prefill in chunks of
+        ``max_num_batched_tokens``, then one token per step (only the steps that allocate or
+        fill a block change anything).  Same blocks, same order as the all-at-once path."""
+        cache = self.cache
+        bs = self.block_size
+        blocks = list(hit)
+        committed = len(hit)
+
+        def step(to: int) -> None:
+            nonlocal committed
+            need = -(-to // bs) - len(blocks)
+            if need > 0:
+                blocks.extend(cache.allocate(need))
+            full = to // bs
+            if full > committed:
+                cache.commit(blocks, req.keys, committed, full)
+                self._stored(req, committed, full)
+                committed = full
+            self.kv_events.flush()
+
+        pos = len(hit) * bs
+        prompt_end = min(req.num_prompt, computed)
+        while pos < prompt_end:
+            pos = min(prompt_end, pos + self.max_num_batched_tokens)
+            step(pos)
+        while pos < computed:
+            if pos % bs == 0 and pos // bs >= len(blocks):  # this token needs a new block
+                pos += 1
+            else:  # to the end of the current block (or of the sequence)
+                pos = min((pos // bs + 1) * bs, computed)
+            step(pos)
+        return blocks
 
     def add_request(self, req: EngineRequest) -> None:
         """Queue a request for the stepping engine.
@@ -241,7 +277,8 @@ class Engine:
         return len(victims)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """vLLM's ``POST /reset_prefix_cache``: forget every cached block (``AllBlocksCleared``).
+        """vLLM's ``POST /reset_prefix_cache``: forget every cached block (``AllBlocksCleared``,
+        published with the next step's batch, as vLLM does).
 
         Fails (False) while requests hold blocks, unless ``reset_running_requests``: then the
         running requests are preempted first (they recompute), as vLLM does.
@@ -254,8 +291,9 @@ class Engine:
             self._wake.set()
         self.cache.reset()
         if self.kv_events.active:
+            # queued, not published: vLLM's scheduler sends it with the batch of its next step,
+            # so an idle engine announces the reset only when the next request runs
             self.kv_events.cleared()
-        self.kv_events.flush()
         return True
 
     async def close(self) -> None:

@@ -2,14 +2,16 @@
 
 Mirrors vLLM v1's ``BlockPool`` / ``KVCacheManager`` where it matters for routing:
 
-- capacity is ``num_gpu_blocks`` blocks of ``block_size`` tokens;
+- capacity is ``num_gpu_blocks - 1`` blocks of ``block_size`` tokens (vLLM keeps one as
+  its null block; the engine passes the usable count);
 - a block is *cached* once it is full and computed; its key is the chained block hash
   (:func:`gateway.prefix.blocks.chain_block_keys`), so a key names a whole prefix;
 - blocks referenced by running requests are pinned; every other block sits in one free
-  queue in LRU order, cached or not, and allocation takes from the head, evicting the
-  cached key of the block it takes;
+  queue, and allocation takes from the head, evicting the cached key of the block it takes;
 - a finished request frees its blocks tail-first, so the tail of a prompt is evicted
-  before its (more shareable) head;
+  before its (more shareable) head; freed blocks that hold no key (a partial last block)
+  go to the front of the queue and are reused first, cached ones to the back (LRU), as in
+  vLLM 0.32;
 - a lookup returns the longest run of cached leading blocks, capped below the prompt's
   last token (see :func:`hit_block_limit`);
 - a block computed again while an identical one is cached (the recomputed last block of a
@@ -165,12 +167,21 @@ class PrefixCache:
             self.on_evict(key)
 
     def free(self, blocks: Sequence[Block]) -> None:
-        """Unpin a request's blocks; unreferenced ones join the LRU tail, tail block first."""
+        """Unpin a request's blocks, tail block first (vLLM 0.32's ``BlockPool.free_blocks``).
+
+        Unreferenced cached blocks join the LRU tail (evicted last); blocks holding no key (a
+        partial tail) go to the *front*, so they are reused before anything cached is evicted.
+        """
         free = self._free
+        uncached: list[Block] = []
         for block in reversed(blocks):
             block.ref -= 1
             if block.ref == 0:
                 free[block.block_id] = block
+                if block.key is None:
+                    uncached.append(block)
+        for block in reversed(uncached):
+            free.move_to_end(block.block_id, last=False)
 
     def reset(self) -> None:
         """Forget every cached block (a restart).  Only valid when no request holds blocks."""

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MEDIUM_GPU = "GPU"  # vLLM says "GPU" for its primary KV cache, also on the CPU backend
 GROUP_IDX = 0  # one full-attention KV cache group
+KV_CACHE_SPEC_KIND = "full_attention"  # what vLLM 0.32 sends for a plain decoder's group
 _MASK64 = (1 << 64) - 1
 
 Layout = Literal["map", "array"]
@@ -248,6 +249,7 @@ class KVEventRecorder:
             ("lora_name", lora_name, True),
             ("extra_keys", extra_keys, extra_keys is not None),
             ("group_idx", GROUP_IDX, True),
+            ("kv_cache_spec_kind", KV_CACHE_SPEC_KIND, True),
         ]
         self.pending.append(self._event("BlockStored", fields))
 

@@ -97,8 +97,13 @@ class SimOptions(BaseModel):
         return FaultSettings(**{name: getattr(self, name) for name in FAULT_FIELDS})
 
     @property
+    def usable_gpu_blocks(self) -> int:
+        """vLLM keeps one of its ``num_gpu_blocks`` as the null block: one fewer holds tokens."""
+        return max(self.num_gpu_blocks - 1, 1)
+
+    @property
     def kv_capacity_tokens(self) -> int:
-        return self.num_gpu_blocks * self.block_size
+        return self.usable_gpu_blocks * self.block_size
 
     @property
     def effective_max_model_len(self) -> int:

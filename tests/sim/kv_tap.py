@@ -117,12 +117,13 @@ class KVTap:
     def close(self) -> None:
         self.ctx.destroy(linger=0)
 
-    def sync(self, timeout: float = 10.0) -> Batch:
+    def sync(self, probe_tokens: int = 40, timeout: float = 10.0) -> Batch:
         """A subscription takes effect a moment after connecting (ZMQ's slow joiner): send
-        fresh prompts until one's events arrive; returns that batch."""
+        fresh prompts (at least one full block of ``probe_tokens``) until one's events arrive;
+        returns that batch."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            prompt = [1000 + next(_probe) % 50000] * 40  # two full blocks, never cached before
+            prompt = [1000 + next(_probe) % 50000] * probe_tokens  # never cached before
             httpx.post(self.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}).raise_for_status()
             if self.sub.poll(100):
                 batch = self.recv()

@@ -264,8 +264,9 @@ def test_context_length_rules_are_vllm_0_32s(make_sim) -> None:
     exact = [7] * 64
     err = _error(httpx.post(url + "/v1/completions", json={"prompt": exact}), 400)
     assert err["message"] == "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
-    # a KV cache smaller than max_model_len clamps it (vLLM would refuse to start)
-    small = make_sim(num_gpu_blocks=4, block_size=16)
+    # a KV cache smaller than max_model_len clamps it (vLLM would refuse to start); one of the
+    # blocks is vLLM's null block
+    small = make_sim(num_gpu_blocks=5, block_size=16)
     assert httpx.get(small + "/v1/models").json()["data"][0]["max_model_len"] == 64
 
 

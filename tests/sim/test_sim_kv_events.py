@@ -59,11 +59,16 @@ def cache_content(url: str) -> dict[int, int]:
 
 
 def fresh_index(url: str, tap: KVTap) -> tuple[KVIndex, int]:
-    """Start from an empty cache whose clearing the tap saw: (index, the next sequence)."""
+    """Start from a cache the tap saw cleared: (index of what it holds now, the next sequence).
+
+    vLLM publishes AllBlocksCleared with its next step's batch, so a probe request follows."""
     assert httpx.post(url + "/reset_prefix_cache").json() == {"success": True}
-    batch = tap.recv()
-    assert [e["type"] for e in batch.events] == ["AllBlocksCleared"]
-    return KVIndex(), batch.seq + 1
+    batch = tap.sync()
+    assert batch.events[0]["type"] == "AllBlocksCleared"
+    index = KVIndex()
+    index.apply(batch)
+    assert dict(index.copies) == cache_content(url)
+    return index, batch.seq + 1
 
 
 def test_events_tell_exactly_what_the_cache_holds() -> None:
@@ -86,31 +91,48 @@ def test_events_tell_exactly_what_the_cache_holds() -> None:
         assert len(index.cached) == state(url)["num_cached_blocks"] > 0
 
 
+def stored(batches: list[Any]) -> list[dict[str, Any]]:
+    return [e for b in batches for e in b.events if e["type"] == "BlockStored"]
+
+
 def test_stored_blocks_carry_their_own_tokens_and_chain() -> None:
     """token_ids are exactly the stored blocks' tokens: the sim's hashes recomputed from them
-    (seeded by the parent) give the announced hashes; lora_id/lora_name/medium/group_idx as vLLM's."""
+    (seeded by the parent) give the announced hashes; lora_id/lora_name/medium/group_idx as
+    vLLM's.  One batch per engine step: the prefill's blocks, then each block decode fills."""
     with tapped() as (url, tap):
         _, seq = fresh_index(url, tap)
         prompt = prompt_of(50, 7000)
         complete(url, prompt, max_tokens=20)  # computed: 50 + 19 = 69 tokens -> 4 full blocks
-        (batch,) = tap.drain()
-        (event,) = batch.events
-        assert batch.seq == seq
-        assert event["parent_block_hash"] is None and event["block_size"] == BLOCK
-        assert len(event["block_hashes"]) == 4 and len(event["token_ids"]) == 64
-        assert event["token_ids"][:50] == prompt  # prompt, then the output tokens
+        batches = tap.drain()
+        assert [b.seq for b in batches] == [seq, seq + 1]
+        prefill, decode = stored(batches)
+        assert len(prefill["block_hashes"]) == 3 and len(decode["block_hashes"]) == 1
+        assert prefill["parent_block_hash"] is None and decode["parent_block_hash"] == prefill["block_hashes"][-1]
+        tokens = prefill["token_ids"] + decode["token_ids"]
+        assert len(tokens) == 64 and tokens[:50] == prompt  # prompt, then the output tokens
         seed = block_seed(DEFAULT_MODEL, None, None)
-        assert block_hashes(event["token_ids"], BLOCK, seed) == event["block_hashes"]
-        assert (event["lora_id"], event["lora_name"], event["medium"], event["group_idx"]) == (None, None, "GPU", 0)
-        assert event["extra_keys"] == [None] * 4
-        assert list(event) == ["type", *FIELDS["BlockStored"][:9]]  # vLLM's order; defaults omitted
+        assert block_hashes(tokens, BLOCK, seed) == prefill["block_hashes"] + decode["block_hashes"]
+        for event in (prefill, decode):
+            assert event["block_size"] == BLOCK
+            assert (event["lora_id"], event["lora_name"], event["medium"], event["group_idx"]) == (None, None, "GPU", 0)
+            assert event["kv_cache_spec_kind"] == "full_attention"
+            assert event["extra_keys"] == [None] * len(event["block_hashes"])
+            assert list(event) == ["type", *FIELDS["BlockStored"][:10]]  # vLLM's order; defaults omitted
 
-        # the next turn extends it: a new event whose parent is the last block already held
-        complete(url, event["token_ids"] + prompt_of(40, 9000), max_tokens=1)
-        (batch,) = tap.drain()
-        (more,) = batch.events
-        assert more["parent_block_hash"] == event["block_hashes"][-1]
-        assert block_hashes(more["token_ids"], BLOCK, more["parent_block_hash"]) == more["block_hashes"]
+        # the next turn extends it: its first new block's parent is the last block already held
+        complete(url, tokens + prompt_of(40, 9000), max_tokens=1)
+        more = stored(tap.drain())
+        assert more[0]["parent_block_hash"] == decode["block_hashes"][-1]
+        assert block_hashes(more[0]["token_ids"], BLOCK, more[0]["parent_block_hash"]) == more[0]["block_hashes"]
+
+
+def test_chunked_prefill_publishes_one_batch_per_chunk() -> None:
+    """A prompt longer than max_num_batched_tokens is prefilled in chunks, one batch each (as
+    recorded from vLLM: 2,743 tokens with a 2,048-token budget gave 16 blocks, then 5)."""
+    with tapped(max_num_batched_tokens=64) as (url, tap):
+        fresh_index(url, tap)
+        complete(url, prompt_of(150, 13000))
+        assert [len(e["block_hashes"]) for e in stored(tap.drain())] == [4, 4, 1]
 
 
 def test_a_repeated_prompt_restores_its_last_full_block() -> None:
@@ -141,21 +163,22 @@ def test_a_repeated_prompt_restores_its_last_full_block() -> None:
 
 
 def test_reset_and_restart() -> None:
-    """POST /reset_prefix_cache: AllBlocksCleared, no hits after it; a restart starts the
-    sequence at 0 again without any event (a dead process says nothing)."""
+    """POST /reset_prefix_cache: AllBlocksCleared, published (as vLLM does) with the batch of
+    the next step, no hits after it; a restart starts the sequence at 0 again without any
+    event (a dead process says nothing)."""
     with tapped() as (url, tap):
         prompt = prompt_of(40, 12000)
         complete(url, prompt)
         tap.drain()
         assert httpx.post(url + "/reset_prefix_cache").json() == {"success": True}
-        (cleared,) = tap.drain()
-        assert cleared.raw_events == [{"type": "AllBlocksCleared"}]
+        assert tap.drain() == []  # an idle engine says nothing yet
         assert complete(url, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        tap.drain()
+        (batch,) = tap.drain()
+        assert [e["type"] for e in batch.raw_events] == ["AllBlocksCleared", "BlockStored"]
+        assert batch.raw_events[0] == {"type": "AllBlocksCleared"}
         # GET is not the method; the query parameter is accepted
         assert httpx.get(url + "/reset_prefix_cache").status_code == 405
         assert httpx.post(url + "/reset_prefix_cache?reset_running_requests=true").json() == {"success": True}
-        assert tap.recv().seq > 0
 
         httpx.post(url + "/sim/restart", json={}).raise_for_status()
         complete(url, prompt)
@@ -180,7 +203,11 @@ def test_reset_fails_while_requests_hold_blocks() -> None:
     assert engine.reset_prefix_cache() is False
     assert engine.reset_prefix_cache(reset_running_requests=True) is True
     assert engine.num_running == 0 and engine.num_waiting == 1  # preempted: it recomputes
-    assert got[-1].events == [{"type": "AllBlocksCleared"}]
+    assert engine.kv_events.pending == [{"type": "AllBlocksCleared"}]  # out with the next step
+    scheduled, _ = engine._schedule()
+    engine._apply(scheduled)
+    assert got[-1].events[0] == {"type": "AllBlocksCleared"}
+    assert got[-1].events[1]["type"] == "BlockStored"  # recomputed from scratch
 
 
 def test_replay_serves_the_buffer_then_the_end_frame() -> None:
@@ -224,18 +251,20 @@ def test_layouts_and_hash_types(layout: str, int_hashes: bool) -> None:
             complete(url, prompt_of(40, 60000 + 100 * i), max_tokens=9)
         batches = tap.drain()
         raw = batches[0].raw_events[0]
-        stored = batches[0].events[0]
+        first = batches[0].events[0]
         if layout == "map":
             assert isinstance(raw, dict) and raw["type"] == "BlockStored"
         else:
-            assert isinstance(raw, list) and raw[0] == "BlockStored" and len(raw) == 10
-        hashes = stored["block_hashes"]
+            assert isinstance(raw, list) and raw[0] == "BlockStored" and len(raw) == 11
+        hashes = [h for e in stored(batches[:2]) for h in e["block_hashes"]]
         if int_hashes:
             assert all(isinstance(h, int) and 0 <= h < 2**64 for h in hashes)
         else:
             assert all(isinstance(h, bytes) and len(h) == 32 for h in hashes)
         seed = block_seed(DEFAULT_MODEL, None, None)
-        assert [int_hash(h) for h in hashes] == block_hashes(prompt + stored["token_ids"][40:], BLOCK, seed)
+        tokens = [t for e in stored(batches[:2]) for t in e["token_ids"]]
+        assert tokens[:40] == prompt and first["parent_block_hash"] is None
+        assert [int_hash(h) for h in hashes] == block_hashes(tokens, BLOCK, seed)
         removed = [normalize(e) for b in batches for e in b.raw_events]
         removed = [e for e in removed if e["type"] == "BlockRemoved"]
         assert removed and all(len(e["block_hashes"]) == 1 and e["medium"] == "GPU" for e in removed)
