@@ -75,6 +75,7 @@ class _Job:
         self.reqs: list[EngineRequest] = []
         self.created = int(time.time())
         self.echo: list[str] | None = None
+        self.texts: list[str] | None = None  # completions' prompts given as text
         self.stream_usage: tuple[bool, bool] = (False, False)  # include_usage, continuous
 
 
@@ -135,6 +136,7 @@ async def completions(replica: Replica, body: bytes, receive: Receive, send: Sen
             raise APIError(400, "Prompt cannot be empty.", param="prompt")
         check_token_ids(ids, "prompt")
     job = _Job(False, model, "cmpl-" + replica.new_id(), prompts, req.n, lora, req.cache_salt)
+    job.texts = texts
     if req.echo:
         job.echo = texts if texts is not None else [replica.tokenizer.decode(p) for p in prompts]
     return await _generate(replica, job, req, req.max_tokens, seed, "prompt", receive, send)
@@ -154,7 +156,7 @@ async def _generate(
         raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     arrival = time.monotonic()
     for prompt in job.prompts:
-        out_len, reason = replica.output_plan(len(prompt), requested, what)
+        out_len, reason = replica.output_plan(len(prompt), requested, what, text=job.chat or job.texts is not None)
         check_sampling(req, out_len, job.n)
         job.reqs.extend(
             replica.engine_requests(

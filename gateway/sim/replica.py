@@ -70,17 +70,25 @@ class Replica:
             raise APIError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
         return block_seed(self.options.model, lora, cache_salt)
 
-    def check_prompt_len(self, num_tokens: int, what: str = "messages") -> None:
-        """vLLM 0.32's prompt limit: a prompt longer than ``max_model_len`` is refused (400)."""
-        if num_tokens > self.max_model_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"prompt contains {num_tokens} input tokens, which exceeds this limit even without any "
-                f"output tokens. Please reduce the length of the input prompt.",
-                param="input_tokens",
-                value=num_tokens,
-            )
+    def check_prompt_len(self, num_tokens: int, what: str = "messages", text: bool = True) -> None:
+        """vLLM 0.32's prompt limit: a prompt longer than ``max_model_len`` is refused (400).
+
+        A prompt given as text is tokenized with truncation to ``max_model_len + 1`` tokens,
+        so vLLM can only say "at least" that many; token ids are counted as they are.
+        """
+        limit = self.max_model_len
+        if num_tokens <= limit:
+            return
+        count = min(num_tokens, limit + 1) if text else num_tokens
+        qualifier = "at least " if count == limit + 1 else ""
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+            f"{qualifier}{count} input tokens, which exceeds this limit even without any output tokens. "
+            "Please reduce the length of the input prompt.",
+            param="input_tokens",
+            value=count,
+        )
 
     def check_max_tokens(self, requested: int | None, param: str = "max_tokens") -> None:
         """vLLM 0.32 refuses ``max_tokens`` larger than ``max_model_len`` before tokenizing."""
@@ -93,7 +101,9 @@ class Replica:
                 value=requested,
             )
 
-    def output_plan(self, num_prompt: int, requested: int | None, what: str = "messages") -> tuple[int, str]:
+    def output_plan(
+        self, num_prompt: int, requested: int | None, what: str = "messages", text: bool = True
+    ) -> tuple[int, str]:
         """(output length, finish_reason) for a prompt, with vLLM 0.32's length rules.
 
         ``max_tokens`` is clamped to the room the prompt leaves (vLLM's ``get_max_tokens``:
@@ -103,7 +113,7 @@ class Replica:
         A length below 1 is returned as is: it fails in :func:`gateway.sim.sampling.check_sampling`,
         where vLLM refuses it.
         """
-        self.check_prompt_len(num_tokens=num_prompt, what=what)
+        self.check_prompt_len(num_tokens=num_prompt, what=what, text=text)
         room = self.max_model_len - num_prompt
         if requested is None:
             default = self.options.max_output_tokens

@@ -234,13 +234,16 @@ def test_context_length_rules_are_vllm_0_32s(make_sim) -> None:
     c = client(url)
     with pytest.raises(openai.BadRequestError) as info:
         c.completions.create(model=DEFAULT_MODEL, prompt="word " * 100)
-    n = len(SIM_PROMPTS.completion("word " * 100))
     assert info.value.body["message"] == (  # type: ignore[index]
-        f"This model's maximum context length is 64 tokens. However, your prompt contains {n} input tokens, "
-        f"which exceeds this limit even without any output tokens. Please reduce the length of the input "
-        f"prompt. (parameter=input_tokens, value={n})"
+        "This model's maximum context length is 64 tokens. However, your prompt contains at least 65 input "
+        "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
+        "prompt. (parameter=input_tokens, value=65)"  # text is tokenized with truncation to 65 tokens
     )
     assert info.value.body["param"] == "input_tokens"  # type: ignore[index]
+    ids = SIM_PROMPTS.completion("word " * 100)  # token ids are counted as they are
+    err = _error(httpx.post(url + "/v1/completions", json={"prompt": ids}), 400)
+    assert f"your prompt contains {len(ids)} input tokens" in err["message"]
+    assert err["message"].endswith(f"(parameter=input_tokens, value={len(ids)})")
 
     clamped = c.completions.create(model=DEFAULT_MODEL, prompt="word " * 10, max_tokens=60)
     assert clamped.usage is not None and clamped.usage.total_tokens == 64
