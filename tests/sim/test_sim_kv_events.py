@@ -387,3 +387,19 @@ def test_launcher_turns_events_on_with_free_ports(tmp_path) -> None:
             assert tap.sync().seq < 50  # a new process: its sequence started again from 0
         finally:
             tap.close()
+
+
+def test_stepping_engine_publishes_its_steps() -> None:
+    """With simulated time (time_scale > 0) the engine loop publishes too: chunked prefill and
+    decode fills as their own batches, and the cache content still matches the events."""
+    with tapped(time_scale=0.01, max_num_batched_tokens=32, num_gpu_blocks=40) as (url, tap):
+        index, seq = fresh_index(url, tap)
+        for i in range(3):
+            complete(url, prompt_of(70, 90000 + 1000 * i), max_tokens=20)
+        batches = tap.drain()
+        assert [b.seq for b in batches] == list(range(seq, seq + len(batches)))
+        for b in batches:
+            index.apply(b)
+        assert dict(index.copies) == cache_content(url)
+        # 70 prompt tokens in 32-token chunks: 2 blocks, 2 blocks, then decode fills the 5th
+        assert [len(e["block_hashes"]) for e in stored(batches)][:3] == [2, 2, 1]
