@@ -403,3 +403,19 @@ def test_stepping_engine_publishes_its_steps() -> None:
         assert dict(index.copies) == cache_content(url)
         # 70 prompt tokens in 32-token chunks: 2 blocks, 2 blocks, then decode fills the 5th
         assert [len(e["block_hashes"]) for e in stored(batches)][:3] == [2, 2, 1]
+
+
+def test_shared_fleet_helper_turns_events_on(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from tests.replica_fleet import fresh, kv_event_endpoints, shared_group
+
+    with shared_group(tmp_path_factory, "kv-fleet", 1, kv_events=True, **FAST, enable_admin=True) as group:
+        ((endpoint, replay),) = kv_event_endpoints(group)
+        assert endpoint.startswith("tcp://127.0.0.1:") and replay is not None
+        tap = KVTap(fresh(group).urls[0])
+        try:
+            before = max(tap.sync().seq for _ in range(12))
+            assert before >= 11
+            fresh(group)  # a restart: the sequence starts over (the SUB reconnects by itself)
+            assert tap.sync().seq < before
+        finally:
+            tap.close()
