@@ -50,6 +50,8 @@ class KVEventsConfig(BaseModel):
     ``endpoint`` with ``*`` (or ``::``, ``ipc://``, ``inproc://``) binds, any other
     ``tcp://host:port`` connects to a collector that binds.  Port 0 binds a free port,
     reported by ``GET /kv_event_sources`` (vLLM needs a node IP for that; the sim keeps ``*``).
+    ``max_queue_size`` is accepted and reported but bounds nothing: the sim sends each batch
+    from the engine's thread, so only the PUB's ``hwm`` can drop.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
