@@ -82,7 +82,22 @@ async def models(replica: Replica, body: bytes, receive: Receive, send: Send) ->
             "root": name,
             "parent": parent,
             "max_model_len": max_len,
-            "permission": [],
+            "permission": [  # vLLM's one default permission object
+                {
+                    "id": f"modelperm-{replica.new_id()[-16:]}",
+                    "object": "model_permission",
+                    "created": replica.created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
 
     data = [card(opts.model, None, replica.max_model_len)]

@@ -281,3 +281,29 @@ def test_event_sources_and_replay_frames_are_the_recorded_ones() -> None:
         == int.from_bytes(replay_frames[0][2], "big")
         == RECORDING["replay_start_seq"]
     )
+
+
+def test_models_and_metrics_have_the_recorded_fields() -> None:
+    """GET /v1/models: vLLM's card fields and types; /metrics: every series and every
+    cache_config_info label the sim exposes exists in the recorded engine's page."""
+    real_metrics = (FIXTURES / "metrics.txt").read_text()
+
+    def families(text: str) -> set[str]:
+        return set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+
+    def info_labels(text: str) -> dict[str, str]:
+        line = next(x for x in text.splitlines() if x.startswith("vllm:cache_config_info{"))
+        return dict(re.findall(r'(\w+)="([^"]*)"', line))
+
+    with serve_in_thread(recorded_options()) as url:
+        models = httpx.get(url + "/v1/models").json()
+        metrics = httpx.get(url + "/metrics").text
+    assert shape(models) == shape(MODELS)
+    assert models["data"][0]["id"] == MODELS["data"][0]["id"]
+    assert models["data"][0]["max_model_len"] == MODELS["data"][0]["max_model_len"]
+    assert families(metrics) <= families(real_metrics)
+    mine, theirs = info_labels(metrics), info_labels(real_metrics)
+    assert set(mine) <= set(theirs)
+    assert {k: mine[k] for k in ("block_size", "num_gpu_blocks", "enable_prefix_caching")} == {
+        k: theirs[k] for k in ("block_size", "num_gpu_blocks", "enable_prefix_caching")
+    }
