@@ -38,7 +38,8 @@ TOPIC = json.loads(COMMAND[COMMAND.index("--kv-events-config") + 1])["topic"]
 
 def recorded_options() -> dict[str, Any]:
     """The sim configured as the recorded engine: its block size and cache size (from its own
-    cache_config_info), max_model_len, served name, CPU's 2,048-token prefill budget."""
+    cache_config_info), max_model_len, served name and LoRA adapters, CPU's 2,048-token
+    prefill budget."""
     info = next(line for line in (FIXTURES / "metrics.txt").read_text().splitlines() if line.startswith("vllm:cache"))
     labels = dict(re.findall(r'(\w+)="([^"]*)"', info))
     assert int(labels["block_size"]) == RECORDING["block_size"]
@@ -52,6 +53,8 @@ def recorded_options() -> dict[str, Any]:
         "max_num_batched_tokens": 2048,  # vLLM's CPU default (the recorded 2,743-token prefill: 16 blocks, then 5)
         "device": "cpu",
         "enable_admin": True,
+        # the recorded LoRA adapters: /v1/models entries whose parent is the base model
+        "lora_modules": [m["id"] for m in MODELS["data"] if m["parent"] == RECORDING["served_model_name"]],
     }
 
 
