@@ -129,7 +129,7 @@ class _Sampling(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = 1  # checked as vLLM does (gateway.sim.sampling), after the prompt
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False

@@ -13,6 +13,7 @@ import math
 from gateway.sim.protocol import APIError
 
 _SAMPLING_EPS = 1e-5  # vLLM: temperatures below this are greedy
+MAX_N = 128  # vLLM allows VLLM_MAX_N_SEQUENCES (16,384); a simulator process keeps it small
 
 
 def check_sampling(req: object, max_tokens: int, n: int) -> None:
@@ -28,6 +29,14 @@ def check_sampling(req: object, max_tokens: int, n: int) -> None:
     top_p = _get(req, "top_p", 1.0)
     top_k = getattr(req, "top_k", None)
     min_p = _get(req, "min_p", 0.0)
+    if n < 1:
+        raise APIError(400, f"n must be at least 1, got {n}.")
+    if n > MAX_N:
+        raise APIError(
+            400,
+            f"n must be at most {MAX_N}, got {n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES "
+            "environment variable.",
+        )
     if not -2.0 <= presence <= 2.0:
         raise APIError(400, f"presence_penalty must be in [-2, 2], got {presence}.")
     if not -2.0 <= frequency <= 2.0:

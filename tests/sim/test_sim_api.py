@@ -295,6 +295,7 @@ def test_context_length_rules_are_vllm_0_32s(make_sim) -> None:
         ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5.", None),
         ({"max_tokens": 0}, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", "max_tokens"),
         ({"temperature": 0, "n": 2}, "n must be 1 when using greedy sampling, got 2.", None),
+        ({"n": 0}, "n must be at least 1, got 0.", None),
     ],
 )
 def test_invalid_sampling_parameters_are_vllms_400(sim: str, extra: dict, message: str, param: str | None) -> None:
