@@ -152,8 +152,6 @@ async def _generate(
     receive: Receive,
     send: Send,
 ) -> tuple[int, bytes] | None:
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     arrival = time.monotonic()
     for prompt in job.prompts:
         out_len, reason = replica.output_plan(len(prompt), requested, what, text=job.chat or job.texts is not None)

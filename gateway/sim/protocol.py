@@ -12,9 +12,44 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 _NO_VALUE: Any = object()
+_MAX_CACHE_SALT_LENGTH = 128
+_CACHE_SALT_FORBIDDEN_CHARS = frozenset("@/\\\x00")
+
+
+class VLLMValidationError(ValueError):
+    """vLLM's ``VLLMValidationError``, raised inside request validation (its "before" model
+    validators): pydantic then reports ``Value error, <message> (parameter=...)``, and its
+    ``repr`` (shown in the error's ``ctx``) is the bare message, as vLLM's is."""
+
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+    def __str__(self) -> str:
+        extras = [f"parameter={self.parameter}"] if self.parameter is not None else []
+        if self.value is not None:
+            extras.append(f"value={self.value}")
+        base = super().__str__()
+        return f"{base} ({', '.join(extras)})" if extras else base
+
+
+def validate_cache_salt(cache_salt: object) -> None:
+    """vLLM 0.32's check, before anything else in the request is validated."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise VLLMValidationError(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", parameter="cache_salt"
+        )
+    if len(cache_salt) > _MAX_CACHE_SALT_LENGTH or any(c in _CACHE_SALT_FORBIDDEN_CHARS for c in cache_salt):
+        raise VLLMValidationError(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL.",
+            parameter="cache_salt",
+        )
 
 
 class APIError(Exception):
@@ -78,6 +113,12 @@ def validation_error(exc: ValidationError, where: str = "body") -> APIError:
     if not errors:
         return APIError(400, "Validation error", err_type="Bad Request")
     locs = [".".join((where, *(str(p) for p in err["loc"]))) for err in errors]
+    param = locs[0]
+    for err in errors:  # a VLLMValidationError names its parameter itself
+        raised = (err.get("ctx") or {}).get("error")
+        if isinstance(raised, VLLMValidationError):
+            param = raised.parameter or param
+            break
     label = "error" if len(errors) == 1 else "errors"
     lines = [f"{len(errors)} validation {label}:"]
     for err, loc in zip(errors[:_MAX_REPORTED_ERRORS], locs, strict=False):
@@ -90,7 +131,7 @@ def validation_error(exc: ValidationError, where: str = "body") -> APIError:
         lines.append("  " + (text[:_MAX_ERROR_CHARS] + "...[truncated]" if len(text) > _MAX_ERROR_CHARS else text))
     if len(errors) > _MAX_REPORTED_ERRORS:
         lines.append(f"  ...and {len(errors) - _MAX_REPORTED_ERRORS} more {label}")
-    return APIError(400, "\n".join(lines), param=locs[0], err_type="Bad Request")
+    return APIError(400, "\n".join(lines), param=param, err_type="Bad Request")
 
 
 def _summarize_input(value: Any) -> Any:
@@ -143,6 +184,18 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_before_checks(cls, data: Any) -> Any:
+        """vLLM's "before" validators: they run first and stop the validation."""
+        if isinstance(data, dict):
+            validate_cache_salt(data.get("cache_salt"))
+            if data.get("stream_options") and not data.get("stream"):
+                raise VLLMValidationError(
+                    "Stream options can only be defined when `stream=True`.", parameter="stream_options"
+                )
+        return data
 
 
 class ChatRequest(_Sampling):

@@ -66,8 +66,7 @@ class Replica:
         )
 
     def block_seed(self, lora: str | None, cache_salt: str | None) -> int:
-        if cache_salt is not None and not cache_salt:
-            raise APIError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+        """The first block's seed: model, LoRA and ``cache_salt`` (validated with the request)."""
         return block_seed(self.options.model, lora, cache_salt)
 
     def check_prompt_len(self, num_tokens: int, what: str = "messages", text: bool = True) -> None:

@@ -329,6 +329,32 @@ def test_request_validation_errors_are_vllms(sim: str) -> None:
     )
 
 
+def test_vllms_before_validators_name_their_parameter(sim: str) -> None:
+    """cache_salt and stream_options are checked before the rest of the request, as vLLM's
+    "before" model validators: a value_error on the whole body, param the checked field."""
+    body = {"messages": MESSAGES, "cache_salt": ""}
+    err = _error(httpx.post(sim + "/v1/chat/completions", json=body), 400)
+    assert err["param"] == "cache_salt" and err["type"] == "Bad Request"
+    assert err["message"] == (
+        "1 validation error:\n  {'type': 'value_error', 'loc': 'body', 'msg': \"Value error, Parameter 'cache_salt' "
+        "must be a non-empty string if provided. (parameter=cache_salt)\", 'input': '<dict of 2 items>', 'ctx': "
+        "{'error': VLLMValidationError(\"Parameter 'cache_salt' must be a non-empty string if provided.\")}}"
+    )
+    for salt in ("x" * 129, "tenant@1", "a\\b", "nul\x00"):
+        err = _error(httpx.post(sim + "/v1/completions", json={"prompt": "x", "cache_salt": salt}), 400)
+        assert "must be at most 128 characters" in err["message"] and err["param"] == "cache_salt"
+    assert httpx.post(
+        sim + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "cache_salt": "x" * 128}
+    ).is_success
+    err = _error(httpx.post(sim + "/v1/chat/completions", json={"messages": MESSAGES, "stream_options": {"a": 1}}), 400)
+    assert (
+        err["param"] == "stream_options" and "Stream options can only be defined when `stream=True`." in err["message"]
+    )
+    # an empty stream_options is falsy to vLLM: accepted
+    ok = httpx.post(sim + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, "stream_options": {}})
+    assert ok.status_code == 200
+
+
 def test_tool_choice_needs_the_parser_when_auto_tools_are_off(make_sim) -> None:
     url = make_sim(enable_auto_tool_choice=False)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -365,7 +391,9 @@ _TWO_TOOL_CALLS = json.dumps(
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 0}'),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}'),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": "maybe"}'),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {}}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {"a": 1}}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "cache_salt": "a/b"}'),
+        ("/v1/completions", b'{"prompt": "x", "cache_salt": 5}'),
         # Llama 3.1's template refuses these, so vLLM answers 400 (tools need a user message;
         # one tool call per assistant turn)
         ("/v1/chat/completions", _TOOLS_WITHOUT_USER),
@@ -389,7 +417,8 @@ def test_bad_input_gets_a_400(sim: str, path: str, body: bytes) -> None:
     # param; checks in the server code are "BadRequestError"
     if err["type"] == "Bad Request":
         assert re.match(r"\d+ validation errors?:\n  \{'type': ", err["message"]), err["message"]
-        assert err["param"].startswith("body")
+        # the body path, or the field a vLLM "before" validator names (cache_salt, stream_options)
+        assert err["param"].startswith("body") or err["param"] in ("cache_salt", "stream_options")
     else:
         assert err["type"] == "BadRequestError" and err["message"]
 
