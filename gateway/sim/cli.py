@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -26,6 +27,12 @@ from gateway.sim.options import SimOptions
 
 def _default(name: str) -> Any:
     return SimOptions.model_fields[name].default
+
+
+def _int_hashes_default() -> bool:
+    """vLLM reads ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` ("1" by default); so does the CLI."""
+    value = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES")
+    return _default("kv_events_int_hashes") if value is None else bool(int(value))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; with several replicas, ports +i per replica',
     )  # fmt: skip
     g.add_argument(
-        "--kv-events-int-hashes", action=argparse.BooleanOptionalAction, default=_default("kv_events_int_hashes"),
-        help="hashes as unsigned 64-bit ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1) or raw digest bytes",
+        "--kv-events-int-hashes", action=argparse.BooleanOptionalAction, default=_int_hashes_default(),
+        help="hashes as unsigned 64-bit ints or raw digests (default: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, else 1)",
     )  # fmt: skip
     g.add_argument(
         "--kv-events-layout", choices=("map", "array"), default=_default("kv_events_layout"),

@@ -419,3 +419,13 @@ def test_shared_fleet_helper_turns_events_on(tmp_path_factory: pytest.TempPathFa
             assert tap.sync().seq < before
         finally:
             tap.close()
+
+
+def test_cli_hash_type_follows_vllms_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.sim.cli import build_parser
+
+    monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
+    assert build_parser().parse_args([]).kv_events_int_hashes is True
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    assert build_parser().parse_args([]).kv_events_int_hashes is False
+    assert build_parser().parse_args(["--kv-events-int-hashes"]).kv_events_int_hashes is True
