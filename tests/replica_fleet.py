@@ -42,11 +42,25 @@ def fresh(group: ReplicaGroup) -> ReplicaGroup:
     return group
 
 
+def kv_event_endpoints(group: ReplicaGroup) -> list[tuple[str, str | None]]:
+    """Per replica, where to connect for its KV events: (publisher, replay); needs ``kv_events``."""
+    out = []
+    for replica in group.replicas:
+        if replica.kv_events_endpoint is None:
+            raise ValueError("the group was started without kv_events=True")
+        out.append((replica.kv_events_endpoint, replica.kv_replay_endpoint))
+    return out
+
+
 @contextlib.contextmanager
-def shared_group(tmp_path_factory: pytest.TempPathFactory, name: str, n: int, **options: Any) -> Iterator[ReplicaGroup]:
+def shared_group(
+    tmp_path_factory: pytest.TempPathFactory, name: str, n: int, *, kv_events: bool = False, **options: Any
+) -> Iterator[ReplicaGroup]:
     """``n`` replicas for a fixture wider than one test, logging under a fresh ``name`` folder;
-    stopped (thawed first) at the end."""
-    group = ReplicaGroup(n, log_dir=tmp_path_factory.mktemp(name), **options)
+    stopped (thawed first) at the end.  ``kv_events``: each replica publishes vLLM's KV events
+    on free ports of its own (:func:`kv_event_endpoints`); :func:`fresh` restarts them, so
+    their sequences start again from 0, as after an engine restart."""
+    group = ReplicaGroup(n, log_dir=tmp_path_factory.mktemp(name), kv_events=kv_events, **options)
     group.start()
     try:
         yield group

@@ -17,5 +17,6 @@ Entry points:
 from __future__ import annotations
 
 DEFAULT_MODEL = "demo-model"
+SIM_VERSION = "0.1.0-sim"  # what GET /version says (and system_fingerprint, as vLLM's version)
 
-__all__ = ["DEFAULT_MODEL"]
+__all__ = ["DEFAULT_MODEL", "SIM_VERSION"]

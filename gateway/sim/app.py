@@ -7,7 +7,11 @@ under test; see :mod:`gateway.sim.asgi`.  Endpoints, as vLLM serves them:
 - ``POST /v1/embeddings`` (:mod:`gateway.sim.embeddings`)
 - ``GET /v1/models``, ``GET /health``, ``GET /ping``, ``GET /version``, ``GET /metrics``
 - ``POST /tokenize``, ``POST /detokenize``
-- with ``--enable-admin`` only: ``GET|POST /sim/faults``, ``POST /sim/restart``, ``GET /sim/state``
+- ``GET /kv_event_sources`` (the KV event publisher per data-parallel rank, ``{}`` without
+  one) and ``POST /reset_prefix_cache`` (``{"success": bool}``; vLLM serves it only with
+  ``VLLM_SERVER_DEV_MODE=1``, the simulator always)
+- with ``--enable-admin`` only: ``GET|POST /sim/faults``, ``POST /sim/restart``, ``GET /sim/state``,
+  ``GET /sim/kv_blocks`` (the cached block keys and their copies)
 """
 
 from __future__ import annotations
@@ -15,14 +19,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.sim import SIM_VERSION
 from gateway.sim.asgi import TEXT, BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_bytes
 from gateway.sim.embeddings import embeddings
 from gateway.sim.generate import chat_completions, completions
+from gateway.sim.kvpublisher import ZmqKVPublisher
 from gateway.sim.options import SimOptions, build_options
 from gateway.sim.protocol import (
     APIError,
@@ -31,7 +38,6 @@ from gateway.sim.protocol import (
     check_messages,
     check_token_ids,
     parse,
-    validation_error,
 )
 from gateway.sim.replica import Replica
 from gateway.sim.statslog import StatsLogger
@@ -41,7 +47,6 @@ logger = logging.getLogger("gateway.sim.app")
 
 Handler = Callable[[Replica, bytes, Receive, Send], Awaitable[tuple[int, bytes] | None]]
 
-SIM_VERSION = "0.1.0-sim"
 _NOT_FOUND = json.dumps({"detail": "Not Found"}).encode()
 _NOT_ALLOWED = json.dumps({"detail": "Method Not Allowed"}).encode()
 PROMETHEUS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
@@ -77,7 +82,22 @@ async def models(replica: Replica, body: bytes, receive: Receive, send: Send) ->
             "root": name,
             "parent": parent,
             "max_model_len": max_len,
-            "permission": [],
+            "permission": [  # vLLM's one default permission object
+                {
+                    "id": f"modelperm-{replica.new_id()[-16:]}",
+                    "object": "model_permission",
+                    "created": replica.created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
 
     data = [card(opts.model, None, replica.max_model_len)]
@@ -116,6 +136,21 @@ async def detokenize(replica: Replica, body: bytes, receive: Receive, send: Send
     return _json({"prompt": text})
 
 
+async def kv_event_sources(replica: Replica, body: bytes, receive: Receive, send: Send) -> tuple[int, bytes]:
+    publisher = replica.kv_publisher
+    return _json({"0": publisher.source()} if publisher is not None else {})
+
+
+async def reset_prefix_cache(
+    replica: Replica, body: bytes, receive: Receive, send: Send, query: bytes = b""
+) -> tuple[int, bytes]:
+    params = urllib.parse.parse_qs(query.decode("latin-1"))
+    running = params.get("reset_running_requests", ["false"])[-1].lower() in ("true", "1")
+    logger.info("Resetting prefix cache...")
+    success = replica.engine.reset_prefix_cache(reset_running_requests=running)
+    return _json({"success": success})
+
+
 # -- admin (fault injection) -----------------------------------------------------------------
 
 
@@ -140,7 +175,8 @@ async def set_faults(replica: Replica, body: bytes, receive: Receive, send: Send
     try:
         settings = replica.faults.update(patch)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise APIError(400, problems or "invalid fault settings") from None
     logger.warning("fault injection settings now %s", settings.model_dump())
     return _json(settings.model_dump())
 
@@ -171,7 +207,8 @@ async def state(replica: Replica, body: bytes, receive: Receive, send: Send) -> 
             "running": engine.num_running,
             "waiting": engine.num_waiting,
             "kv_cache_usage": cache.usage,
-            "num_gpu_blocks": cache.num_blocks,
+            "num_gpu_blocks": replica.options.num_gpu_blocks,
+            "num_usable_blocks": cache.num_blocks,  # one is vLLM's null block
             "num_free_blocks": cache.num_free,
             "num_cached_blocks": cache.num_cached,
             "prefix_cache_queries": engine.total_queries,
@@ -179,6 +216,12 @@ async def state(replica: Replica, body: bytes, receive: Receive, send: Send) -> 
             "faults": replica.faults.settings.model_dump(),
         }
     )
+
+
+async def kv_blocks(replica: Replica, body: bytes, receive: Receive, send: Send) -> tuple[int, bytes]:
+    """The cache's content (key -> copies), to check the KV events against it in tests."""
+    copies = replica.engine.cache.copies()
+    return _json({"block_size": replica.block_size, "blocks": {str(k): v for k, v in copies.items()}})
 
 
 # -- the app ----------------------------------------------------------------------------------
@@ -201,6 +244,10 @@ class SimApp:
     def __init__(self, options: SimOptions) -> None:
         self.options = options
         self.replica = Replica(options)
+        config = options.kv_events_config
+        if config is not None and config.publishes:
+            self.replica.kv_publisher = ZmqKVPublisher(config)
+            self.replica.engine.kv_events.attach(self.replica.kv_publisher)
         self.stats_logger: StatsLogger | None = None
         if options.log_stats_interval > 0 and not options.disable_log_stats:
             self.stats_logger = StatsLogger(self.replica.engine, options.log_stats_interval)
@@ -216,6 +263,8 @@ class SimApp:
             "/metrics": {"GET": metrics},
             "/tokenize": {"POST": tokenize},
             "/detokenize": {"POST": detokenize},
+            "/kv_event_sources": {"GET": kv_event_sources},
+            "/reset_prefix_cache": {"POST": reset_prefix_cache},
         }
         for path, handler in self.inference.items():
             routes[path] = {"POST": handler}
@@ -223,6 +272,7 @@ class SimApp:
             routes["/sim/faults"] = {"GET": get_faults, "POST": set_faults}
             routes["/sim/restart"] = {"POST": restart}
             routes["/sim/state"] = {"GET": state}
+            routes["/sim/kv_blocks"] = {"GET": kv_blocks}
         self.routes = routes
 
     async def startup(self) -> None:
@@ -233,6 +283,14 @@ class SimApp:
         await cancel_and_wait(self._background)
         self._background = None
         await self.replica.engine.close()
+        self.close()
+
+    def close(self) -> None:
+        """Release the KV event sockets (idempotent; also for apps never served)."""
+        publisher, self.replica.kv_publisher = self.replica.kv_publisher, None
+        if publisher is not None:
+            self.replica.engine.kv_events.attach(None)
+            publisher.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -269,7 +327,10 @@ class SimApp:
             body = await read_body(receive) if scope["method"] == "POST" else b""
             if path in self.inference:
                 await _inference_faults(replica)
-            result = await handler(replica, body, receive, send)
+            if handler is reset_prefix_cache:  # the one endpoint with query parameters
+                result = await reset_prefix_cache(replica, body, receive, send, scope.get("query_string", b""))
+            else:
+                result = await handler(replica, body, receive, send)
         except APIError as exc:
             await send_bytes(send, exc.status, exc.body())
             return

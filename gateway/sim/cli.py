@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -19,12 +20,19 @@ from pathlib import Path
 from typing import Any
 
 from gateway.sim import DEFAULT_MODEL
+from gateway.sim.kvevents import for_replica, parse_kv_events_config
 from gateway.sim.launcher import ReplicaGroup, ReplicaStartError
 from gateway.sim.options import SimOptions
 
 
 def _default(name: str) -> Any:
     return SimOptions.model_fields[name].default
+
+
+def _int_hashes_default() -> bool:
+    """vLLM reads ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` ("1" by default); so does the CLI."""
+    value = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES")
+    return _default("kv_events_int_hashes") if value is None else bool(int(value))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,11 +84,40 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
         default=_default("enable_prompt_tokens_details"), help="report usage.prompt_tokens_details.cached_tokens",
     )  # fmt: skip
+    g.add_argument(
+        "--enable-auto-tool-choice", action=argparse.BooleanOptionalAction,
+        default=_default("enable_auto_tool_choice"), help="serve tool calls (off: vLLM's 400 without a parser)",
+    )  # fmt: skip
+    g.add_argument(
+        "--retokenize-drift", type=float, default=_default("retokenize_drift"),
+        help="per output token, the chance the reply's ids are not what its text re-encodes to (0: exact)",
+    )  # fmt: skip
     g.add_argument("--embedding-dim", type=int, default=_default("embedding_dim"))
     g.add_argument(
         "--metrics-naming", choices=("current", "legacy", "both"), default=_default("metrics_naming"),
         help="names of the metrics vLLM renamed in v0.9 (legacy: gpu_cache_usage_perc, gpu_prefix_cache_*)",
     )  # fmt: skip
+
+    g = p.add_argument_group("KV cache events (vLLM's)")
+    g.add_argument(
+        "--kv-events-config", default=None, metavar="JSON",
+        help='vLLM\'s JSON, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; with several replicas, ports +i per replica',
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-events-int-hashes", action=argparse.BooleanOptionalAction, default=_int_hashes_default(),
+        help="hashes as unsigned 64-bit ints or raw digests (default: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, else 1)",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-events-layout", choices=("map", "array"), default=_default("kv_events_layout"),
+        help="map: vLLM 0.32's tagged maps; array: the positional arrays of older vLLM",
+    )  # fmt: skip
+    g.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=_default("device"),
+        help="cpu: 'CPU KV cache usage' in the log line",
+    )
 
     g = p.add_argument_group("logs and admin")
     g.add_argument("--log-stats-interval", type=float, default=_default("log_stats_interval"))
@@ -114,11 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     options = {k: v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
     try:
+        per_replica = _per_replica(args.per_replica)
+        if args.kv_events_config:  # one publisher port per replica: +i, as vLLM does per DP rank
+            config = parse_kv_events_config(options.pop("kv_events_config"))
+            given = list(per_replica or []) + [{}] * args.replicas
+            per_replica = [{"kv_events_config": for_replica(config, i), **given[i]} for i in range(args.replicas)]
         group = ReplicaGroup(
             args.replicas,
             host=args.host,
             ports=[args.port + i for i in range(args.replicas)],
-            per_replica=_per_replica(args.per_replica),
+            per_replica=per_replica,
             log_dir=args.log_dir,
             **options,
         )

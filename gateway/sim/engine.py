@@ -18,6 +18,10 @@ Each step (one asyncio task per replica):
 
 So TTFT = queueing + prefill of the *uncached* tokens, and it shrinks with cache hits.
 
+Every cache change of a step (blocks stored, evicted, the cache reset) becomes a KV event,
+published as one batch at the end of the step, as vLLM's scheduler does
+(:mod:`gateway.sim.kvevents`); at time_scale 0 each request is its own step.
+
 At ``time_scale == 0`` every duration is zero, so a request is admitted, computed and
 finished synchronously inside its HTTP handler (:meth:`Engine.run_instant`): identical
 cache effects and metrics, no engine task, no extra event-loop hop.  That is what lets one
@@ -33,6 +37,7 @@ import time
 from collections import deque
 
 from gateway.sim.kvcache import Block, PrefixCache
+from gateway.sim.kvevents import KVEventRecorder, extra_keys_for
 from gateway.sim.metrics import SimMetrics
 from gateway.sim.options import SimOptions
 from gateway.tasks import cancel_and_wait
@@ -53,6 +58,7 @@ class EngineRequest:
     __slots__ = (
         "arrival",
         "blocks",
+        "cache_salt",
         "cached_tokens",
         "error",
         "finish_reason",
@@ -61,6 +67,8 @@ class EngineRequest:
         "first_token_at",
         "keys",
         "last_token_at",
+        "lora_id",
+        "lora_name",
         "max_tokens",
         "num_committed",
         "num_computed",
@@ -70,6 +78,7 @@ class EngineRequest:
         "scheduled_at",
         "stop_reason",
         "stream",
+        "token_ids",
         "waiter",
     )
 
@@ -80,12 +89,19 @@ class EngineRequest:
         keys: list[int],
         stop_reason: str,
         arrival: float,
+        token_ids: list[int] | None = None,
+        lora: tuple[int, str] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.num_prompt = num_prompt
         self.output = output
         self.max_tokens = len(output)
         # keys of the full blocks of prompt + output[:-1]: the last sampled token is never computed
         self.keys = keys
+        # the tokens behind ``keys`` (prompt + output[:-1]), for the KV events' token_ids
+        self.token_ids = token_ids
+        self.lora_id, self.lora_name = lora if lora is not None else (None, None)
+        self.cache_salt = cache_salt
         self.stop_reason = stop_reason  # finish_reason once max_tokens tokens exist
         self.arrival = arrival
         self.num_output = 0
@@ -111,7 +127,11 @@ class Engine:
         self.options = options
         self.metrics = metrics
         self.block_size = options.block_size
-        self.cache = PrefixCache(options.num_gpu_blocks, options.block_size)
+        self.cache = PrefixCache(options.usable_gpu_blocks, options.block_size)
+        self.kv_events = KVEventRecorder(
+            options.block_size, int_hashes=options.kv_events_int_hashes, layout=options.kv_events_layout
+        )
+        self.cache.on_evict = self._evicted
         self.time_scale = options.time_scale
         self.instant = options.time_scale == 0
         self.max_num_seqs = options.max_num_seqs
@@ -158,8 +178,11 @@ class Engine:
         if not cache.can_allocate(hit, need):
             raise EngineError("the KV cache cannot hold this request right now")
         cache.touch(hit)
-        blocks = hit + cache.allocate(need)
-        cache.commit(blocks, req.keys, len(hit), computed // self.block_size)
+        if self.kv_events.active:
+            blocks = self._instant_steps(req, hit, computed)
+        else:
+            blocks = hit + cache.allocate(need)
+            cache.commit(blocks, req.keys, len(hit), computed // self.block_size)
         cache.free(blocks)
         req.scheduled_at = now
         self._record_admission(req, req.num_prompt, len(hit) * self.block_size)
@@ -176,6 +199,42 @@ class Engine:
         self.total_prompt_tokens += req.num_prompt
         self.total_generation_tokens += req.max_tokens
         self._finish(req, req.stop_reason, now)
+        self.kv_events.flush()
+
+    def _instant_steps(self, req: EngineRequest, hit: list[Block], computed: int) -> list[Block]:
+        """The cache changes of :meth:`run_instant` step by step, one KV event batch per step
+        as the stepping engine (and vLLM) would publish them: prefill in chunks of
+        ``max_num_batched_tokens``, then one token per step (only the steps that allocate or
+        fill a block change anything).  Same blocks, same order as the all-at-once path."""
+        cache = self.cache
+        bs = self.block_size
+        blocks = list(hit)
+        committed = len(hit)
+
+        def step(to: int) -> None:
+            nonlocal committed
+            need = -(-to // bs) - len(blocks)
+            if need > 0:
+                blocks.extend(cache.allocate(need))
+            full = to // bs
+            if full > committed:
+                cache.commit(blocks, req.keys, committed, full)
+                self._stored(req, committed, full)
+                committed = full
+            self.kv_events.flush()
+
+        pos = len(hit) * bs
+        prompt_end = min(req.num_prompt, computed)
+        while pos < prompt_end:
+            pos = min(prompt_end, pos + self.max_num_batched_tokens)
+            step(pos)
+        while pos < computed:
+            if pos % bs == 0 and pos // bs >= len(blocks):  # this token needs a new block
+                pos += 1
+            else:  # to the end of the current block (or of the sequence)
+                pos = min((pos // bs + 1) * bs, computed)
+            step(pos)
+        return blocks
 
     def add_request(self, req: EngineRequest) -> None:
         """Queue a request for the stepping engine.
@@ -205,18 +264,61 @@ class Engine:
         self._finish(req, "abort", time.monotonic())
 
     def restart(self) -> int:
-        """What a vLLM restart does to the engine: in-flight requests fail, the cache is empty."""
+        """What a vLLM restart does to the engine: in-flight requests fail, the cache is empty,
+        and the KV event sequence starts from 0 again (no ``AllBlocksCleared``: a process that
+        dies says nothing; consumers see the sequence go backwards)."""
         victims = [*self.running, *self.waiting]
         for req in victims:
             self.abort(req, error="the engine restarted")
         self.cache.reset()
+        self.kv_events.restart()
         self._recent.clear()
         self._recent_queries = self._recent_hits = 0
         return len(victims)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``POST /reset_prefix_cache``: forget every cached block (``AllBlocksCleared``,
+        published with the next step's batch, as vLLM does).
+
+        Fails (False) while requests hold blocks, unless ``reset_running_requests``: then the
+        running requests are preempted first (they recompute), as vLLM does.
+        """
+        if self.cache.num_free != self.cache.num_blocks:
+            if not reset_running_requests:
+                return False
+            while self.running:
+                self._preempt(self.running.pop())
+            self._wake.set()
+        self.cache.reset()
+        if self.kv_events.active:
+            # queued, not published: vLLM's scheduler sends it with the batch of its next step,
+            # so an idle engine announces the reset only when the next request runs
+            self.kv_events.cleared()
+        return True
+
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
+
+    # -- KV events -------------------------------------------------------------------------
+    def _evicted(self, key: int) -> None:
+        if self.kv_events.active:
+            self.kv_events.removed(key)
+
+    def _stored(self, req: EngineRequest, start: int, end: int) -> None:
+        """``BlockStored`` for ``req``'s blocks ``start..end-1``, just committed."""
+        if end <= start or req.token_ids is None:
+            return
+        bs = self.block_size
+        keys = req.keys
+        self.kv_events.stored(
+            keys[start:end],
+            keys[start - 1] if start else None,
+            req.token_ids[start * bs : end * bs],
+            req.lora_id,
+            req.lora_name,
+            extra_keys_for(end - start, start, req.lora_name, req.cache_salt),
+        )
 
     # -- accounting ------------------------------------------------------------------------
     def _record_admission(self, req: EngineRequest, queried: int, hit_tokens: int) -> None:
@@ -372,6 +474,8 @@ class Engine:
             full = req.num_computed // bs
             if full > req.num_committed:
                 cache.commit(req.blocks, req.keys, req.num_committed, full)
+                if self.kv_events.active:
+                    self._stored(req, req.num_committed, full)
                 req.num_committed = full
             if req.num_computed < req.num_prompt + req.num_output:
                 continue  # a prefill chunk: no token sampled yet
@@ -399,3 +503,4 @@ class Engine:
             self.total_prompt_tokens += prompt_tokens
         if any_finished:
             self.running = [r for r in self.running if not r.finished]
+        self.kv_events.flush()

@@ -30,6 +30,7 @@ from gateway.sim.protocol import (
     usage,
 )
 from gateway.sim.replica import Replica
+from gateway.sim.sampling import check_sampling
 
 logger = logging.getLogger("gateway.sim.api")
 
@@ -39,10 +40,34 @@ _dumps = json.JSONEncoder(separators=(",", ":")).encode
 class _Job:
     """One HTTP generation request: its prompts, its engine requests, how to render it."""
 
-    __slots__ = ("chat", "created", "echo", "model", "n", "prompts", "reqs", "rid", "stream_usage", "texts")
+    __slots__ = (
+        "cache_salt",
+        "chat",
+        "created",
+        "echo",
+        "lora",
+        "model",
+        "n",
+        "prompts",
+        "reqs",
+        "rid",
+        "stream_usage",
+        "texts",
+    )
 
-    def __init__(self, chat: bool, model: str, rid: str, prompts: list[list[int]], n: int) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        rid: str,
+        prompts: list[list[int]],
+        n: int,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
         self.chat = chat
+        self.lora = lora
+        self.cache_salt = cache_salt
         self.model = model
         self.rid = rid
         self.prompts = prompts
@@ -50,6 +75,7 @@ class _Job:
         self.reqs: list[EngineRequest] = []
         self.created = int(time.time())
         self.echo: list[str] | None = None
+        self.texts: list[str] | None = None  # completions' prompts given as text
         self.stream_usage: tuple[bool, bool] = (False, False)  # include_usage, continuous
 
 
@@ -58,16 +84,38 @@ async def chat_completions(replica: Replica, body: bytes, receive: Receive, send
     model, lora = replica.resolve_model(req.model)
     seed = replica.block_seed(lora, req.cache_salt)
     check_messages(req.messages)
+    _check_tool_choice(replica, req)
+    # vLLM checks max_tokens against max_model_len before it renders the prompt
+    if req.max_completion_tokens is not None:
+        requested: int | None = req.max_completion_tokens
+        replica.check_max_tokens(requested, "max_completion_tokens")
+    else:
+        requested = req.max_tokens
+        replica.check_max_tokens(requested)
     prompt = replica.prompts.chat(req.messages, req.tools, req.add_generation_prompt)
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    job = _Job(True, model, "chatcmpl-" + replica.new_id(), [prompt], req.n)
+    job = _Job(True, model, "chatcmpl-" + replica.new_id(), [prompt], req.n, lora, req.cache_salt)
     return await _generate(replica, job, req, requested, seed, "messages", receive, send)
+
+
+def _check_tool_choice(replica: Replica, req: ChatRequest) -> None:
+    """vLLM without a tool parser refuses the tool choices that need one."""
+    if replica.options.enable_auto_tool_choice or not req.tools:
+        return
+    choice = req.tool_choice if req.tool_choice is not None else "auto"
+    if choice == "none":
+        return
+    if choice == "auto":
+        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+    named = isinstance(choice, dict)
+    desc = f'function "{(choice.get("function") or {}).get("name")}"' if named else f'"{choice}"'  # type: ignore[union-attr]
+    raise APIError(400, f"tool_choice={desc} requires --tool-call-parser to be set")
 
 
 async def completions(replica: Replica, body: bytes, receive: Receive, send: Send) -> tuple[int, bytes] | None:
     req: CompletionRequest = parse(CompletionRequest, body)
     model, lora = replica.resolve_model(req.model)
     seed = replica.block_seed(lora, req.cache_salt)
+    replica.check_max_tokens(req.max_tokens)
     raw = req.prompt
     prompts: list[list[int]]
     texts: list[str] | None = None
@@ -87,7 +135,8 @@ async def completions(replica: Replica, body: bytes, receive: Receive, send: Sen
         if not ids:
             raise APIError(400, "Prompt cannot be empty.", param="prompt")
         check_token_ids(ids, "prompt")
-    job = _Job(False, model, "cmpl-" + replica.new_id(), prompts, req.n)
+    job = _Job(False, model, "cmpl-" + replica.new_id(), prompts, req.n, lora, req.cache_salt)
+    job.texts = texts
     if req.echo:
         job.echo = texts if texts is not None else [replica.tokenizer.decode(p) for p in prompts]
     return await _generate(replica, job, req, req.max_tokens, seed, "prompt", receive, send)
@@ -103,12 +152,15 @@ async def _generate(
     receive: Receive,
     send: Send,
 ) -> tuple[int, bytes] | None:
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     arrival = time.monotonic()
     for prompt in job.prompts:
-        out_len, reason = replica.output_plan(len(prompt), requested, what)
-        job.reqs.extend(replica.engine_requests(prompt, out_len, reason, job.n, seed, arrival))
+        out_len, reason = replica.output_plan(len(prompt), requested, what, text=job.chat or job.texts is not None)
+        check_sampling(req, out_len, job.n)
+        job.reqs.extend(
+            replica.engine_requests(
+                prompt, out_len, reason, job.n, seed, arrival, lora=job.lora, cache_salt=job.cache_salt
+            )
+        )
     engine = replica.engine
     if req.stream:
         opts = req.stream_options
@@ -154,16 +206,27 @@ def _watch(receive: Receive, waiter: asyncio.Event) -> asyncio.Future[Any]:
     return gone
 
 
-def _usage(replica: Replica, job: _Job, completion: int | None = None) -> dict[str, Any]:
+def _usage(replica: Replica, job: _Job, completion: int | None = None, *, stream: bool = False) -> dict[str, Any]:
     reqs = job.reqs
     n = job.n
     prompt_tokens = sum(len(p) for p in job.prompts)
     if completion is None:
         completion = sum(r.num_output for r in reqs)
     cached: int | None = None
+    created: int | None = None
     if replica.options.enable_prompt_tokens_details:
-        cached = sum(max(reqs[i * n].cached_tokens, 0) for i in range(len(job.prompts)))
-    return usage(prompt_tokens, completion, cached)
+        firsts = [reqs[i * n] for i in range(len(job.prompts))]
+        cached = sum(max(r.cached_tokens, 0) for r in firsts)
+        if job.chat:
+            created = sum(_created_cache_tokens(r, replica.block_size) for r in firsts)
+    return usage(prompt_tokens, completion, cached, created, stream=stream)
+
+
+def _created_cache_tokens(req: EngineRequest, block_size: int) -> int:
+    """vLLM 0.32's ``created_cache_tokens``: the prompt tokens in full blocks cached once the
+    prompt is computed, less those that were already cached (``PrefillStats.finalize``)."""
+    full = req.num_prompt // block_size * block_size
+    return max(0, full - max(req.cached_tokens, 0))
 
 
 def _response(replica: Replica, job: _Job) -> dict[str, Any]:
@@ -175,10 +238,12 @@ def _response(replica: Replica, job: _Job) -> dict[str, Any]:
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": text, "tool_calls": []},
+                    "message": {**_MESSAGE, "content": text},  # vLLM 0.32 omits empty tool_calls
                     "logprobs": None,
                     "finish_reason": r.finish_reason,
                     "stop_reason": None,
+                    "token_ids": None,
+                    "routed_experts": None,
                 }
             )
         else:
@@ -191,16 +256,38 @@ def _response(replica: Replica, job: _Job) -> dict[str, Any]:
                     "logprobs": None,
                     "finish_reason": r.finish_reason,
                     "stop_reason": None,
+                    "token_ids": None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": None,
+                    "routed_experts": None,
                 }
             )
-    return {
+    body: dict[str, Any] = {
         "id": job.rid,
         "object": "chat.completion" if job.chat else "text_completion",
         "created": job.created,
         "model": job.model,
         "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": replica.fingerprint,
         "usage": _usage(replica, job),
     }
+    if job.chat:
+        body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+    body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+    return body
+
+
+# vLLM 0.32's assistant message with nothing but content
+_MESSAGE: dict[str, Any] = {
+    "role": "assistant",
+    "content": "",
+    "refusal": None,
+    "annotations": None,
+    "audio": None,
+    "function_call": None,
+    "reasoning": None,
+}
 
 
 # -- streaming --------------------------------------------------------------------------------
@@ -316,15 +403,25 @@ async def _emit_events(
     if job.chat:
 
         def make(index: int, piece: str, finish: str | None) -> dict[str, Any]:
-            choice = {"index": index, "delta": {"content": piece}, "logprobs": None, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": index, "delta": {"content": piece}, "logprobs": None}
+            choice["finish_reason"] = finish
             if finish is not None:
                 choice["stop_reason"] = None
+            choice["token_ids"] = None
             return choice
 
     else:
 
         def make(index: int, piece: str, finish: str | None) -> dict[str, Any]:
-            return {"index": index, "text": piece, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            return {
+                "index": index,
+                "text": piece,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "prompt_token_ids": None,
+                "token_ids": None,
+            }
 
     sent = [0] * len(reqs)
     generated = 0
@@ -334,7 +431,7 @@ async def _emit_events(
             for index in range(len(reqs)):
                 delta = {"role": "assistant", "content": ""}
                 role = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-                await sink.emit(sse({**base, "choices": [role]}))
+                await sink.emit(sse({**base, "choices": [role], "prompt_token_ids": None, "prompt_text": None}))
         for index, r in enumerate(reqs):
             if r.error is not None:
                 err = APIError(503, r.error)
@@ -350,7 +447,7 @@ async def _emit_events(
                 sent[index] = k + 1
                 generated += 1
                 if continuous:
-                    payload["usage"] = _usage(replica, job, generated)
+                    payload["usage"] = _usage(replica, job, generated, stream=True)
                 await sink.emit(sse(payload))
         if all(r.finished for r in reqs):
             break
@@ -361,4 +458,6 @@ async def _emit_events(
         if gone.done():
             raise _ClientLeft
     if include_usage:
-        await sink.emit(sse({**base, "choices": [], "usage": _usage(replica, job)}))
+        usage_chunk = {**base, "choices": [], "usage": _usage(replica, job, stream=True)}
+        usage_chunk["system_fingerprint"] = replica.fingerprint
+        await sink.emit(sse(usage_chunk))

@@ -2,22 +2,29 @@
 
 Mirrors vLLM v1's ``BlockPool`` / ``KVCacheManager`` where it matters for routing:
 
-- capacity is ``num_gpu_blocks`` blocks of ``block_size`` tokens;
+- capacity is ``num_gpu_blocks - 1`` blocks of ``block_size`` tokens (vLLM keeps one as
+  its null block; the engine passes the usable count);
 - a block is *cached* once it is full and computed; its key is the chained block hash
   (:func:`gateway.prefix.blocks.chain_block_keys`), so a key names a whole prefix;
 - blocks referenced by running requests are pinned; every other block sits in one free
-  queue in LRU order, cached or not, and allocation takes from the head, evicting the
-  cached key of the block it takes;
+  queue, and allocation takes from the head, evicting the cached key of the block it takes;
 - a finished request frees its blocks tail-first, so the tail of a prompt is evicted
-  before its (more shareable) head;
+  before its (more shareable) head; freed blocks that hold no key (a partial last block)
+  go to the front of the queue and are reused first, cached ones to the back (LRU), as in
+  vLLM 0.32;
 - a lookup returns the longest run of cached leading blocks, capped below the prompt's
-  last token (see :func:`hit_block_limit`).
+  last token (see :func:`hit_block_limit`);
+- a block computed again while an identical one is cached (the recomputed last block of a
+  repeated prompt, two identical prompts at once) is a second *copy* under the same key:
+  lookups find the first, and the key stays cached until its last copy is evicted
+  (vLLM's ``BlockHashToBlockMap``).  Every eviction of a keyed block is reported to
+  ``on_evict`` (vLLM's ``BlockRemoved``), one call per copy.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def hit_block_limit(num_tokens: int, block_size: int) -> int:
@@ -53,6 +60,8 @@ class PrefixCache:
         self._blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self._blocks)
         self._cached: dict[int, Block] = {}
+        self._copies: dict[int, list[Block]] = {}  # key -> further blocks holding it
+        self.on_evict: Callable[[int], None] | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -68,6 +77,13 @@ class PrefixCache:
     def usage(self) -> float:
         """vLLM's ``kv_cache_usage_perc``: the share of blocks pinned by requests (0..1)."""
         return 1.0 - len(self._free) / self.num_blocks
+
+    def copies(self) -> dict[int, int]:
+        """Every cached key with how many blocks hold it (what KV events let a consumer count)."""
+        out = dict.fromkeys(self._cached, 1)
+        for key, extra in self._copies.items():
+            out[key] += len(extra)
+        return out
 
     def contains(self, key: int) -> bool:
         return key in self._cached
@@ -107,14 +123,11 @@ class PrefixCache:
         """Take ``num`` blocks from the LRU head (caller checked :meth:`can_allocate`)."""
         out: list[Block] = []
         free = self._free
-        cached = self._cached
         for _ in range(num):
             _, block = free.popitem(last=False)
             key = block.key
             if key is not None:
-                if cached.get(key) is block:
-                    del cached[key]
-                block.key = None
+                self._drop_key(block, key)
             block.ref = 1
             out.append(block)
         return out
@@ -122,25 +135,53 @@ class PrefixCache:
     def commit(self, blocks: Sequence[Block], keys: Sequence[int], start: int, end: int) -> None:
         """Mark ``blocks[start:end]`` as computed full blocks holding ``keys[start:end]``.
 
-        If another block already holds the same key (two identical prompts computed
-        concurrently), the first stays the one lookups find, as in vLLM.
+        If another block already holds the same key, this one becomes a further copy; the
+        first stays the one lookups find, as in vLLM.
         """
         cached = self._cached
         for i in range(start, end):
             block = blocks[i]
             if block.key is None:
                 key = keys[i]
-                if key not in cached:
+                block.key = key
+                if key in cached:
+                    self._copies.setdefault(key, []).append(block)
+                else:
                     cached[key] = block
-                    block.key = key
+
+    def _drop_key(self, block: Block, key: int) -> None:
+        """``block`` is taken for new data: forget its copy of ``key`` (and say so)."""
+        cached = self._cached
+        copies = self._copies.get(key)
+        if cached.get(key) is block:
+            if copies:
+                cached[key] = copies.pop()
+            else:
+                del cached[key]
+        elif copies is not None:
+            copies.remove(block)
+        if copies is not None and not copies:
+            del self._copies[key]
+        block.key = None
+        if self.on_evict is not None:
+            self.on_evict(key)
 
     def free(self, blocks: Sequence[Block]) -> None:
-        """Unpin a request's blocks; unreferenced ones join the LRU tail, tail block first."""
+        """Unpin a request's blocks, tail block first (vLLM 0.32's ``BlockPool.free_blocks``).
+
+        Unreferenced cached blocks join the LRU tail (evicted last); blocks holding no key (a
+        partial tail) go to the *front*, so they are reused before anything cached is evicted.
+        """
         free = self._free
+        uncached: list[Block] = []
         for block in reversed(blocks):
             block.ref -= 1
             if block.ref == 0:
                 free[block.block_id] = block
+                if block.key is None:
+                    uncached.append(block)
+        for block in reversed(uncached):
+            free.move_to_end(block.block_id, last=False)
 
     def reset(self) -> None:
         """Forget every cached block (a restart).  Only valid when no request holds blocks."""
@@ -149,4 +190,5 @@ class PrefixCache:
         for block in self._blocks:
             block.key = None
         self._cached.clear()
+        self._copies.clear()
         self._free = OrderedDict((b.block_id, b) for b in self._blocks)

@@ -8,6 +8,11 @@ and they stop by themselves if the parent dies.
 
     with run_replicas(2, time_scale=0, per_replica=[{}, {"num_gpu_blocks": 64}]) as urls:
         ...  # urls == ["http://127.0.0.1:PORT0", "http://127.0.0.1:PORT1"]
+
+``kv_events=True`` turns vLLM's KV cache events on for every replica, each on two free
+ports of its own (publisher and replay), kept across :meth:`ReplicaGroup.restart` like a
+pod's fixed port; ``ReplicaProcess.kv_events_endpoint`` / ``kv_replay_endpoint`` say where
+to connect.
 """
 
 from __future__ import annotations
@@ -50,6 +55,32 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (for ZMQ endpoints, which the child binds itself)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def kv_events_options(topic: str = "kv-events", host: str = "127.0.0.1") -> dict[str, Any]:
+    """``kv_events_config`` for one replica: vLLM's keys, bound on two free ports."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{free_port(host)}",
+        "replay_endpoint": f"tcp://*:{free_port(host)}",
+        "topic": topic,
+    }
+
+
+def _connectable(endpoint: str | None, host: str) -> str | None:
+    """``tcp://*:P`` as a consumer on ``host`` connects to it."""
+    if endpoint is None:
+        return None
+    return endpoint.replace("*", f"[{host}]" if ":" in host else host, 1)
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -73,6 +104,17 @@ class ReplicaProcess:
         self.url = _url(host, port)
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """Where to connect a SUB for this replica's KV events (None: events off)."""
+        config = self.options.kv_events_config
+        return _connectable(config.endpoint, self.host) if config is not None and config.publishes else None
+
+    @property
+    def kv_replay_endpoint(self) -> str | None:
+        config = self.options.kv_events_config
+        return _connectable(config.replay_endpoint, self.host) if config is not None and config.publishes else None
 
     def spawn(self, sock: socket.socket, log_path: Path | None) -> None:
         cmd = [
@@ -127,6 +169,7 @@ class ReplicaGroup:
         ports: Sequence[int] | None = None,
         per_replica: Sequence[Mapping[str, Any]] | None = None,
         log_dir: str | os.PathLike[str] | None = None,
+        kv_events: bool = False,
         **options: Any,
     ) -> None:
         if n < 1:
@@ -138,6 +181,14 @@ class ReplicaGroup:
         self.host = host
         self.log_dir = Path(log_dir) if log_dir is not None else None
         overrides = list(per_replica or [])
+        if kv_events:  # each replica its own ports, unless given explicitly
+            overrides += [{}] * (n - len(overrides))
+            overrides = [
+                o
+                if "kv_events_config" in o or "kv_events_config" in options
+                else {**o, "kv_events_config": kv_events_options(host=host)}
+                for o in overrides
+            ]
         # Validate everything before starting anything: a bad option is one clear error.
         self.options = [build_options({**options, **(overrides[i] if i < len(overrides) else {})}) for i in range(n)]
         self._ports = list(ports) if ports is not None else [0] * n
@@ -254,6 +305,7 @@ def run_replicas(
     per_replica: list[dict[str, Any]] | None = None,
     startup_timeout: float = 60.0,
     log_dir: str | os.PathLike[str] | None = None,
+    kv_events: bool = False,
     **options: Any,
 ) -> Iterator[list[str]]:
     """Run ``n`` replica processes on free ports; yield their base URLs (no ``/v1``).
@@ -261,8 +313,9 @@ def run_replicas(
     ``options`` are the CLI flags with underscores (``time_scale=0``, ``num_gpu_blocks=64``,
     ...); ``per_replica[i]`` overrides them for replica ``i``.  ``log_dir`` sends each
     replica's output to ``replica-I.log`` there instead of this process's stdout/stderr.
+    ``kv_events`` turns vLLM's KV events on, on free ports (see the module docstring).
     """
-    group = ReplicaGroup(n, host=host, per_replica=per_replica, log_dir=log_dir, **options)
+    group = ReplicaGroup(n, host=host, per_replica=per_replica, log_dir=log_dir, kv_events=kv_events, **options)
     group.start(startup_timeout)
     try:
         yield group.urls

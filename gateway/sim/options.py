@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gateway.sim import DEFAULT_MODEL
 from gateway.sim.faults import FAULT_FIELDS, FaultSettings
+from gateway.sim.kvevents import KVEventsConfig, parse_kv_events_config
 
 
 class SimOptions(BaseModel):
@@ -40,9 +41,27 @@ class SimOptions(BaseModel):
     time_scale: float = Field(1.0, ge=0)
     max_output_tokens: int = Field(16, gt=0)
 
+    # KV cache events (vLLM's --kv-events-config JSON, gateway.sim.kvevents)
+    kv_events_config: KVEventsConfig | None = None
+    # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: hashes as unsigned 64-bit ints (vLLM's default) or raw digests
+    kv_events_int_hashes: bool = True
+    # "map": vLLM 0.32's tagged maps; "array": the positional arrays of vLLM before mid-2026
+    kv_events_layout: Literal["map", "array"] = "map"
+
+    # "cuda" says "GPU KV cache usage" in the engine log line, "cpu" says "CPU KV cache usage"
+    # (vLLM's CPU backend); nothing else changes
+    device: Literal["cuda", "cpu"] = "cuda"
+
     # output and API behaviour
     seed: int = 0
+    # Per output token, the chance that the reply's token ids are not the ones its text
+    # encodes back to (a word emitted as two pieces), as real models' replies often are: the
+    # next chat turn then misses the cache from that block on.  0 = replies re-tokenize exactly.
+    retokenize_drift: float = Field(0.02, ge=0.0, le=1.0)
     enable_prompt_tokens_details: bool = True
+    # vLLM's --enable-auto-tool-choice with a --tool-call-parser: requests with tools are served;
+    # off, vLLM's 400 for tool_choice "auto" (the default when tools are sent) or "required"
+    enable_auto_tool_choice: bool = True
     embedding_dim: int = Field(32, gt=0, le=4096)
     metrics_naming: Literal["current", "legacy", "both"] = "current"
 
@@ -59,6 +78,11 @@ class SimOptions(BaseModel):
     stall_after_chunks: int | None = Field(None, ge=0)
     drop_after_chunks: int | None = Field(None, ge=0)
 
+    @field_validator("kv_events_config", mode="before")
+    @classmethod
+    def _kv_events_json(cls, value: Any) -> Any:
+        return parse_kv_events_config(value) if isinstance(value, str) else value
+
     @field_validator("lora_modules", mode="before")
     @classmethod
     def _split_lora(cls, value: Any) -> Any:
@@ -73,8 +97,13 @@ class SimOptions(BaseModel):
         return FaultSettings(**{name: getattr(self, name) for name in FAULT_FIELDS})
 
     @property
+    def usable_gpu_blocks(self) -> int:
+        """vLLM keeps one of its ``num_gpu_blocks`` as the null block: one fewer holds tokens."""
+        return max(self.num_gpu_blocks - 1, 1)
+
+    @property
     def kv_capacity_tokens(self) -> int:
-        return self.num_gpu_blocks * self.block_size
+        return self.usable_gpu_blocks * self.block_size
 
     @property
     def effective_max_model_len(self) -> int:

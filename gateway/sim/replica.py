@@ -10,9 +10,11 @@ import itertools
 import os
 import time
 
+from gateway.sim import SIM_VERSION
 from gateway.sim.engine import Engine, EngineRequest
 from gateway.sim.faults import FaultState
 from gateway.sim.hashing import block_hashes, block_seed
+from gateway.sim.kvpublisher import ZmqKVPublisher
 from gateway.sim.metrics import SimMetrics
 from gateway.sim.options import SimOptions
 from gateway.sim.protocol import APIError
@@ -31,7 +33,7 @@ class Replica:
         self.prompts = PromptBuilder(self.tokenizer.inner, self.tokenizer.encode)
         self.metrics = SimMetrics(options)
         self.engine = Engine(options, self.metrics)
-        self.textgen = TextGenerator(self.tokenizer, options.seed)
+        self.textgen = TextGenerator(self.tokenizer, options.seed, options.retokenize_drift)
         self.faults = FaultState(options.faults(), options.seed)
         self.max_model_len = options.effective_max_model_len
         self.block_size = options.block_size
@@ -39,6 +41,9 @@ class Replica:
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(6).hex()
         self._loras = frozenset(options.lora_modules)
+        self.fingerprint = "vllm-" + SIM_VERSION  # vLLM's system_fingerprint: its version
+        # the ZMQ side of the KV events, when --kv-events-config publishes (set by the app)
+        self.kv_publisher: ZmqKVPublisher | None = None
 
     def reset_metrics(self) -> None:
         """Fresh counters, as after a process restart (scrapers then see a counter reset);
@@ -56,55 +61,99 @@ class Replica:
             return self.options.model, None
         if requested in self._loras:
             return requested, requested
-        raise APIError(404, f"The model `{requested}` does not exist.", param="model")
+        raise APIError(
+            404, f"The model `{requested}` does not exist. Valid aliases: {self.options.model}.", param="model"
+        )
 
     def block_seed(self, lora: str | None, cache_salt: str | None) -> int:
-        if cache_salt is not None and not cache_salt:
-            raise APIError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+        """The first block's seed: model, LoRA and ``cache_salt`` (validated with the request)."""
         return block_seed(self.options.model, lora, cache_salt)
 
-    def check_prompt_len(self, num_tokens: int, what: str = "messages") -> None:
-        if num_tokens >= self.max_model_len:
+    def check_prompt_len(self, num_tokens: int, what: str = "messages", text: bool = True) -> None:
+        """vLLM 0.32's prompt limit: a prompt longer than ``max_model_len`` is refused (400).
+
+        A prompt given as text is tokenized with truncation to ``max_model_len + 1`` tokens,
+        so vLLM can only say "at least" that many; token ids are counted as they are.
+        """
+        limit = self.max_model_len
+        if num_tokens <= limit:
+            return
+        count = min(num_tokens, limit + 1) if text else num_tokens
+        qualifier = "at least " if count == limit + 1 else ""
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+            f"{qualifier}{count} input tokens, which exceeds this limit even without any output tokens. "
+            "Please reduce the length of the input prompt.",
+            param="input_tokens",
+            value=count,
+        )
+
+    def check_max_tokens(self, requested: int | None, param: str = "max_tokens") -> None:
+        """vLLM 0.32 refuses ``max_tokens`` larger than ``max_model_len`` before tokenizing."""
+        if requested is not None and requested > self.max_model_len:
             raise APIError(
                 400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"request has {num_tokens} input tokens. Please reduce the length of the input {what}.",
-                param="input_tokens",
+                f"{param}={requested} cannot be greater than max_model_len={self.max_model_len}. "
+                "Please request fewer output tokens.",
+                param=param,
+                value=requested,
             )
 
-    def output_plan(self, num_prompt: int, requested: int | None, what: str = "messages") -> tuple[int, str]:
-        """(output length, finish_reason) for a prompt, with vLLM's length errors.
+    def output_plan(
+        self, num_prompt: int, requested: int | None, what: str = "messages", text: bool = True
+    ) -> tuple[int, str]:
+        """(output length, finish_reason) for a prompt, with vLLM 0.32's length rules.
 
-        With ``max_tokens`` the sequence always runs to it (``finish_reason`` "length");
-        without, the "model" stops by itself after ``--max-output-tokens`` ("stop").
+        ``max_tokens`` is clamped to the room the prompt leaves (vLLM's ``get_max_tokens``:
+        a prompt + ``max_tokens`` over ``max_model_len`` is served, its output cut short);
+        the sequence then always runs to it (``finish_reason`` "length").  Without
+        ``max_tokens`` the "model" stops by itself after ``--max-output-tokens`` ("stop").
+        A length below 1 is returned as is: it fails in :func:`gateway.sim.sampling.check_sampling`,
+        where vLLM refuses it.
         """
-        self.check_prompt_len(num_tokens=num_prompt, what=what)
+        self.check_prompt_len(num_tokens=num_prompt, what=what, text=text)
         room = self.max_model_len - num_prompt
         if requested is None:
             default = self.options.max_output_tokens
-            return (default, "stop") if default <= room else (room, "length")
-        if requested < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {requested}.", param="max_tokens")
-        if requested > room:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {num_prompt + requested} tokens ({num_prompt} in the {what}, {requested} in "
-                f"the completion). Please reduce the length of the {what} or completion.",
-                param="max_tokens",
-            )
-        return requested, "length"
+            if default <= room:
+                return default, "stop"
+            out = room
+        else:
+            out = min(requested, room)
+        return out, "length"
+
+    def lora_id(self, lora: str | None) -> int | None:
+        """vLLM's integer adapter id (1, 2, ... in the order the LoRA modules were given)."""
+        if lora is None:
+            return None
+        return self.options.lora_modules.index(lora) + 1
 
     def engine_requests(
-        self, prompt: list[int], out_len: int, reason: str, n: int, seed: int, arrival: float
+        self,
+        prompt: list[int],
+        out_len: int,
+        reason: str,
+        n: int,
+        seed: int,
+        arrival: float,
+        *,
+        lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[EngineRequest]:
-        """One engine request per choice; each carries its output tokens and block keys."""
+        """One engine request per choice; each carries its output tokens and block keys.
+
+        ``lora`` and ``cache_salt`` only label the KV events (the isolation itself is in
+        ``seed``, :meth:`block_seed`).
+        """
         digest = self.textgen.prompt_digest(prompt)
+        origin = (self.lora_id(lora) or 0, lora) if lora is not None else None
         out: list[EngineRequest] = []
         for choice in range(n):
             tokens = self.textgen.token_ids(digest, choice, out_len)
-            keys = block_hashes(prompt + tokens[:-1], self.block_size, seed)
-            out.append(EngineRequest(len(prompt), tokens, keys, reason, arrival))
+            computed = prompt + tokens[:-1]
+            keys = block_hashes(computed, self.block_size, seed)
+            out.append(EngineRequest(len(prompt), tokens, keys, reason, arrival, computed, origin, cache_salt))
         return out
 
     def run(self, reqs: list[EngineRequest]) -> None:

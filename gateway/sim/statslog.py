@@ -3,6 +3,8 @@
 ``Engine 000: Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s,
 Running: N reqs, Waiting: M reqs, GPU KV cache usage: Z%, Prefix cache hit rate: H%``
 
+(``CPU KV cache usage`` with ``device="cpu"``, as vLLM's CPU backend writes it.)
+
 Like vLLM, an idle engine's line (zero throughput now and in the previous interval) is
 logged at DEBUG, so a quiet replica does not fill the log.  The hit rate covers the most
 recent requests (vLLM's ``PrefixCachingMetrics`` window), not the whole lifetime.
@@ -25,6 +27,7 @@ class StatsLogger:
     def __init__(self, engine: Engine, interval_s: float) -> None:
         self.engine = engine
         self.interval_s = interval_s
+        self.device = "CPU" if engine.options.device == "cpu" else "GPU"
         self._last_time = time.monotonic()
         self._last_prompt = engine.total_prompt_tokens
         self._last_generation = engine.total_generation_tokens
@@ -49,7 +52,7 @@ class StatsLogger:
             f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
             f"Avg generation throughput: {generation_tps:.1f} tokens/s, "
             f"Running: {engine.num_running} reqs, Waiting: {engine.num_waiting} reqs, "
-            f"GPU KV cache usage: {engine.cache.usage * 100:.1f}%, "
+            f"{self.device} KV cache usage: {engine.cache.usage * 100:.1f}%, "
             f"Prefix cache hit rate: {engine.recent_hit_rate * 100:.1f}%"
         )
         return level, message

@@ -8,6 +8,12 @@ Two properties matter more than the words themselves:
   same token, so when a client sends the reply back in the next chat turn, the prompt's
   tokens continue the cached sequence (prompt + output) exactly as with a real model.
   That is what makes multi-turn hit rates realistic.
+
+Except, on purpose, now and then: a real model's sampled ids are often not the ids its text
+encodes back to (a word produced in two pieces), so the next turn's prompt, re-tokenized,
+leaves the cached sequence at that word.  With ``drift`` > 0 each output word is, with that
+probability, emitted as two tokens whose text is the word (`` wat`` + ``er``): the reply
+reads the same and the following turn hits the cache only up to the block before it.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ _MASK = (1 << 64) - 1
 class TextGenerator:
     """Maps (seed, prompt tokens, choice index, n) to output token ids and their text."""
 
-    def __init__(self, tokenizer: Tokenizer, seed: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, seed: int, drift: float = 0.0) -> None:
         self.seed = seed & _MASK
+        self.drift_threshold = int(drift * (1 << 53))
         self.openers = self._single_tokens(tokenizer, _OPENERS, prefix="")
         self.words = self._single_tokens(tokenizer, _WORDS, prefix=" ")
         if not self.words:  # an unusual tokenizer: fall back to whatever one token decodes to
@@ -45,6 +52,10 @@ class TextGenerator:
         if not self.openers:
             self.openers = list(self.words)
         self.text: dict[int, str] = {i: tokenizer.decode([i]) for i in (*self.openers, *self.words)}
+        self.splits = self._two_piece_words(tokenizer, self.words, self.text) if drift > 0 else {}
+        for a, b in self.splits.values():
+            self.text.setdefault(a, tokenizer.decode([a]))
+            self.text.setdefault(b, tokenizer.decode([b]))
 
     @staticmethod
     def _single_tokens(tokenizer: Tokenizer, words: list[str], prefix: str) -> list[int]:
@@ -53,6 +64,19 @@ class TextGenerator:
             ids = tokenizer.encode(prefix + word)
             if len(ids) == 1 and ids[0] not in out:
                 out.append(ids[0])
+        return out
+
+    @staticmethod
+    def _two_piece_words(tokenizer: Tokenizer, words: list[int], text: dict[int, str]) -> dict[int, tuple[int, int]]:
+        """Words that two single tokens also spell, each re-encoding to the one word token."""
+        out: dict[int, tuple[int, int]] = {}
+        for word in words:
+            spelled = text[word]
+            for cut in range(2, len(spelled) - 1):
+                head, tail = tokenizer.encode(spelled[:cut]), tokenizer.encode(spelled[cut:])
+                if len(head) == 1 and len(tail) == 1 and tokenizer.encode(spelled) == [word]:
+                    out[word] = (head[0], tail[0])
+                    break
         return out
 
     def prompt_digest(self, prompt: list[int]) -> int:
@@ -67,12 +91,18 @@ class TextGenerator:
         openers, words = self.openers, self.words
         out = [openers[x % len(openers)]]
         nw = len(words)
-        for _ in range(n - 1):
+        splits, threshold = self.splits, self.drift_threshold
+        while len(out) < n:
             # xorshift64: cheap, deterministic, good enough to look like text
             x ^= (x << 13) & _MASK
             x ^= x >> 7
             x ^= (x << 17) & _MASK
-            out.append(words[x % nw])
+            word = words[x % nw]
+            pieces = splits.get(word) if threshold else None
+            if pieces is not None and (x >> 11) < threshold and len(out) + 2 <= n:
+                out.extend(pieces)
+            else:
+                out.append(word)
         return out
 
     def render(self, ids: list[int]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 
 import httpx
@@ -198,7 +199,13 @@ def test_usage_details_absent_when_disabled(make_sim) -> None:
     resp = client(url).chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=1)
     assert resp.usage is not None and resp.usage.prompt_tokens_details is None
     raw = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).json()
-    assert "prompt_tokens_details" not in raw["usage"]
+    assert raw["usage"]["prompt_tokens_details"] is None  # vLLM 0.32 sends the null
+    stream = httpx.post(
+        url + "/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}},
+    ).text
+    last = json.loads(stream.split("data: ")[-2])
+    assert "prompt_tokens_details" not in last["usage"]  # a stream leaves it out
 
 
 # -- errors: vLLM's shape and status, never a crash or a hang ----------------------------------
@@ -219,17 +226,147 @@ def test_unknown_model_is_404(oai: openai.OpenAI, sim: str) -> None:
     assert body["type"] == "NotFoundError"
 
 
-def test_prompt_longer_than_max_model_len_is_400(make_sim) -> None:
+def test_context_length_rules_are_vllm_0_32s(make_sim) -> None:
+    """A prompt over max_model_len is a 400; prompt + max_tokens over it is served with the
+    output clamped (200, finish_reason "length"); max_tokens alone over it is a 400; each
+    message ends with vLLM's (parameter=..., value=...)."""
     url = make_sim(max_model_len=64)
     c = client(url)
     with pytest.raises(openai.BadRequestError) as info:
         c.completions.create(model=DEFAULT_MODEL, prompt="word " * 100)
-    assert "maximum context length is 64 tokens" in str(info.value)
-    with pytest.raises(openai.BadRequestError):
-        c.completions.create(model=DEFAULT_MODEL, prompt="word " * 10, max_tokens=60)
-    # a KV cache smaller than max_model_len clamps it (vLLM would refuse to start)
-    small = make_sim(num_gpu_blocks=4, block_size=16)
+    assert info.value.body["message"] == (  # type: ignore[index]
+        "This model's maximum context length is 64 tokens. However, your prompt contains at least 65 input "
+        "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
+        "prompt. (parameter=input_tokens, value=65)"  # text is tokenized with truncation to 65 tokens
+    )
+    assert info.value.body["param"] == "input_tokens"  # type: ignore[index]
+    ids = SIM_PROMPTS.completion("word " * 100)  # token ids are counted as they are
+    err = _error(httpx.post(url + "/v1/completions", json={"prompt": ids}), 400)
+    assert f"your prompt contains {len(ids)} input tokens" in err["message"]
+    assert err["message"].endswith(f"(parameter=input_tokens, value={len(ids)})")
+
+    clamped = c.completions.create(model=DEFAULT_MODEL, prompt="word " * 10, max_tokens=60)
+    assert clamped.usage is not None and clamped.usage.total_tokens == 64
+    assert clamped.usage.completion_tokens == 64 - clamped.usage.prompt_tokens
+    assert clamped.choices[0].finish_reason == "length"
+
+    for path, body, param in (
+        ("/v1/completions", {"prompt": "x", "max_tokens": 65}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 65}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 65}, "max_completion_tokens"),
+    ):
+        err = _error(httpx.post(url + path, json=body), 400)
+        assert err == {
+            "message": f"{param}=65 cannot be greater than max_model_len=64. Please request fewer output tokens. "
+            f"(parameter={param}, value=65)",
+            "type": "BadRequestError",
+            "param": param,
+            "code": 400,
+        }
+    # a prompt that fills the context leaves max_tokens 0: vLLM's sampling-params error
+    exact = [7] * 64
+    err = _error(httpx.post(url + "/v1/completions", json={"prompt": exact}), 400)
+    assert err["message"] == "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+    # a KV cache smaller than max_model_len clamps it (vLLM would refuse to start); one of the
+    # blocks is vLLM's null block
+    small = make_sim(num_gpu_blocks=5, block_size=16)
     assert httpx.get(small + "/v1/models").json()["data"][0]["max_model_len"] == 64
+
+
+@pytest.mark.parametrize(
+    ("extra", "message", "param"),
+    [
+        (
+            {"temperature": -1},
+            "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)",
+            "temperature",
+        ),
+        (
+            {"temperature": 2.5},
+            "temperature must be in [0, 2], got 2.5. (parameter=temperature, value=2.5)",
+            "temperature",
+        ),
+        ({"top_p": 2}, "top_p must be in (0, 1], got 2.0. (parameter=top_p, value=2.0)", "top_p"),
+        ({"top_p": 0}, "top_p must be in (0, 1], got 0.0. (parameter=top_p, value=0.0)", "top_p"),
+        ({"presence_penalty": 3}, "presence_penalty must be in [-2, 2], got 3.0.", None),
+        ({"frequency_penalty": -2.5}, "frequency_penalty must be in [-2, 2], got -2.5.", None),
+        ({"repetition_penalty": 0}, "repetition_penalty must be greater than zero, got 0.0.", None),
+        ({"top_k": -2}, "top_k must be 0 (disable), or at least 1, got -2.", None),
+        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5.", None),
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", "max_tokens"),
+        ({"temperature": 0, "n": 2}, "n must be 1 when using greedy sampling, got 2.", None),
+        ({"n": 0}, "n must be at least 1, got 0.", None),
+    ],
+)
+def test_invalid_sampling_parameters_are_vllms_400(sim: str, extra: dict, message: str, param: str | None) -> None:
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "hi"})):
+        err = _error(httpx.post(sim + path, json={**body, **extra}), 400)
+        assert (err["message"], err["type"], err["param"]) == (message, "BadRequestError", param)
+
+
+def test_valid_sampling_parameters_are_served(oai: openai.OpenAI) -> None:
+    resp = oai.chat.completions.create(
+        model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=2, temperature=0, top_p=0.5, presence_penalty=2, n=1
+    )
+    assert resp.choices[0].finish_reason == "length"
+    assert oai.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=2, n=3).usage is not None
+
+
+def test_request_validation_errors_are_vllms(sim: str) -> None:
+    """FastAPI's shape as vLLM 0.32 renders it: a count, one dict per error, the body path."""
+    err = _error(httpx.post(sim + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": "many"}), 400)
+    assert err == {
+        "message": "1 validation error:\n  {'type': 'int_parsing', 'loc': 'body.max_tokens', 'msg': 'Input should "
+        "be a valid integer, unable to parse string as an integer', 'input': 'many'}",
+        "type": "Bad Request",
+        "param": "body.max_tokens",
+        "code": 400,
+    }
+    err = _error(httpx.post(sim + "/v1/chat/completions", json={"model": DEFAULT_MODEL, "max_tokens": 4}), 400)
+    assert err["message"] == (
+        "1 validation error:\n  {'type': 'missing', 'loc': 'body.messages', 'msg': 'Field required', "
+        "'input': '<dict of 2 items>'}"
+    )
+
+
+def test_vllms_before_validators_name_their_parameter(sim: str) -> None:
+    """cache_salt and stream_options are checked before the rest of the request, as vLLM's
+    "before" model validators: a value_error on the whole body, param the checked field."""
+    body = {"messages": MESSAGES, "cache_salt": ""}
+    err = _error(httpx.post(sim + "/v1/chat/completions", json=body), 400)
+    assert err["param"] == "cache_salt" and err["type"] == "Bad Request"
+    assert err["message"] == (
+        "1 validation error:\n  {'type': 'value_error', 'loc': 'body', 'msg': \"Value error, Parameter 'cache_salt' "
+        "must be a non-empty string if provided. (parameter=cache_salt)\", 'input': '<dict of 2 items>', 'ctx': "
+        "{'error': VLLMValidationError(\"Parameter 'cache_salt' must be a non-empty string if provided.\")}}"
+    )
+    for salt in ("x" * 129, "tenant@1", "a\\b", "nul\x00"):
+        err = _error(httpx.post(sim + "/v1/completions", json={"prompt": "x", "cache_salt": salt}), 400)
+        assert "must be at most 128 characters" in err["message"] and err["param"] == "cache_salt"
+    assert httpx.post(
+        sim + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "cache_salt": "x" * 128}
+    ).is_success
+    err = _error(httpx.post(sim + "/v1/chat/completions", json={"messages": MESSAGES, "stream_options": {"a": 1}}), 400)
+    assert (
+        err["param"] == "stream_options" and "Stream options can only be defined when `stream=True`." in err["message"]
+    )
+    # an empty stream_options is falsy to vLLM: accepted
+    ok = httpx.post(sim + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, "stream_options": {}})
+    assert ok.status_code == 200
+
+
+def test_tool_choice_needs_the_parser_when_auto_tools_are_off(make_sim) -> None:
+    url = make_sim(enable_auto_tool_choice=False)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": MESSAGES, "tools": tools, "max_tokens": 2}
+    err = _error(httpx.post(url + "/v1/chat/completions", json=body), 400)
+    assert err["message"] == '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+    assert err["param"] is None
+    err = _error(httpx.post(url + "/v1/chat/completions", json={**body, "tool_choice": "required"}), 400)
+    assert err["message"] == 'tool_choice="required" requires --tool-call-parser to be set'
+    ok = httpx.post(url + "/v1/chat/completions", json={**body, "tool_choice": "none"})
+    assert ok.status_code == 200
+    assert httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).status_code == 200
 
 
 _TOOLS_WITHOUT_USER = json.dumps(
@@ -254,7 +391,9 @@ _TWO_TOOL_CALLS = json.dumps(
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 0}'),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}'),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": "maybe"}'),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {}}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {"a": 1}}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "cache_salt": "a/b"}'),
+        ("/v1/completions", b'{"prompt": "x", "cache_salt": 5}'),
         # Llama 3.1's template refuses these, so vLLM answers 400 (tools need a user message;
         # one tool call per assistant turn)
         ("/v1/chat/completions", _TOOLS_WITHOUT_USER),
@@ -274,7 +413,14 @@ _TWO_TOOL_CALLS = json.dumps(
 def test_bad_input_gets_a_400(sim: str, path: str, body: bytes) -> None:
     resp = httpx.post(sim + path, content=body, headers={"content-type": "application/json"})
     err = _error(resp, 400)
-    assert err["type"] == "BadRequestError" and err["message"]
+    # vLLM 0.32: request-model validation is FastAPI's "Bad Request" with the body path as
+    # param; checks in the server code are "BadRequestError"
+    if err["type"] == "Bad Request":
+        assert re.match(r"\d+ validation errors?:\n  \{'type': ", err["message"]), err["message"]
+        # the body path, or the field a vLLM "before" validator names (cache_salt, stream_options)
+        assert err["param"].startswith("body") or err["param"] in ("cache_salt", "stream_options")
+    else:
+        assert err["type"] == "BadRequestError" and err["message"]
 
 
 def test_unknown_route_and_method(sim: str) -> None:

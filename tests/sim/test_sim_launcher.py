@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -117,7 +118,12 @@ def _cli(*args: str) -> subprocess.Popen[str]:
 @pytest.mark.slow
 def test_cli_starts_replicas_on_consecutive_ports_and_stops_on_sigterm(tmp_path: Path) -> None:
     port = _free_port_pair()
-    proc = _cli("--replicas", "2", "--port", str(port), "--time-scale", "0", "--log-dir", str(tmp_path))
+    events = _free_port_pair()
+    config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events}", "topic": "kv"})
+    proc = _cli(
+        "--replicas", "2", "--port", str(port), "--time-scale", "0", "--log-dir", str(tmp_path),
+        "--kv-events-config", config, "--kv-events-layout", "array", "--device", "cpu",
+    )  # fmt: skip
     try:
         assert proc.stdout is not None
         lines = [proc.stdout.readline() for _ in range(3)]
@@ -127,6 +133,10 @@ def test_cli_starts_replicas_on_consecutive_ports_and_stops_on_sigterm(tmp_path:
         for p in (port, port + 1):
             resp = client(f"http://127.0.0.1:{p}").completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=2)
             assert resp.usage is not None
+        # one --kv-events-config for N replicas: replica i publishes on PORT+i, as vLLM's DP ranks
+        for i, p in enumerate((port, port + 1)):
+            source = httpx.get(f"http://127.0.0.1:{p}/kv_event_sources").json()["0"]
+            assert source["endpoint"] == f"tcp://*:{events + i}" and source["topic"] == "kv"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sim_helpers import client, poll, scrape
 
 from gateway.sim import DEFAULT_MODEL
+from gateway.sim.options import build_options
 
 MESSAGES = [{"role": "system", "content": "shared system prompt " * 20}, {"role": "user", "content": "hi"}]
 
@@ -162,3 +163,14 @@ def test_restart_can_reset_counters(sim: str, oai: openai.OpenAI) -> None:
     assert httpx.get(sim + "/sim/state").json()["prefix_cache_queries"] == 0  # /sim/state's totals too
     oai.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=3)
     assert scrape(sim)["vllm:generation_tokens_total"] == 3
+
+
+def test_cpu_engine_log_line_says_cpu_kv_cache_usage() -> None:
+    """vLLM's CPU backend writes ``CPU KV cache usage``; ``device="cpu"`` makes the sim do so."""
+    from gateway.sim.replica import Replica
+    from gateway.sim.statslog import StatsLogger
+
+    for device, name in (("cuda", "GPU KV cache usage"), ("cpu", "CPU KV cache usage")):
+        replica = Replica(build_options(device=device))
+        _, line = StatsLogger(replica.engine, 10.0).format_line()
+        assert list(_fields(line))[4] == name, line

@@ -7,7 +7,7 @@ import random
 import httpx
 import openai
 import pytest
-from sim_helpers import SIM_PROMPTS, client
+from sim_helpers import SIM_PROMPTS, SIM_TOKENIZER, client
 
 from gateway.sim import DEFAULT_MODEL
 from gateway.sim.hashing import block_hashes, block_seed
@@ -92,21 +92,51 @@ def test_cache_salt_and_lora_separate_tenants(make_sim) -> None:
     assert _cached(lora) == 0
 
 
-def test_next_chat_turn_hits_the_previous_reply(oai: openai.OpenAI) -> None:
-    """Output tokens are cached too, and re-tokenize identically when sent back."""
+def _two_turns(oai: openai.OpenAI) -> tuple[int, int, str]:
+    """(tokens the first turn computed, the second turn's cached tokens, the first reply)."""
     history = [
         {"role": "system", "content": _words(200, seed=3)},
         {"role": "user", "content": "Tell me a story."},
     ]
     first = oai.chat.completions.create(model=DEFAULT_MODEL, messages=history, max_tokens=64)
     assert first.usage is not None
-    reply = first.choices[0].message.content
+    reply = first.choices[0].message.content or ""
     history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
     second = oai.chat.completions.create(model=DEFAULT_MODEL, messages=history, max_tokens=4)
-    # everything before the reply's last token was computed and cached in full blocks
-    computed = first.usage.prompt_tokens + 64 - 1
-    assert _cached(second) == computed // BLOCK * BLOCK
-    assert _cached(second) > first.usage.prompt_tokens
+    return first.usage.prompt_tokens + 64 - 1, _cached(second), reply
+
+
+def test_next_chat_turn_hits_the_previous_reply(make_sim) -> None:
+    """Output tokens are cached too; with replies that re-tokenize exactly (drift 0) the next
+    turn hits everything the first computed, in full blocks."""
+    computed, cached, _ = _two_turns(client(make_sim(retokenize_drift=0)))
+    assert cached == computed // BLOCK * BLOCK
+    assert cached > computed - 64
+
+
+def test_replies_that_retokenize_differently_cut_the_next_turns_hit(make_sim) -> None:
+    """A real model's ids are often not what its text re-encodes to (the recorded vLLM: 6 of
+    23 replies re-encode to another length): with drift, the same reply text comes back as
+    other ids, and the next turn hits only up to the block before the first difference."""
+    exact = _two_turns(client(make_sim(retokenize_drift=0)))
+    drifted = _two_turns(client(make_sim(retokenize_drift=1.0)))
+    # the same words (a word in two pieces reads the same; two pieces take two of the 64 tokens)
+    assert exact[2].startswith(drifted[2]) and len(drifted[2]) > len(exact[2]) // 2
+    assert drifted[0] == exact[0]
+    prompt_tokens = exact[0] - 63
+    assert prompt_tokens // BLOCK * BLOCK <= drifted[1] < exact[1]  # the prompt still hits; the reply's blocks do not
+
+
+def test_drift_splits_words_into_pieces_that_spell_them() -> None:
+    from gateway.sim.textgen import TextGenerator
+
+    gen = TextGenerator(SIM_TOKENIZER, seed=0, drift=0.5)
+    ids = gen.token_ids(12345, 0, 400)
+    text = gen.render(ids)
+    assert len(ids) == 400 and SIM_TOKENIZER.decode(ids) == text
+    assert len(SIM_TOKENIZER.encode(text)) < 400  # some words came out in two pieces
+    exact = TextGenerator(SIM_TOKENIZER, seed=0, drift=0.0)
+    assert SIM_TOKENIZER.encode(exact.render(exact.token_ids(12345, 0, 400))) == exact.token_ids(12345, 0, 400)
 
 
 def test_small_kv_cache_evicts_older_prefixes(make_sim) -> None:
