@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.real_vllm import engine
+from tests.real_vllm.lane import Front, front
 
 MARK = "real_vllm"
 # The fleet's KV cache, per replica: 512 blocks x 128 tokens (64Ki tokens) holds the mixed
@@ -56,3 +57,10 @@ def real_replicas(real_engine: engine.Engine) -> Iterator[list[engine.Replica]]:
     finally:
         for r in replicas:
             r.stop()
+
+
+@pytest.fixture(scope="session")
+def real_front(real_replicas: list[engine.Replica]) -> Iterator[Front]:
+    """The gateway with default settings in front of both replicas, for the whole run."""
+    with front(real_replicas) as f:
+        yield f

@@ -17,6 +17,8 @@ import base64
 import contextlib
 import json
 import os
+import random
+import shutil
 import signal
 import socket
 import struct
@@ -35,7 +37,7 @@ MAX_MODEL_LEN = 8192
 # PyPI's torchvision/torchaudio/torchcodec come along as CUDA builds and break transformers'
 # imports beside the CPU torch (NOTES §8); a text model needs none of them.
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-MODEL_FORMAT = 1  # bump when model_builder.py changes what it writes: a stale model is rebuilt
+MODEL_FORMAT = 2  # bump when model_builder.py changes what it writes: a stale model is rebuilt
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
@@ -113,6 +115,37 @@ def quicktok_specials() -> dict[str, int]:
     return names
 
 
+# Llama 3.1 renamed three of Llama 3's reserved specials (its tool calling uses them; vLLM's
+# llama3_json tool parser refuses a tokenizer without <|python_tag|>) and renumbered the rest.
+LLAMA31_NAMED = {128004: "<|finetune_right_pad_id|>", 128008: "<|eom_id|>", 128010: "<|python_tag|>"}
+
+
+def llama31_specials() -> list[str]:
+    """The 256 specials of Llama 3.1's tokenizer in id order (128000 + index).
+
+    Checked against quicktok's ``llama3`` list: every token it names (not reserved) has the same
+    id here (``<|begin_of_text|>`` 128000, ``<|eot_id|>`` 128009, the header markers...).
+    """
+    theirs = quicktok_specials()
+    if sorted(theirs.values()) != list(range(128000, 128256)):
+        raise EngineError("quicktok's llama3 specials are not exactly ids 128000-128255")
+    named = {i: n for n, i in theirs.items() if not n.startswith("<|reserved_special_token_")}
+    clash = named.keys() & LLAMA31_NAMED.keys()
+    if clash:
+        raise EngineError(f"quicktok names ids Llama 3.1 renames: {sorted(clash)}")
+    named.update(LLAMA31_NAMED)
+    names, reserved = [], 0
+    for token_id in range(128000, 128256):
+        if token_id in named:
+            names.append(named[token_id])
+        else:
+            names.append(f"<|reserved_special_token_{reserved}|>")
+            reserved += 1
+    if names[0] != "<|begin_of_text|>" or names[9] != "<|eot_id|>" or reserved != 248:
+        raise EngineError("unexpected Llama 3 special tokens in quicktok")
+    return names
+
+
 def write_tiktoken_file(path: Path) -> None:
     """quicktok's ``llama3.vocab`` (u32 count; per entry u16 length, bytes, u32 rank) as a tiktoken file."""
     raw = (_quicktok_data() / "llama3.vocab").read_bytes()
@@ -141,10 +174,8 @@ def ensure_model(python: Path) -> Path:
     staging.mkdir(parents=True, exist_ok=True)
     vocab, specials = staging / "llama3.tiktoken", staging / "specials.json"
     write_tiktoken_file(vocab)
-    theirs = quicktok_specials()
-    if sorted(theirs.values()) != list(range(128000, 128256)):
-        raise EngineError("quicktok's llama3 specials are not exactly ids 128000-128255")
-    specials.write_text(json.dumps(sorted(theirs, key=theirs.__getitem__)))
+    names = llama31_specials()
+    specials.write_text(json.dumps(names))
     template = REPO / "gateway" / "sim" / "templates" / "llama3.jinja"
     done = subprocess.run(
         [str(python), str(HERE / "model_builder.py"), str(staging), str(vocab), str(specials), str(template)],
@@ -156,22 +187,36 @@ def ensure_model(python: Path) -> Path:
     if done.returncode != 0:
         raise EngineError(f"building the tiny model failed:\n{done.stderr[-4000:]}")
     built = json.loads(done.stdout.strip().splitlines()[-1])["specials"]
-    ours = {name: 128000 + i for i, name in enumerate(built)}
-    wrong = {n: (ours.get(n), i) for n, i in theirs.items() if ours.get(n) != i}
-    if wrong or ours.get("<|eot_id|>") != 128009 or ours.get("<|begin_of_text|>") != 128000:
-        raise EngineError(f"special token ids differ from quicktok's: {wrong}")
+    if built != names:
+        raise EngineError("the built tokenizer's special tokens are not the ones asked for")
     vocab.unlink()
     specials.unlink()
     if out.exists():
-        subprocess.run(["rm", "-rf", str(out)], check=True)
+        shutil.rmtree(out)
     staging.rename(out)
+    for stale in home().glob("model-v*"):  # earlier formats: ~80 MB each, never used again
+        if stale != out and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
     return out
 
 
+# Ports come from below the kernel's ephemeral range (32768-60999 on Linux): a port picked there
+# could be taken by any outgoing connection (vLLM's own internal sockets included) in the minute
+# before the replica binds it. Bound on all interfaces, as vLLM binds ``tcp://*:PORT``.
+PORT_RANGE = (20000, 32000)
+_rng = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(200):
+        port = _rng.randrange(*PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise EngineError(f"no free port in {PORT_RANGE}")
 
 
 @dataclass
@@ -230,6 +275,10 @@ class Replica:
             "--enable-auto-tool-choice",
             "--tool-call-parser",
             "llama3_json",
+            # no torch.compile: vLLM 0.32's CPU build recompiles on every start (its AOT cache fails to
+            # load: 'function' object has no attribute 'finalize_loading'), ~25 s of each start; a
+            # 2-layer model runs as fast eagerly, and caching/tokenization do not depend on it
+            "--enforce-eager",
             *self.extra_args,
         ]
 
@@ -253,6 +302,8 @@ class Replica:
     def start(self, python: Path, model: Path) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps it)
+        log.write(f"=== start {time.strftime('%H:%M:%S')} port {self.port} ===\n".encode())
+        log.flush()
         self.process = subprocess.Popen(
             self.command(python, model),
             stdout=log,
@@ -331,18 +382,35 @@ class Engine:
             port=free_port(),
             events_port=free_port(),
             replay_port=free_port(),
-            log_path=home() / "logs" / f"replica-{index}-{os.getpid()}.log",
+            log_path=home() / "logs" / f"replica-{index}-{os.getpid()}-{self._next_log_number()}.log",
             extra_args=list(extra_args),
             extra_env=dict(extra_env or {}),
         )
 
-    def start(self, replicas: Sequence[Replica], timeout: float = 240.0) -> None:
-        """Start all, then wait for all (they load in parallel, one core each)."""
+    def _next_log_number(self) -> int:
+        """Tells apart the logs of the replicas one process creates (a restart appends to its own)."""
+        self._logs = getattr(self, "_logs", 0) + 1
+        return self._logs
+
+    def start(self, replicas: Sequence[Replica], timeout: float = 300.0) -> None:
+        """Start all, then wait for all (they load in parallel, one core each).
+
+        A replica that lost one of its ports to another process before binding it (``Address
+        already in use``) is started again on new ports, once.
+        """
         try:
             for r in replicas:
                 r.start(self.python, self.model)
             for r in replicas:
-                r.wait_ready(timeout)
+                try:
+                    r.wait_ready(timeout)
+                except EngineError:
+                    if "Address already in use" not in r.log_tail(20000):
+                        raise
+                    r.stop()
+                    r.port, r.events_port, r.replay_port = free_port(), free_port(), free_port()
+                    r.start(self.python, self.model)
+                    r.wait_ready(timeout)
         except BaseException:
             for r in replicas:
                 r.stop()

@@ -6,9 +6,9 @@ TEMPLATE``. No weights can be downloaded, so the weights are random (the lane te
 tokenization, never the text); the tokenizer must be the real one, because block hashes follow
 token ids: the ranks come from the vocabulary the gateway bundles (quicktok's ``llama3``, passed
 as a tiktoken file), turned into a ``tokenizer.json`` by transformers' ``TikTokenConverter``, which
-drops extra specials, so all 256 are added here at 128000-128255 with quicktok's (Llama 3's) names,
-passed as a JSON list in id order. The chat template is Llama 3.1 Instruct's published Jinja, as
-the gateway's simulator bundles it.
+drops extra specials, so all 256 are added here at 128000-128255 with Llama 3.1's names (the
+caller derives them from quicktok's list and checks the ids), passed as a JSON list in id order.
+The chat template is Llama 3.1 Instruct's published Jinja, as the gateway's simulator bundles it.
 """
 
 from __future__ import annotations

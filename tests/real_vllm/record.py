@@ -14,6 +14,7 @@ import argparse
 import base64
 import datetime
 import json
+import shutil
 import sys
 import threading
 import time
@@ -222,8 +223,13 @@ def run_workload(rec: Recorder, scale: int = 1) -> None:
     rec.send("repeat-b", "/v1/chat/completions", body)
 
 
-def record(out: Path, bytes_hashes: bool = True) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+def record(final: Path, bytes_hashes: bool = True) -> None:
+    """Record into ``final`` + ``.tmp`` and swap it in at the end: a failed run leaves the old set."""
+    out = final.with_name(final.name + ".tmp")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    if (final / "README.md").exists():
+        shutil.copy(final / "README.md", out / "README.md")
     eng = engine.Engine.prepare(engine.home() / "install.log")
     extra = ["--num-gpu-blocks-override", str(SMALL_CACHE_BLOCKS)]
     replica = eng.replica(0, extra)
@@ -265,12 +271,14 @@ def record(out: Path, bytes_hashes: bool = True) -> None:
         "block_size": _block_size(out / "metrics.txt"),
         "num_gpu_blocks_override": SMALL_CACHE_BLOCKS,
         "model_config": json.loads((eng.model / "config.json").read_text()),
-        "tokenizer": "quicktok llama3 ranks + 256 specials at 128000-128255; Llama 3.1 Instruct chat template",
+        "tokenizer": "quicktok llama3 ranks, Llama 3.1's 256 specials at 128000-128255, Llama 3.1 Instruct template",
         "replay_start_seq": first_seq,
     }
     if bytes_hashes:
         recording["bytes_hashes"] = record_bytes_hashes(eng, out)
     (out / "recording.json").write_text(json.dumps(recording, indent=2) + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    out.rename(final)
 
 
 def record_bytes_hashes(eng: engine.Engine, out: Path) -> dict[str, Any]:
