@@ -41,6 +41,7 @@ class Observation:
     cached_tokens: int | None
     predicted: int | None
     content: str
+    reason: str | None = None  # the routing decision's reason (ring, affinity, load...), from the stats
 
     @property
     def agrees(self) -> bool:
@@ -63,7 +64,10 @@ class Front:
         return r.json()
 
     def tallies(self) -> dict[str, dict[str, Any]]:
-        return self.stats()["routes"][ROUTE]["replicas"]
+        return self.route()["replicas"]
+
+    def route(self) -> dict[str, Any]:
+        return self.stats()["routes"][ROUTE]
 
     def mode(self, name: str) -> str | None:
         """The replica's routing mode as the gateway reports it ("precise" | "approximate"), if it does."""
@@ -112,7 +116,8 @@ class Front:
 
     def send(self, rid: str, endpoint: str, body: dict[str, Any]) -> Observation:
         """One request with the official SDK; its prediction from the stats difference."""
-        before = self.tallies()
+        route_before = self.route()
+        before = route_before["replicas"]
         kwargs = dict(body)
         extra = {k: kwargs.pop(k) for k in ("cache_salt",) if k in kwargs}
         if extra:
@@ -128,8 +133,12 @@ class Front:
             0.02,
             "the gateway to account the request",
         )
-        after = self.tallies()[replica]
+        route_after = self.route()
+        after = route_after["replicas"][replica]
         was = before.get(replica, {})
+        reasons = [
+            k for k, v in route_after.get("reasons", {}).items() if v > route_before.get("reasons", {}).get(k, 0)
+        ]
         predicted = None
         if after.get("predicted_requests", 0) > was.get("predicted_requests", 0):
             predicted = after["predicted_cached_tokens"] - was.get("predicted_cached_tokens", 0)
@@ -141,6 +150,7 @@ class Front:
             cached_tokens=None if details is None else details.cached_tokens,
             predicted=predicted,
             content=content,
+            reason=",".join(reasons) or None,
         )
         self.log.append(obs)
         return obs
@@ -196,6 +206,7 @@ def summary(observations: Sequence[Observation]) -> str:
     bad = [o for o in observations if not o.agrees]
     lines = [f"{len(observations) - len(bad)}/{len(observations)} predictions equal vLLM's cached_tokens"]
     lines += [
-        f"  {o.id} on {o.replica}: predicted {o.predicted}, vLLM {o.cached_tokens} of {o.prompt_tokens}" for o in bad
+        f"  {o.id} on {o.replica} ({o.reason}): predicted {o.predicted}, vLLM {o.cached_tokens} of {o.prompt_tokens}"
+        for o in bad
     ]
     return "\n".join(lines)

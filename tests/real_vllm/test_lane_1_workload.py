@@ -13,25 +13,27 @@ import pytest
 from tests.real_vllm import workload
 from tests.real_vllm.lane import Front, summary
 
-pytestmark = pytest.mark.real_vllm
-SCALE = 6  # 6 copies of the conversation set with new seeds: 104 requests
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]  # replica starts take minutes
+SCALE = 6  # 6 copies of the conversation set with new seeds: 110 requests
 
 
 def test_predictions_equal_vllm_on_the_mixed_workload(real_front: Front) -> None:
     conversations = workload.conversations(SCALE)
     pending = [(c, c.turns()) for c in conversations]
     observed = []
+    turn = 0
     while pending:
         still = []
         for conv, turns in pending:
             body = next(turns, None)
             if body is None:
                 continue
-            obs = real_front.send(f"{conv.name}-t{len(observed)}", "chat", body)
+            obs = real_front.send(f"{conv.name}-t{turn}", "chat", body)
             conv.answer(obs.content)
             observed.append(obs)
             still.append((conv, turns))
         pending = still
+        turn += 1
     for i, body in enumerate(workload.tool_call_turns()):
         observed.append(real_front.send(f"toolcall-t{i}", "chat", body))
     for i, body in enumerate(workload.completions(SCALE)):

@@ -16,7 +16,7 @@ from tests.real_vllm import workload
 from tests.real_vllm.conftest import FLEET_BLOCKS
 from tests.real_vllm.lane import Front, Observation
 
-pytestmark = pytest.mark.real_vllm
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]  # replica starts take minutes
 BLOCK = 128
 
 
@@ -68,7 +68,6 @@ def test_after_evictions_in_a_small_cache_the_prediction_is_what_vllm_reports(re
             i += 1
     real_front.settle_events(where)
     after = real_front.send("evict-after", "chat", body)
-    assert after.replica == where or after.predicted == after.cached_tokens
     assert after.cached_tokens is not None and after.cached_tokens < BLOCK * 4, "the flood evicted the prompt"
     assert after.predicted == after.cached_tokens, (
         f"after evictions: predicted {after.predicted}, vLLM {after.cached_tokens} on {after.replica}"

@@ -139,7 +139,8 @@ def conversations(scale: int = 1) -> list[Conversation]:
             Conversation(
                 f"tools-{s}", text(1500, 12 + k), [text(30, 13 + k), text(45, 14 + k)], tools=TOOLS, stream=True
             ),
-            Conversation(f"long-{s}", text(3000, 15 + k), [text(200, 16 + k), text(35, 17 + k)]),
+            # the third turn passes 4,096 tokens: the default route's exact token window
+            Conversation(f"long-{s}", text(3000, 15 + k), [text(200, 16 + k), text(35, 17 + k), text(700, 18 + k)]),
         ]
     return out
 
