@@ -33,11 +33,12 @@ from pathlib import Path
 
 VLLM_VERSION = "0.32.0"
 SERVED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+LORA_NAME = "lane-lora"  # the random adapter the recorder serves beside the base model
 MAX_MODEL_LEN = 8192
 # PyPI's torchvision/torchaudio/torchcodec come along as CUDA builds and break transformers'
 # imports beside the CPU torch (NOTES §8); a text model needs none of them.
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-MODEL_FORMAT = 2  # bump when model_builder.py changes what it writes: a stale model is rebuilt
+MODEL_FORMAT = 3  # bump when model_builder.py changes what it writes: a stale model is rebuilt
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
@@ -373,6 +374,10 @@ class Engine:
     def prepare(cls, log: Path | None = None) -> Engine:
         python = ensure_venv(log)
         return cls(python, ensure_model(python))
+
+    def lora_args(self, name: str = LORA_NAME) -> list[str]:
+        """Serve the model's random LoRA adapter as ``name`` too (the recorder's LoRA requests)."""
+        return ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{name}={self.model / 'lora'}"]
 
     def replica(self, index: int, extra_args: Sequence[str] = (), extra_env: dict[str, str] | None = None) -> Replica:
         cores = os.cpu_count() or 1

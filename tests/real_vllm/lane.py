@@ -24,7 +24,7 @@ from openai import OpenAI
 from gateway.config import parse_config
 from gateway.http.server import RunningGateway, serve_in_thread
 from tests.polling import wait_for
-from tests.real_vllm.engine import Replica
+from tests.real_vllm.engine import SERVED_MODEL, Replica
 from tests.sdk import openai_client
 
 ADMIN_KEY = "real-lane-admin-key"
@@ -42,6 +42,7 @@ class Observation:
     predicted: int | None
     content: str
     reason: str | None = None  # the routing decision's reason (ring, affinity, load...), from the stats
+    seen_prompt_tokens: int | None = None  # prompt tokens the gateway read from the reply's usage
 
     @property
     def agrees(self) -> bool:
@@ -102,6 +103,23 @@ class Front:
 
         wait_for(quiet_now, timeout, 0.05, f"the KV events of {name} to settle")
 
+    def kv_row(self, name: str) -> dict[str, Any] | None:
+        """The gateway's KV-event view of ``name`` (mode, counts), for failure messages."""
+        row = (self.stats().get("kv_events") or {}).get("replicas", {}).get(name)
+        keep = ("mode", "reason", "messages", "events", "clears", "restarts", "gaps", "indexed_blocks")
+        return {k: row.get(k) for k in keep} if isinstance(row, dict) else None
+
+    def poke(self, name: str) -> None:
+        """One tiny request straight to the replica (no full block: it stores nothing).
+
+        vLLM 0.32 publishes KV events once per scheduler step, and an idle engine takes none: a
+        reset or a restart is announced (AllBlocksCleared, a sequence back at 0) with the next step
+        it runs. A fleet serving traffic runs steps all the time; the tests' idle one is poked.
+        """
+        body = {"model": SERVED_MODEL, "prompt": "ok", "max_tokens": 1}
+        r = httpx.post(self.replicas[name].url + "/v1/completions", json=body, timeout=120)
+        r.raise_for_status()
+
     def wait_scraped(self, timeout: float = 60.0) -> None:
         """Until every replica's /metrics was read once (block size known): what auto alignment needs."""
 
@@ -151,6 +169,7 @@ class Front:
             predicted=predicted,
             content=content,
             reason=",".join(reasons) or None,
+            seen_prompt_tokens=after.get("prompt_tokens", 0) - was.get("prompt_tokens", 0),
         )
         self.log.append(obs)
         return obs
@@ -207,6 +226,7 @@ def summary(observations: Sequence[Observation]) -> str:
     lines = [f"{len(observations) - len(bad)}/{len(observations)} predictions equal vLLM's cached_tokens"]
     lines += [
         f"  {o.id} on {o.replica} ({o.reason}): predicted {o.predicted}, vLLM {o.cached_tokens} of {o.prompt_tokens}"
+        + ("" if o.seen_prompt_tokens == o.prompt_tokens else f" (the gateway read {o.seen_prompt_tokens})")
         for o in bad
     ]
     return "\n".join(lines)

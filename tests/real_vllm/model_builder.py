@@ -98,6 +98,43 @@ def build_weights(out: Path) -> None:
     GenerationConfig(bos_token_id=128000, eos_token_id=[128001, 128008, 128009]).save_pretrained(str(out))
 
 
+LORA_RANK = 8
+
+
+def build_lora(out: Path) -> None:
+    """A random LoRA adapter (PEFT layout) on q_proj/v_proj: vLLM serves it as a second model id.
+
+    Its requests are cached apart from the base model's (the adapter's name is in each block's
+    extra keys): what the recording's ``lora-*`` requests and their ``BlockStored`` events show.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(1)
+    hidden, heads = MODEL_CONFIG["hidden_size"], MODEL_CONFIG["num_key_value_heads"]
+    tensors = {}
+    for layer in range(MODEL_CONFIG["num_hidden_layers"]):
+        for proj, width in (("q_proj", hidden), ("v_proj", heads * MODEL_CONFIG["head_dim"])):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(LORA_RANK, hidden) * 0.01).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(width, LORA_RANK) * 0.01).to(torch.bfloat16)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": LORA_RANK,
+        "lora_alpha": 2 * LORA_RANK,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ["q_proj", "v_proj"],
+        "base_model_name_or_path": "meta-llama/Llama-3.1-8B-Instruct",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
 def main(argv: list[str]) -> int:
     out, tiktoken_file, specials_file, template_file = (Path(a) for a in argv[:4])
     out.mkdir(parents=True, exist_ok=True)
@@ -106,6 +143,7 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"expected 256 special tokens, got {len(names)}")
     build_tokenizer(out, tiktoken_file, names, template_file.read_text())
     build_weights(out)
+    build_lora(out / "lora")
     print(json.dumps({"model_dir": str(out), "specials": names}))
     return 0
 

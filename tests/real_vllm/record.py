@@ -149,7 +149,7 @@ class Recorder:
             record["response"] = _json_or_text(r.text)
             record["sse"] = None
         self.events.settle()
-        if record["status"] == 200 and body.get("model") == workload.MODEL:
+        if record["status"] == 200 and body.get("model") in (workload.MODEL, engine.LORA_NAME):
             record["prompt_token_ids"] = self.tokenize(endpoint, body)
         self.records.append(record)
         print(rid, record["status"], _usage_line(record), file=sys.stderr, flush=True)
@@ -231,7 +231,7 @@ def record(final: Path, bytes_hashes: bool = True) -> None:
     if (final / "README.md").exists():
         shutil.copy(final / "README.md", out / "README.md")
     eng = engine.Engine.prepare(engine.home() / "install.log")
-    extra = ["--num-gpu-blocks-override", str(SMALL_CACHE_BLOCKS)]
+    extra = ["--num-gpu-blocks-override", str(SMALL_CACHE_BLOCKS), *eng.lora_args()]
     replica = eng.replica(0, extra)
     eng.start([replica])
     try:
@@ -240,6 +240,15 @@ def record(final: Path, bytes_hashes: bool = True) -> None:
         (out / "models.json").write_text(json.dumps(rec.get("/v1/models").json(), indent=2) + "\n")
         (out / "kv_event_sources.json").write_text(json.dumps(rec.get("/kv_event_sources").json(), indent=2) + "\n")
         run_workload(rec)
+        # a LoRA adapter as the model: cached apart from the base model (lora_name in its events)
+        lora_body = {
+            "model": engine.LORA_NAME,
+            "messages": [{"role": "user", "content": workload.text(400, 60)}],
+            "max_tokens": 4,
+        }
+        rec.send("lora-a", "/v1/chat/completions", lora_body)
+        rec.send("lora-b", "/v1/chat/completions", lora_body)
+        rec.send("lora-as-base", "/v1/chat/completions", dict(lora_body, model=workload.MODEL))
         for rid, endpoint, body in workload.ERROR_CASES:
             rec.send(rid, endpoint, body)
         # reset: AllBlocksCleared, then the same prompt again is a full miss
@@ -270,6 +279,7 @@ def record(final: Path, bytes_hashes: bool = True) -> None:
         "env": {k: replica.env()[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_SERVER_DEV_MODE")},
         "block_size": _block_size(out / "metrics.txt"),
         "num_gpu_blocks_override": SMALL_CACHE_BLOCKS,
+        "lora": {"name": engine.LORA_NAME, "rank": 8, "target_modules": ["q_proj", "v_proj"], "weights": "random"},
         "model_config": json.loads((eng.model / "config.json").read_text()),
         "tokenizer": "quicktok llama3 ranks, Llama 3.1's 256 specials at 128000-128255, Llama 3.1 Instruct template",
         "replay_start_seq": first_seq,

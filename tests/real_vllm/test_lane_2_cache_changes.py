@@ -5,6 +5,11 @@ distinct prompts sent straight to a replica evicts what the gateway saw it store
 replicas hold 512 blocks of 128 tokens, conftest.py). The gateway is told neither by a response;
 only the engine's KV events (AllBlocksCleared, BlockRemoved) say so. After each, the same
 request again must be predicted exactly as vLLM then reports it.
+
+vLLM 0.32 publishes a reset's AllBlocksCleared with its *next* scheduler step, never while idle
+(recorded: tests/fixtures/real_vllm/README.md), so no gateway can know of a reset on an idle
+engine before the next request there runs; the test pokes each replica once (what other traffic
+does on a busy fleet) and then asks for the next prediction.
 """
 
 from __future__ import annotations
@@ -44,13 +49,16 @@ def warm(front: Front, rid: str, body: dict) -> Observation:
 def test_after_reset_prefix_cache_the_prediction_is_what_vllm_reports(real_front: Front) -> None:
     body = chat(7001)
     where = warm(real_front, "reset", body).replica
-    for replica in real_front.replicas.values():
+    for name, replica in real_front.replicas.items():
         r = httpx.post(replica.url + "/reset_prefix_cache", timeout=30)
         assert r.status_code == 200, r.text
+        real_front.poke(name)
     real_front.settle_events(where)
     after = real_front.send("reset-after", "chat", body)
     assert after.cached_tokens == 0, "vLLM recomputes everything after a reset"
-    assert after.predicted == after.cached_tokens, f"after a reset: predicted {after.predicted}, vLLM 0"
+    assert after.predicted == after.cached_tokens, (
+        f"after a reset: predicted {after.predicted}, vLLM 0 on {after.replica}; events: {real_front.kv_row(where)}"
+    )
 
 
 def test_after_evictions_in_a_small_cache_the_prediction_is_what_vllm_reports(real_front: Front) -> None:
@@ -70,5 +78,6 @@ def test_after_evictions_in_a_small_cache_the_prediction_is_what_vllm_reports(re
     after = real_front.send("evict-after", "chat", body)
     assert after.cached_tokens is not None and after.cached_tokens < BLOCK * 4, "the flood evicted the prompt"
     assert after.predicted == after.cached_tokens, (
-        f"after evictions: predicted {after.predicted}, vLLM {after.cached_tokens} on {after.replica}"
+        f"after evictions: predicted {after.predicted}, vLLM {after.cached_tokens} on {after.replica}; "
+        f"events: {real_front.kv_row(where)}"
     )
