@@ -33,9 +33,18 @@ ROWS = recorded()
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
+def base_models() -> dict[str, str]:
+    """Served id -> the model it tokenizes as: a LoRA adapter's ``parent`` in /v1/models (the contract's base)."""
+    data = json.loads((FIXTURES / "models.json").read_text())["data"]
+    return {m["id"]: m.get("parent") or m["id"] for m in data}
+
+
+BASE = base_models()
+
+
 def gateway_ids(windows: ModelWindows, row: dict[str, Any]) -> list[int]:
     body = row["request"]
-    tokens = windows.for_model(body["model"])
+    tokens = windows.for_model(BASE.get(body["model"], body["model"]))
     if ENDPOINTS[row["endpoint"]] == "chat":
         return list(tokens.chat(body["messages"], body.get("tools")))
     return list(tokens.text(body["prompt"]))
@@ -60,6 +69,8 @@ def test_the_recording_covers_the_lane_workload() -> None:
     assert any(m.get("tool_calls") for r in ROWS for m in r["request"].get("messages", []) if isinstance(m, dict)), (
         "a tool call in the history"
     )
+    assert any(BASE.get(r["request"]["model"]) != r["request"]["model"] for r in ROWS), "a LoRA adapter as model"
+    assert any(r["request"].get("cache_salt") for r in ROWS), "cache_salt"
     assert len(ROWS) >= 25
 
 
@@ -87,7 +98,8 @@ def test_gateway_tokens_equal_the_engines(row: dict[str, Any]) -> None:
 def test_default_route_window_is_the_engines_leading_tokens(row: dict[str, Any]) -> None:
     """What a default route really hashes (its bounded window) is the head of the engine's ids."""
     pipeline = PrefixPipeline(NormalizeSettings(), PrefixSettings())
-    window = list(pipeline.window_tokens(ENDPOINTS[row["endpoint"]], row["request"]))
+    body = dict(row["request"], model=BASE.get(row["request"]["model"], row["request"]["model"]))
+    window = list(pipeline.window_tokens(ENDPOINTS[row["endpoint"]], body))
     theirs = row["prompt_token_ids"]
     assert len(window) == min(len(theirs), PrefixSettings().window_tokens)
     assert window == theirs[: len(window)]
