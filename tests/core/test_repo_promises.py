@@ -33,6 +33,7 @@ def test_readme_has_both_commands_and_ci_runs_the_test_command() -> None:
     assert "set -euo pipefail" in ci_lines
 
 
+@pytest.mark.slow  # a pytest subprocess collecting tests/real_vllm: seconds
 def test_the_default_run_deselects_the_real_engine_lane() -> None:
     """``python3 -m pytest -q`` never starts an engine: tests/real_vllm's marked tests are deselected."""
     done = subprocess.run(
