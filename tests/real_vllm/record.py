@@ -275,7 +275,9 @@ def record(final: Path, bytes_hashes: bool = True) -> None:
         "vllm_version": info.get("version"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "served_model_name": engine.SERVED_MODEL,
-        "command": replica.command(Path("VENV/bin/python"), Path("MODEL_DIR")),
+        "command": [
+            a.replace(str(eng.model), "MODEL_DIR") for a in replica.command(Path("VENV/bin/python"), Path("MODEL_DIR"))
+        ],
         "env": {k: replica.env()[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_SERVER_DEV_MODE")},
         "block_size": _block_size(out / "metrics.txt"),
         "num_gpu_blocks_override": SMALL_CACHE_BLOCKS,
