@@ -49,7 +49,9 @@ def real_engine() -> engine.Engine:
 
 @pytest.fixture(scope="session")
 def real_replicas(real_engine: engine.Engine) -> Iterator[list[engine.Replica]]:
-    """Two replicas (one core each), started once for the whole run and stopped at its end."""
+    """Two replicas (one core each), started once for the whole run and stopped at its end
+    (also when the run is interrupted or sent SIGTERM: see ``engine.stop_on_sigterm``)."""
+    engine.stop_on_sigterm()
     replicas = [real_engine.replica(i, ["--num-gpu-blocks-override", str(FLEET_BLOCKS)]) for i in range(2)]
     real_engine.start(replicas)
     try:

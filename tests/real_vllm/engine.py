@@ -13,6 +13,7 @@ fixtures is ``python3 -m tests.real_vllm.record --record DIR``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import base64
 import contextlib
 import json
@@ -228,7 +229,23 @@ def free_port() -> int:
     raise EngineError(f"no free port in {PORT_RANGE}")
 
 
-@dataclass
+_RUNNING: set[Replica] = set()  # replicas this process started and has not stopped
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    """However the process ends normally (an interrupted test run included), no replica outlives it."""
+    for replica in list(_RUNNING):
+        replica.kill()
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C (a background job ignores SIGINT; CI timeouts send TERM):
+    fixtures' teardowns and the ``atexit`` net then stop the replicas instead of orphaning them."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+@dataclass(eq=False)
 class Replica:
     """One vLLM API server process (its own process group) on one core."""
 
@@ -320,6 +337,7 @@ class Replica:
             env=self.env(),
             start_new_session=True,
         )
+        _RUNNING.add(self)
         log.close()
 
     def ready(self) -> bool:
@@ -358,6 +376,7 @@ class Replica:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
         self.process = None
+        _RUNNING.discard(self)
 
     def kill(self) -> None:
         """SIGKILL the whole group at once: a crash, as the restart tests need."""
@@ -368,6 +387,7 @@ class Replica:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         self.process = None
+        _RUNNING.discard(self)
 
 
 @dataclass
@@ -467,8 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.num_gpu_blocks_override is None
             else ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
         )
-        # SIGTERM too (a background job ignores SIGINT): either ends the block, which stops the groups
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        stop_on_sigterm()  # either signal ends the block, which stops the groups
         signal.signal(signal.SIGINT, signal.default_int_handler)
         with contextlib.suppress(KeyboardInterrupt), running(args.n, extra) as replicas:
             for r in replicas:

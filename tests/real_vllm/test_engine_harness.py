@@ -118,3 +118,34 @@ def test_the_lane_runs_only_when_asked(
 
     monkeypatch.setenv("PREFIX_GATEWAY_REAL_VLLM", env)
     assert lane_requested(_Options(expression)) is selected  # type: ignore[arg-type]
+
+
+_SIGTERMED = """
+import subprocess, sys, time
+from pathlib import Path
+from tests.real_vllm import engine
+r = engine.Replica(0, 0, 1, 2, 3, Path(sys.argv[1]))
+r.process = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True)
+engine._RUNNING.add(r)
+engine.stop_on_sigterm()
+print(r.process.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_run_sent_sigterm_leaves_no_replica_running(tmp_path: Path) -> None:
+    """CI timeouts and `kill` send SIGTERM: the replicas' groups still go (atexit), not orphaned."""
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SIGTERMED, str(tmp_path / "log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.stdout is not None
+    pgid = int(proc.stdout.readline())
+    wait_for(lambda: _group_members(pgid) >= 3, 10, 0.02, "the child processes")
+    proc.terminate()
+    proc.wait(timeout=30)
+    wait_for(lambda: _group_members(pgid) == 0, 10, 0.02, "the group to be gone")
