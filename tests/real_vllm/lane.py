@@ -43,6 +43,7 @@ class Observation:
     content: str
     reason: str | None = None  # the routing decision's reason (ring, affinity, load...), from the stats
     seen_prompt_tokens: int | None = None  # prompt tokens the gateway read from the reply's usage
+    gateway_error: bool = False  # the gateway counted the request as an error (e.g. 499: the client left)
 
     @property
     def agrees(self) -> bool:
@@ -170,6 +171,7 @@ class Front:
             content=content,
             reason=",".join(reasons) or None,
             seen_prompt_tokens=after.get("prompt_tokens", 0) - was.get("prompt_tokens", 0),
+            gateway_error=after.get("errors", 0) > was.get("errors", 0),
         )
         self.log.append(obs)
         return obs
@@ -227,6 +229,7 @@ def summary(observations: Sequence[Observation]) -> str:
     lines += [
         f"  {o.id} on {o.replica} ({o.reason}): predicted {o.predicted}, vLLM {o.cached_tokens} of {o.prompt_tokens}"
         + ("" if o.seen_prompt_tokens == o.prompt_tokens else f" (the gateway read {o.seen_prompt_tokens})")
+        + (" (counted as an error by the gateway)" if o.gateway_error else "")
         for o in bad
     ]
     return "\n".join(lines)
