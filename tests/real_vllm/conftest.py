@@ -19,7 +19,7 @@ from tests.real_vllm.lane import Front, front
 
 MARK = "real_vllm"
 # The fleet's KV cache, per replica: 512 blocks x 128 tokens (64Ki tokens) holds the mixed
-# workload's conversations, and a flood of distinct prompts (test_real_cache_events.py) evicts.
+# workload's conversations, and a flood of distinct prompts (test_lane_2_cache_changes.py) evicts.
 FLEET_BLOCKS = 512
 
 
