@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TEST_COMMAND = "python3 -m pip install -e '.[dev]' && python3 -m pytest -q"
 BENCH_TEST_COMMAND = "python3 -m pip install -e '.[dev,bench]' && python3 -m pytest -q benchmarks/tests"
+REAL_LANE_COMMAND = "python3 -m tests.real_vllm.engine install && python3 -m pytest -q -m real_vllm tests/real_vllm"
 
 
 def test_readme_has_both_commands_and_ci_runs_the_test_command() -> None:
@@ -24,6 +26,26 @@ def test_readme_has_both_commands_and_ci_runs_the_test_command() -> None:
     assert BENCH_TEST_COMMAND in readme
     assert BENCH_TEST_COMMAND in ci_lines
     assert ci_lines.index(TEST_COMMAND) < ci_lines.index(BENCH_TEST_COMMAND)
+    # the real-engine lane: documented, run last, and (pipefail, &&) an install failure fails CI
+    assert REAL_LANE_COMMAND in readme
+    assert REAL_LANE_COMMAND in ci_lines
+    assert ci_lines.index(BENCH_TEST_COMMAND) < ci_lines.index(REAL_LANE_COMMAND)
+    assert "set -euo pipefail" in ci_lines
+
+
+@pytest.mark.slow  # a pytest subprocess collecting tests/real_vllm: seconds
+def test_the_default_run_deselects_the_real_engine_lane() -> None:
+    """``python3 -m pytest -q`` never starts an engine: tests/real_vllm's marked tests are deselected."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "tests/real_vllm"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k != "PREFIX_GATEWAY_REAL_VLLM"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "test_lane_" not in done.stdout and "deselected" in done.stdout, done.stdout
 
 
 def _dist_to_imports() -> dict[str, set[str]]:

@@ -1,0 +1,83 @@
+"""Real engine: the engine's cache changes behind the gateway's back, and the next prediction follows.
+
+``POST /reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1``) empties a replica's cache; a flood of
+distinct prompts sent straight to a replica evicts what the gateway saw it store (the fleet's
+replicas hold 512 blocks of 128 tokens, conftest.py). The gateway is told neither by a response;
+only the engine's KV events (AllBlocksCleared, BlockRemoved) say so. After each, the same
+request again must be predicted exactly as vLLM then reports it.
+
+vLLM 0.32 publishes a reset's AllBlocksCleared with its *next* scheduler step, never while idle
+(recorded: tests/fixtures/real_vllm/README.md), so no gateway can know of a reset on an idle
+engine before the next request there runs; the test pokes each replica once (what other traffic
+does on a busy fleet) and then asks for the next prediction.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.real_vllm import workload
+from tests.real_vllm.conftest import FLEET_BLOCKS
+from tests.real_vllm.lane import Front, Observation
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]  # replica starts take minutes
+BLOCK = 128
+
+
+def chat(seed: int, words: int = 1500) -> dict:
+    return {
+        "model": workload.MODEL,
+        "messages": [
+            {"role": "system", "content": workload.text(words, seed)},
+            {"role": "user", "content": workload.text(40, seed + 1)},
+        ],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+
+
+def warm(front: Front, rid: str, body: dict) -> Observation:
+    """Send twice: the second is a hit the gateway predicted (or the test says so)."""
+    front.send(rid + "-first", "chat", body)
+    again = front.send(rid + "-again", "chat", body)
+    assert again.cached_tokens and again.cached_tokens >= BLOCK, "vLLM cached the prompt"
+    assert again.agrees, f"a plain repeat: predicted {again.predicted}, vLLM {again.cached_tokens}"
+    return again
+
+
+def test_after_reset_prefix_cache_the_prediction_is_what_vllm_reports(real_front: Front) -> None:
+    body = chat(7001)
+    where = warm(real_front, "reset", body).replica
+    for name, replica in real_front.replicas.items():
+        r = httpx.post(replica.url + "/reset_prefix_cache", timeout=30)
+        assert r.status_code == 200, r.text
+        real_front.poke(name)
+    real_front.settle_events(where)
+    after = real_front.send("reset-after", "chat", body)
+    assert after.cached_tokens == 0, "vLLM recomputes everything after a reset"
+    assert after.predicted == after.cached_tokens, (
+        f"after a reset: predicted {after.predicted}, vLLM 0 on {after.replica}; events: {real_front.kv_row(where)}"
+    )
+
+
+def test_after_evictions_in_a_small_cache_the_prediction_is_what_vllm_reports(real_front: Front) -> None:
+    body = chat(7101)
+    where = warm(real_front, "evict", body).replica
+    replica = real_front.replicas[where]
+    # distinct prompts straight to that replica, more tokens than its whole cache holds
+    flood_tokens, i = 0, 0
+    with httpx.Client(base_url=replica.url, timeout=300) as direct:
+        while flood_tokens < FLEET_BLOCKS * BLOCK * 1.15:
+            prompt = workload.text(5500, 7200 + i)
+            r = direct.post("/v1/completions", json={"model": workload.MODEL, "prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            flood_tokens += r.json()["usage"]["prompt_tokens"]
+            i += 1
+    real_front.settle_events(where)
+    after = real_front.send("evict-after", "chat", body)
+    assert after.cached_tokens is not None and after.cached_tokens < BLOCK * 4, "the flood evicted the prompt"
+    assert after.predicted == after.cached_tokens, (
+        f"after evictions: predicted {after.predicted}, vLLM {after.cached_tokens} on {after.replica}; "
+        f"events: {real_front.kv_row(where)}"
+    )
