@@ -146,6 +146,7 @@ class Exchange:
         self.t_upstream = 0.0
         self.added = 0.0
         self._watcher: asyncio.Task[None] | None = None
+        self._relay: StreamRelay | None = None  # a stream being relayed (see _client_went_away)
         self.ticket: Ticket | None = None  # a per-key concurrency slot (gateway.limits)
         self.slot: Slot | None = None  # a place among server.max_concurrency (gateway.http.capacity)
         self.reservation: BodyReservation | None = None  # body bytes against server.max_buffered_body_bytes
@@ -187,6 +188,18 @@ class Exchange:
             self._finish()
 
     def _client_went_away(self) -> None:
+        relay = self._relay
+        if relay is not None:
+            self.usage = relay.usage  # what the client was sent, counted either way
+            if relay.ended:
+                # The official SDKs stop reading at ``[DONE]`` and close: the answer was whole,
+                # so the request completed (its usage and prediction count, its replica served).
+                self.done = True
+                if self.response is not None:
+                    self.response.abort()
+                if self.replica is not None:
+                    self.replica.report_ok()
+                return
         self.outcome.status = 499
         self.outcome.error_kind = "client_disconnect"
         if self.response is not None:
@@ -482,7 +495,7 @@ class Exchange:
         return error_bytes(status, f"replica {name!r} answered HTTP {status} (request id {rid})")
 
     async def _relay_stream(self, response: UpstreamResponse, strip: bool) -> None:
-        relay = StreamRelay(strip)
+        relay = self._relay = StreamRelay(strip)
         send = self.send
         content_type = (response.content_type or "text/event-stream").encode("latin-1")
         self.outcome.status = 200

@@ -89,11 +89,12 @@ class StreamRelay:
     arrives (the client could not use half an event anyway).
     """
 
-    __slots__ = ("_pending", "_sep", "strip", "usage")
+    __slots__ = ("_pending", "_sep", "ended", "strip", "usage")
 
     def __init__(self, strip_usage: bool) -> None:
         self.strip = strip_usage
         self.usage: Usage | None = None
+        self.ended = False  # the stream's ``data: [DONE]`` went through: the client has the whole answer
         self._pending = b""
         self._sep: bytes | None = None
 
@@ -117,6 +118,8 @@ class StreamRelay:
     def feed(self, data: bytes) -> bytes:
         """Bytes to send to the client now."""
         complete = self._complete_events(data)
+        if complete and b"[DONE]" in complete and self._ends(complete):
+            self.ended = True
         if not self.strip:
             if complete and b'"usage"' in complete:
                 self._sniff(complete)
@@ -135,6 +138,11 @@ class StreamRelay:
             out.append(event)
             out.append(sep)
         return b"".join(out)
+
+    def _ends(self, complete: bytes) -> bool:
+        """``complete`` holds the terminating event itself (not ``[DONE]`` inside a content string)."""
+        sep = self._sep or b"\n\n"
+        return any(event.strip() == b"data: [DONE]" for event in complete.split(sep))
 
     def finish(self) -> bytes:
         """Whatever is left at the end of the stream (an unterminated last event)."""

@@ -4,6 +4,9 @@ Its behaviour is picked by the request's ``model`` (chat) so one server covers e
 
 - ``redirect``: a bare ``307`` with a ``Location`` and an empty body (a misconfigured replica)
 - ``crlf-stream``: an SSE stream with CRLF line endings whose first chunk ends in ``\\r``
+- ``linger-after-done``: an SSE stream (a chunk, a usage chunk with ``cached_tokens``, ``[DONE]``)
+  whose connection stays open ``sleep_s`` seconds after ``[DONE]`` (a client that stops at
+  ``[DONE]``, as the official SDKs do, closes first)
 - ``slow``: the echo, after ``sleep_s`` seconds (default 1; holds a request in flight)
 - anything else: an echo of the body and headers it received (like ``tests/gateway/gw_echo``)
 
@@ -88,6 +91,19 @@ def make_app(api_key: str | None, max_model_len: int, seen: list[dict[str, Any]]
             await send({"type": "http.response.body", "body": wire[:cut], "more_body": True})
             await asyncio.sleep(0.05)  # two TCP reads at the gateway, not one
             await send({"type": "http.response.body", "body": rest, "more_body": False})
+            return
+        if model == "linger-after-done":
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+            )
+            base = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": model}
+            first = {**base, "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
+            counts = {"prompt_tokens": 300, "completion_tokens": 1, "total_tokens": 301}
+            usage = {**base, "choices": [], "usage": {**counts, "prompt_tokens_details": {"cached_tokens": 256}}}
+            wire = b"".join(b"data: " + json.dumps(event).encode() + b"\n\n" for event in (first, usage))
+            await send({"type": "http.response.body", "body": wire + b"data: [DONE]\n\n", "more_body": True})
+            await asyncio.sleep(float(body.get("sleep_s", 2.0)))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         payload = {
             "id": "echo",

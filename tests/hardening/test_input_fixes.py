@@ -14,6 +14,7 @@ from gateway.http.server import RunningGateway, serve_in_thread
 from gateway.proxy.usage import StreamRelay
 from tests.configs import gateway_config
 from tests.hardening.hostile_upstream import MODEL, run_upstream
+from tests.polling import wait_for
 
 PREFIX_ROUTE = [{"name": "main", "policy": "prefix"}]
 
@@ -204,6 +205,37 @@ def test_crlf_stream_split_after_cr_is_framed_and_stripped(gw: RunningGateway) -
     assert events[-1] == b"data: [DONE]"
     payloads = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
     assert len(payloads) == 1 and "usage" not in payloads[0]  # the injected usage chunk and null are gone
+
+
+def test_a_stream_the_client_closes_after_done_is_complete_with_its_usage(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """The official SDK stops reading at ``[DONE]`` and closes, often before the replica ends its
+    stream: the request completed (200, its usage counted), it is no client disconnect (499)."""
+    with serve_in_thread(gateway_config([upstream[0]], routes=PREFIX_ROUTE)) as gw:
+        _stream_and_close(gw)
+
+
+def _stream_and_close(gw: RunningGateway) -> None:
+    client = OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(
+        model="linger-after-done",
+        messages=[{"role": "user", "content": "x"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)  # the SDK returns at [DONE] and closes the response
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details.cached_tokens == 256
+
+    def counted() -> str | None:
+        text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+        line = next((x for x in text.splitlines() if x.startswith("prefix_gateway_cached_tokens_total{")), None)
+        return line
+
+    wait_for(lambda: counted() is not None, 10, what="the stream's outcome")
+    metrics = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    assert float(counted().rsplit(" ", 1)[1]) >= 256  # type: ignore[union-attr]
+    assert 'status_class="4xx"' not in metrics  # not a 499
 
 
 def test_relay_detects_separator_from_a_complete_event() -> None:
