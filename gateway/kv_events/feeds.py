@@ -49,6 +49,9 @@ class Feed:
     restarts: int = 0
     disconnects: int = 0  # the publisher's connection dropped (its engine ended): entries cleared
     clears: int = 0  # entries dropped: AllBlocksCleared, restarts, unreplayed gaps
+    #: monotonic time the feed last began a new engine's stream (its publisher disconnected, or its
+    #: sequence went back): what it learned since is the new engine's (see KvEvents.notice_restarts)
+    fresh_since: float | None = None
 
     def check(self, rank: int, seq: int) -> str:
         """The verdict on ``seq`` for ``rank`` (one of :data:`VERDICTS`); nothing changes."""

@@ -61,6 +61,7 @@ class Ingestor:
             self._clear(feed)
         elif verdict == "restart":
             feed.restarts += 1
+            feed.fresh_since = time.monotonic()  # real time: compared with scrape times
             self._clear(feed)
         self._apply(feed, dp_rank, seq, events, now)
         return verdict

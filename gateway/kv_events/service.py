@@ -119,6 +119,11 @@ class KvEvents:
             if restarts > seen:
                 self._restarts_seen[name] = restarts
                 feed = self.ingestor.feeds.get(name)
+                after = getattr(replica, "reset_after", None)
+                if feed is not None and feed.fresh_since is not None and after is not None and feed.fresh_since > after:
+                    # the feed saw this restart itself (its publisher went away, or its sequence
+                    # went back) and cleared then: what it holds now is the new engine's
+                    continue
                 if feed is not None:
                     feed.restarts += 1
                     feed.clears += 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import zmq
@@ -137,6 +138,7 @@ class Subscription:
                 self._fresh_until = asyncio.get_running_loop().time() + self.settings.rediscover_s
                 feed.disconnects += 1
                 feed.clears += 1
+                feed.fresh_since = time.monotonic()
                 feed.last_seq.clear()  # a new engine numbers from 0: its stream starts afresh
                 self.ingestor.index.clear(self.name)
                 log.info("kv events: %s publisher disconnected; its entries are cleared", self.name)

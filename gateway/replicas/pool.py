@@ -212,6 +212,7 @@ class Replica:
         self._slow = False
         self._slow_skips = 0
         self.restarts_detected = dict.fromkeys(COLD_CAUSES, 0)
+        self.reset_after: float | None = None  # the last scrape before a counters reset (monotonic)
         self._down_listeners: dict[int, Callable[[], None]] = {}
         self._listener_seq = 0
 
@@ -253,6 +254,8 @@ class Replica:
     def set_engine(self, engine: EngineStats) -> None:
         """A fresh scrape of the engine's metrics."""
         reset = counters_went_back(self.engine, engine)
+        if reset and self.engine is not None:
+            self.reset_after = self.engine.scraped_at  # the restart happened after this scrape
         before = None if self.engine is None else self.engine.kv_cache_tokens
         if engine.block_size is not None and engine.block_size != self.block_size:
             # sticky: a scrape without vllm:cache_config_info (an engine restarting) keeps the last size

@@ -275,6 +275,27 @@ def test_a_restart_the_scrape_saw_clears_the_replica_before_it_publishes_again()
     assert events.ingestor.ingest("r0", 0, 0, []) == "first"  # the new engine's stream
 
 
+def test_a_restart_the_feed_saw_first_keeps_what_the_new_engine_published_since() -> None:
+    """The engine died (its publisher disconnected: cleared then), came back, published its first
+    blocks, and only then did a scrape see its counters back at zero: that late notice must not
+    clear what the new engine already said it holds (the real lane's restart test)."""
+    import time
+
+    replica = FakeReplica("r0", FakeClient(None))
+    replica.restarts_detected = {"counters_reset": 0, "rejoined": 0}  # type: ignore[attr-defined]
+    events = KvEvents(KvEventsSettings(), lambda: {"r0": replica})  # type: ignore[arg-type, return-value]
+    events.index.add("r0", MODEL)
+    events.notice_restarts({"r0": replica})  # type: ignore[dict-item]
+    replica.reset_after = time.monotonic()  # type: ignore[attr-defined]  # the last scrape of the old engine
+    events.ingestor.ingest("r0", 0, 7, [])
+    events.ingestor.ingest("r0", 0, 0, [])  # the new engine's stream: a restart the feed saw itself
+    a = _prompt(1)
+    events.ingestor.ingest("r0", 0, 1, _decoded(stored(a[1], a[0], BS)))
+    replica.restarts_detected["counters_reset"] = 1  # type: ignore[attr-defined]  # the scrape, later
+    events.notice_restarts({"r0": replica})  # type: ignore[dict-item]
+    assert events.index.blocks("r0") == 2 and events.ingestor.feeds["r0"].restarts == 1
+
+
 async def test_the_first_message_after_connecting_catches_up_from_the_replay_buffer(setup: Any) -> None:
     replicas, publishers, services = setup
     pub = TestPublisher(replay=True)
