@@ -3,7 +3,9 @@
 vLLM answers such a prompt with a 400 too, but only after the request crossed the network,
 queued on a replica and was tokenized there; under load that is seconds of somebody else's
 capacity.  Rejecting at the gateway is only allowed when it is *certain*: the gateway must
-never refuse what the replica would have served.  So the prompt's length here is a lower
+never refuse what the replica would have served.  (vLLM 0.32 serves a prompt that fits with
+``max_tokens`` over the room left, clamping the output: only ``max_tokens`` alone over
+``max_model_len`` is refused with it.)  So the prompt's length here is a lower
 bound on its tokens in the model's own tokenizer:
 
 - token-id prompts (``/v1/completions``, ``/v1/embeddings``): their length, exactly;
@@ -124,10 +126,11 @@ class ContextLimits:
                 f"{lower} tokens. Please reduce the length of the prompt.",
                 param="messages" if endpoint == "chat" else "prompt" if endpoint == "completions" else "input",
             )
-        if output and lower + output > limit:
+        # A prompt that fits with max_tokens over what is left is *served* by vLLM 0.32 (the output
+        # clamped to the room left); only max_tokens alone over the window is refused everywhere.
+        if output > limit:
             raise ContextLengthExceeded(
-                f"This model's maximum context length is {limit} tokens. However, you requested {output} "
-                f"output tokens and your prompt has at least {lower} tokens, for a total of at least "
-                f"{lower + output} tokens. Please reduce the length of the prompt or of max_tokens.",
+                f"max_tokens={output} cannot be greater than max_model_len={limit}. Please request fewer "
+                "output tokens.",
                 param="max_tokens",
             )

@@ -48,16 +48,19 @@ def test_prompts_that_cannot_fit_get_an_early_400() -> None:
         with pytest.raises(openai.BadRequestError) as too_long:
             _chat(client, "x" * (128 * 4096))
         with pytest.raises(openai.BadRequestError) as with_output:
-            _chat(client, "x" * (128 * 4000), max_tokens=200)
+            _chat(client, "x" * 100, max_tokens=5000)  # max_tokens alone over the window: vLLM refuses it too
         with pytest.raises(openai.BadRequestError) as ids:
             client.completions.create(model=MODEL, prompt=list(range(4096)))
         fits = _chat(client, "x" * (128 * 4000), max_tokens=10)
+        # prompt + max_tokens over the window, the prompt fitting: vLLM 0.32 serves it (output clamped)
+        clamped = _chat(client, "x" * (128 * 4000), max_tokens=200)
         forwarded = len([r for r in seen if r["path"].startswith("/v1/chat")]) - forwarded_before
     for error in (too_long, with_output, ids):
         assert error.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
     assert "4096" in str(too_long.value)
-    assert fits.choices[0].message.content == "echo"
-    assert forwarded == 1  # only the one that fits reached the replica
+    assert "max_tokens=5000 cannot be greater than max_model_len=4096" in str(with_output.value)
+    assert fits.choices[0].message.content == "echo" and clamped.choices[0].message.content == "echo"
+    assert forwarded == 2  # the two that vLLM would serve reached the replica
 
 
 def test_context_check_can_be_turned_off() -> None:
