@@ -57,6 +57,8 @@ class SimTokenizer:
         self._ordinary = enc.encode_ordinary
         self._decode = enc.decode
         self.specials = {t: enc.encode_single_token(t) for t in enc.special_tokens_set}
+        if name == "llama3":  # a Llama 3.1+ engine's tokenizer names three reserved slots (its tool tokens)
+            self.specials.update({"<|finetune_right_pad_id|>": 128004, "<|eom_id|>": 128008, "<|python_tag|>": 128010})
 
     def _load_hf(self, path: str) -> None:
         try:

@@ -149,6 +149,10 @@ class TiktokenTokenizer:
         return dict(self._encoding._special_tokens)
 
 
+#: Llama 3.1's names for Llama 3's reserved special tokens 2, 3 and 5 (the ids are the same)
+LLAMA31_SPECIALS = {"<|finetune_right_pad_id|>": 128004, "<|eom_id|>": 128008, "<|python_tag|>": 128010}
+
+
 class QuicktokTokenizer:
     """A quicktok encoding: tiktoken's ids (``encode_ordinary`` semantics), much faster.
 
@@ -163,6 +167,10 @@ class QuicktokTokenizer:
         self.name = encoding.name
         self._encode = encoding.encode_ordinary
         self._specials = {tok: encoding.encode_single_token(tok) for tok in encoding.special_tokens_set}
+        if self.name == "llama3":
+            # Llama 3.1+ (what ``auto`` maps here) names three of Llama 3's reserved slots; its
+            # template writes <|eom_id|> and <|python_tag|> and vLLM's tokenizer parses them in content
+            self._specials.update(LLAMA31_SPECIALS)
 
     def encode(self, text: str) -> list[int]:
         try:

@@ -189,6 +189,18 @@ def test_special_token_text_is_counted_as_the_engine_tokenizes_it(model: str, vo
     assert completion == engine.completion(PASTED)
 
 
+def test_llama31_tool_tokens_in_content_are_special_tokens() -> None:
+    """Llama 3.1's tokenizer names three of Llama 3's reserved slots (its template writes
+    ``<|eom_id|>`` and ``<|python_tag|>``; vLLM's ``llama3_json`` tool parser needs the latter):
+    typed in content they are single tokens for the engine, so for the gateway too."""
+    p = pipeline(block_size=16)
+    text = "a builtin call: <|python_tag|>search(q) then <|eom_id|> and <|finetune_right_pad_id|>"
+    window = list(p.tokens.for_model(LLAMA).chat([{"role": "user", "content": text}]))
+    assert {128010, 128008, 128004} <= set(window)
+    engine = PromptBuilder(SimTokenizer("llama3"), SimTokenizer("llama3").encode)
+    assert window == engine.chat([{"role": "user", "content": text}])
+
+
 def _recorded_usage(record: dict[str, Any]) -> dict[str, Any] | None:
     import json
 
