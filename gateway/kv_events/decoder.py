@@ -87,7 +87,7 @@ class Dropped(Exception):
 
 # Field order of the positional (array_like) layout, after the tag, as msgspec encodes the
 # classes' fields (trailing fields at their default are omitted).
-_STORED_FIELDS = (
+STORED_FIELDS = (
     "block_hashes",
     "parent_block_hash",
     "token_ids",
@@ -99,7 +99,7 @@ _STORED_FIELDS = (
     "group_idx",
     "kv_cache_spec_kind",
 )
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
 def unpack(payload: bytes) -> Any:
@@ -164,7 +164,7 @@ def decode_event(raw: Any) -> tuple[Event | None, str]:
         fields = raw
     elif isinstance(raw, list) and raw and isinstance(raw[0], str):
         tag = raw[0]
-        names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS if tag == "BlockRemoved" else ()
+        names = STORED_FIELDS if tag == "BlockStored" else REMOVED_FIELDS if tag == "BlockRemoved" else ()
         fields = dict(zip(names, raw[1:], strict=False))
     else:
         return None, "bad_event"

@@ -11,18 +11,9 @@ from typing import Any
 
 import msgpack
 
-STORED_ORDER = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-)
+from gateway.kv_events.decoder import STORED_FIELDS
+
+STORED_ORDER = STORED_FIELDS  # the positional layout, as the decoder reads it
 
 
 def stored(
