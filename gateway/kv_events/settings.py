@@ -85,10 +85,16 @@ class KvEventsSettings(BaseModel):
         description="how long a routing choice counts as held before the engine's events confirm it (a burst with "
         "a new prefix, a conversation's quick next turn); 0: only what the engine reported",
     )
+    project_evictions: bool = Field(
+        False,
+        description="experimental: discount each engine's held prefix by the blocks the prefill queued ahead of "
+        "the request there will evict first (its LRU order projected on the gateway's own choices); off by "
+        "default: on the policy benchmark it under-predicts and loses hit rate (benchmarks/README.md)",
+    )
     max_bytes: int = Field(
         128 * 1024 * 1024,
         ge=64 * 1024,
-        description="memory bound of the precise index, all replicas together (~400 bytes per indexed block); "
+        description="memory bound of the precise index, all replicas together (~500 bytes per indexed block); "
         "over it the replica with most entries forgets its oldest",
     )
     max_depth_tokens: int | None = Field(
