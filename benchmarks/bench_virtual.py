@@ -676,6 +676,38 @@ def relative_summary(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+PRECISE_ROWS = ("prefix_aligned", "precise", "precise_projected", "sglang_like", "oracle")
+
+
+def precise_medians(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's view of the ``--precise`` rows over the samples: each row's median hit rate
+    and prediction error, and the median over samples of each precise row's hit rate minus
+    the approximate row's and the SGLang row's (paired: the same sample)."""
+    rows = [row for row in PRECISE_ROWS if all(row in cells for cells in per_seed)]
+    out: dict[str, Any] = {"rows": {}, "paired": {}}
+    for row in rows:
+        errors = [cells[row].get("prediction_error") for cells in per_seed]
+        out["rows"][row] = {
+            "hit_rate": statistics.median(cells[row]["hit_rate"] for cells in per_seed),
+            "prediction_error": statistics.median(errors) if None not in errors else None,
+        }
+    for row in ("precise", "precise_projected"):
+        for peer in ("prefix_aligned", "sglang_like"):
+            if row in rows and peer in rows:
+                diffs = [cells[row]["hit_rate"] - cells[peer]["hit_rate"] for cells in per_seed]
+                out["paired"][f"{row}-{peer}"] = statistics.median(diffs)
+    return out
+
+
+def print_precise_medians(wname: str, level: str, medians: dict[str, Any]) -> None:
+    print(f"{wname} @ {level}: medians over samples (hit %, pred err %; paired: median of differences, points)")
+    for row, cell in medians["rows"].items():
+        error = "-" if cell["prediction_error"] is None else f"{100 * cell['prediction_error']:.2f}"
+        print(f"  {row:<22} {100 * cell['hit_rate']:6.2f} {error:>6}")
+    for pair, diff in medians["paired"].items():
+        print(f"  {pair:<38} {100 * diff:+6.2f}")
+
+
 def print_summary(wname: str, level: str, summary: dict[str, Any]) -> None:
     print(f"\n{wname} @ {level}: mean over seeds [min, max]")
     heads = ("p50 x prefix", "p90 x prefix", "p90 x oracle", "alone90 x orc")
@@ -807,9 +839,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print_table(f"{wname} (seed {seed})", level, cells)
             summary = relative_summary(per_seed)
             ensemble = ensemble_summary(per_seed)
+            medians = precise_medians(per_seed) if args.precise else {}
             results["workloads"][wname][level] = {"seeds": per_seed, "summary": summary, "ensemble": ensemble}
+            if medians:
+                results["workloads"][wname][level]["precise_medians"] = medians
             if args.seeds > 1:
                 print_summary(wname, level, summary)
+                if medians:
+                    print_precise_medians(wname, level, medians)
             if ensemble:
                 print_ensemble(wname, level, ensemble, args.seeds)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,9 @@ from gateway.prefix.blocks import chain_block_keys, engine_seed
 # Bytes one indexed (replica, engine hash) pair costs at most: the engine map's entry (dict
 # slot, the hash int, a 3-item list, our key int), the replica's key refcount entry and its
 # share of the holders dict, just after a resize.  tracemalloc: tests/kv_events/test_index.py.
-ENTRY_BYTES = 500  # 400 before the projection's per-key stamp (a dict slot and an int, ~100)
+ENTRY_BYTES = 400
+# ... and with the LRU clock (track_lru, for the projection): each key's stamp, a dict slot and an int
+LRU_BYTES = 100
 _FIXED_BYTES = 2048  # per replica: its dicts and sets, empty
 
 _KEY, _DEPTH, _COPIES = 0, 1, 2
@@ -81,6 +83,9 @@ class PreciseIndex:
         self._entries = 0
         self.generation = 0  # moves whenever a slot is given or taken: masks from mask_of() expire
         self.evicted = 0
+        # Keep the LRU clock's stamps (the projection, kv_events.project_evictions): set by the
+        # router that projects; off, stores cost no stamp
+        self.track_lru = False
         self.skipped: dict[str, int] = dict.fromkeys(SKIP_REASONS, 0)
         # hears (replica, our keys) of every BlockStored indexed: the router's speculative
         # choices end when the engine confirms them
@@ -155,7 +160,7 @@ class PreciseIndex:
                 self._remove(replica, event)
             elif isinstance(event, AllBlocksCleared):
                 self.clear(name)
-        if self._entries * ENTRY_BYTES + _FIXED_BYTES * len(self._replicas) > self.max_bytes:
+        if self._entries * self.entry_bytes() + _FIXED_BYTES * len(self._replicas) > self.max_bytes:
             self._evict()
 
     def _skip(self, reason: str, count: int = 1) -> None:
@@ -205,11 +210,12 @@ class PreciseIndex:
             self.on_stored(self._names[replica.slot], keys)
         engine, refs, holders, stamp = replica.engine, replica.refs, self._holders, replica.stamp
         bit = 1 << replica.slot
-        now = replica.clock
+        now, track = replica.clock, self.track_lru
         for i in range(take):
             block = hashes[i]
             key = keys[i]
-            stamp[key] = now  # computed (again): at the back of the free queue once freed
+            if track:
+                stamp[key] = now  # computed (again): at the back of the free queue once freed
             entry = engine.get(block)
             if entry is not None:
                 entry[_COPIES] += 1
@@ -274,7 +280,7 @@ class PreciseIndex:
 
     def _evict(self) -> None:
         """Over the byte bound: the biggest replica loses its oldest entries (see module doc)."""
-        budget = (self.max_bytes - _FIXED_BYTES * len(self._replicas)) // ENTRY_BYTES
+        budget = (self.max_bytes - _FIXED_BYTES * len(self._replicas)) // self.entry_bytes()
         target = max(0, budget - max(1, budget // 64))  # a little room, so eviction runs in batches
         while self._entries > target:
             replica = max(self._replicas.values(), key=lambda r: len(r.engine))
@@ -413,8 +419,12 @@ class PreciseIndex:
         return replica is not None and bool(self._holders.get(key, 0) >> replica.slot & 1)
 
     def memory_bytes(self) -> int:
-        """The bytes the bound counts (what :data:`ENTRY_BYTES` budgets)."""
-        return self._entries * ENTRY_BYTES + _FIXED_BYTES * len(self._replicas)
+        """The bytes the bound counts (what :meth:`entry_bytes` budgets)."""
+        return self._entries * self.entry_bytes() + _FIXED_BYTES * len(self._replicas)
+
+    def entry_bytes(self) -> int:
+        """Bytes budgeted per indexed block: :data:`ENTRY_BYTES`, plus :data:`LRU_BYTES` with the clock."""
+        return ENTRY_BYTES + (LRU_BYTES if self.track_lru else 0)
 
 
 def _plain_blocks(event: BlockStored) -> int:

@@ -241,6 +241,7 @@ class PreciseRouting:
         self.clock = clock
         self.enabled = enabled
         self.project = project  # discount by the queued work's evictions (experimental, see _projected)
+        self.index.track_lru = project or self.index.track_lru
         self.speculative = Speculative(speculative_s, clock)
         self.pinned = Pinned(_PINNED_TTL_S, clock)
         self._expected: tuple[RequestView | None, dict[str, int]] = (None, {})  # the last match's projection

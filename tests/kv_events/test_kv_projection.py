@@ -17,6 +17,7 @@ from tests.kv_events.test_kv_policy import NAMES, _engine_holds, _request, _setu
 def _stored_index(chains: int, blocks: int) -> tuple[PreciseIndex, list[list[int]], list[list[int]]]:
     """``r0`` stores ``chains`` prompts of ``blocks`` blocks one after the other (oldest first)."""
     index = PreciseIndex(1 << 24)
+    index.track_lru = True  # as PreciseRouting sets it with kv_events.project_evictions
     index.add("r0", MODEL)
     keys, hashes = [], []
     for c in range(chains):
