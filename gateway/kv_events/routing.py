@@ -168,23 +168,31 @@ class Pinned:
         self.ttl_s = ttl_s
         self.clock = clock
         self._keys: dict[str, dict[int, int]] = {}  # replica -> key -> requests pinning it
-        self._queue: deque[tuple[float, str, tuple[int, ...]]] = deque()  # (expiry, replica, keys)
-        self._live: dict[tuple[str, tuple[int, ...]], int] = {}  # (replica, keys) -> requests
+        self._queue: deque[tuple[float, str, list[int]]] = deque()  # (expiry, replica, its kept keys)
+        self._by_end: dict[tuple[str, int], list[list[int]]] = {}  # (replica, deepest key) -> kept keys
 
     def pin(self, name: str, keys: Sequence[int]) -> None:
         if not keys:
             return
         self._purge()
-        kept = (*keys[_SPEC_STRIDE - 1 :: _SPEC_STRIDE], keys[-1])
-        held = self._keys.setdefault(name, {})
+        kept = [*keys[_SPEC_STRIDE - 1 :: _SPEC_STRIDE], keys[-1]]
+        held = self._keys.get(name)
+        if held is None:
+            held = self._keys[name] = {}
         for key in kept:
             held[key] = held.get(key, 0) + 1
-        self._live[(name, kept)] = self._live.get((name, kept), 0) + 1
+        self._by_end.setdefault((name, keys[-1]), []).append(kept)
         self._queue.append((self.clock() + self.ttl_s, name, kept))
 
     def unpin(self, name: str, keys: Sequence[int]) -> None:
-        if keys:
-            self._release(name, (*keys[_SPEC_STRIDE - 1 :: _SPEC_STRIDE], keys[-1]))
+        """The request with these keys ended on ``name`` (one of its twins, if several run)."""
+        if not keys:
+            return
+        twins = self._by_end.get((name, keys[-1]))
+        if twins:
+            self._release(name, twins.pop())
+            if not twins:
+                del self._by_end[(name, keys[-1])]
 
     def depth(self, name: str, keys: Sequence[int], low: int, high: int) -> int:
         """The deepest of ``keys[low:high]`` (1-based depth) a request in flight on ``name`` pins; ``low`` if none."""
@@ -195,32 +203,31 @@ class Pinned:
                     return i + 1
         return low
 
-    def forget(self, name: str) -> None:
-        self._keys.pop(name, None)
-
-    def _release(self, name: str, kept: tuple[int, ...]) -> None:
-        live = self._live.get((name, kept))
-        if not live:
-            return
-        if live == 1:
-            del self._live[(name, kept)]
-        else:
-            self._live[(name, kept)] = live - 1
+    def _release(self, name: str, kept: list[int]) -> None:
+        if not kept:
+            return  # released already (it ended, then its ttl passed)
         held = self._keys.get(name)
-        if held is None:
-            return
-        for key in kept:
-            count = held.get(key, 0) - 1
-            if count > 0:
-                held[key] = count
-            else:
-                held.pop(key, None)
+        if held is not None:
+            for key in kept:
+                count = held.get(key, 0) - 1
+                if count > 0:
+                    held[key] = count
+                else:
+                    held.pop(key, None)
+        kept.clear()  # the queue's reference sees it released
 
     def _purge(self) -> None:
         now, queue = self.clock(), self._queue
         while queue and queue[0][0] <= now:
             _, name, kept = queue.popleft()
-            self._release(name, kept)  # a no-op when it ended already (unless a twin still runs)
+            if kept:  # never ended: its end is not coming
+                end = kept[-1]
+                self._release(name, kept)
+                twins = self._by_end.get((name, end))
+                if twins is not None:
+                    twins[:] = [twin for twin in twins if twin]
+                    if not twins:
+                        del self._by_end[(name, end)]
 
 
 class PreciseRouting:
