@@ -96,7 +96,8 @@ class KvEventsSettings(BaseModel):
     max_bytes: int = Field(
         128 * 1024 * 1024,
         ge=64 * 1024,
-        description="memory bound of the precise index, all replicas together (~500 bytes per indexed block); "
+        description="memory bound of the precise index, all replicas together (~400 bytes per indexed block, 500 "
+        "with project_evictions); "
         "over it the replica with most entries forgets its oldest",
     )
     max_depth_tokens: int | None = Field(
