@@ -122,19 +122,25 @@ def run_once(name: str, steps: int, seed: int) -> dict[str, float]:
     }
 
 
-def decision_us(replicas: int, precise: bool, decisions: int = 400, prompts: int = 50) -> float:
-    """CPU microseconds per ``PrefixPolicy.choose`` over ``replicas``, engines holding the prompts."""
+def decision_us(
+    replicas: int, precise: bool, decisions: int = 400, prompts: int = 50, project: bool | None = None
+) -> float:
+    """CPU microseconds per ``PrefixPolicy.choose`` over ``replicas``, engines holding the prompts.
+
+    ``project`` (not None): every replica has 100k prompt tokens of prefill queued and a 262k-token
+    cache, so each match is projected forward (``kv_events.project_evictions`` = ``project``)."""
     names = [f"r{i}" for i in range(replicas)]
-    events = KvEvents(KvEventsSettings(), lambda: {})
+    events = KvEvents(KvEventsSettings(project_evictions=bool(project)), lambda: {})
     for name in names:
         events.index.add(name, "m")
         events.ingestor.feed(name).subscribed = True
         events.ingestor.ingest(name, 0, 0, [])
-    policy = PrefixPolicy(PrefixPolicySettings(), [ReplicaView(name) for name in names])
+    queued = {} if project is None else {"pending_prefill_tokens": 100_000, "kv_cache_tokens": 262_144}
+    views = [ReplicaView(name, **queued) for name in names]  # type: ignore[arg-type]
+    policy = PrefixPolicy(PrefixPolicySettings(), views)
     if precise:
         policy.attach_precise(events.routing)
     rnd = random.Random(1)
-    views = [ReplicaView(name) for name in names]
     requests = []
     for i in range(prompts):
         tokens = [rnd.randrange(128_000) for _ in range(4096)]
@@ -177,10 +183,23 @@ def main() -> None:
     for n in args.replicas or [4, 64]:
         model = statistics.median(decision_us(n, False) for _ in range(repeat))
         precise = statistics.median(decision_us(n, True) for _ in range(repeat))
-        decisions[str(n)] = {"model_us": model, "precise_us": precise, "added_us": precise - model}
-    print(f"\n{'replicas':<10}{'decision us (model)':>22}{'with precise':>15}{'added':>9}")
+        queued = statistics.median(decision_us(n, True, project=False) for _ in range(repeat))
+        projected = statistics.median(decision_us(n, True, project=True) for _ in range(repeat))
+        decisions[str(n)] = {
+            "model_us": model,
+            "precise_us": precise,
+            "added_us": precise - model,
+            "precise_queued_us": queued,  # every replica with queued prefill and a modelled cache
+            "projected_us": projected,  # ... and kv_events.project_evictions on
+            "projection_added_us": projected - queued,
+        }
+    head = f"{'replicas':<10}{'decision us (model)':>22}{'with precise':>15}{'added':>9}"
+    print(f"\n{head}{'queued':>9}{'projected':>11}")
     for n, row in decisions.items():
-        print(f"{n:<10}{row['model_us']:>22.1f}{row['precise_us']:>15.1f}{row['added_us']:>9.1f}")
+        print(
+            f"{n:<10}{row['model_us']:>22.1f}{row['precise_us']:>15.1f}{row['added_us']:>9.1f}"
+            f"{row['precise_queued_us']:>9.1f}{row['projected_us']:>11.1f}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(

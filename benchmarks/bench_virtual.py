@@ -249,11 +249,19 @@ class PreciseGatewayRouter(GatewayRouter):
     matching (:class:`~gateway.kv_events.routing.PreciseRouting`) run as in production.
     """
 
+    project = False  # kv_events.project_evictions (the `precise_projected` row)
+
     def attach_engines(self, engines: Sequence[Any], clock: VirtualClock) -> None:
-        settings = KvEventsSettings()
+        settings = KvEventsSettings(project_evictions=self.project)
         window = self.route_.pipeline.settings.window_tokens if self.route_.pipeline is not None else 4096
         self.ingestor = Ingestor(PreciseIndex(settings.max_bytes, window), clock.monotonic)
-        routing = PreciseRouting(self.ingestor, settings.stale_s, settings.speculative_s, clock.monotonic)
+        routing = PreciseRouting(
+            self.ingestor,
+            settings.stale_s,
+            settings.speculative_s,
+            clock.monotonic,
+            project=settings.project_evictions,
+        )
         for replica, engine in zip(self.pool, engines, strict=True):
             name = replica.name
             self.ingestor.index.add(name, self.gateway_model or bp.MODEL)  # the seed the requests are keyed with
@@ -264,6 +272,12 @@ class PreciseGatewayRouter(GatewayRouter):
 
             engine.kv_events.subscribe(on_batch)
         self.route_.runner.policy.attach_precise(routing)  # type: ignore[attr-defined]
+
+
+class ProjectedGatewayRouter(PreciseGatewayRouter):
+    """The ``precise`` row with ``kv_events.project_evictions`` on (experimental)."""
+
+    project = True
 
 
 class SglangLikeRouter:
@@ -548,6 +562,7 @@ def rows_for(
     hold: Sequence[float | str] = (),
     salts: int = 1,
     precise: bool = False,
+    project: bool = False,
 ) -> list[Row]:
     """The rows of one workload: ``prefix``, the variants and hold rows (each also on ``salts``
     - 1 more ring instances, see :func:`salted_ring`), the peers, the oracle."""
@@ -567,6 +582,10 @@ def rows_for(
         aligned = {"gateway_model": ALIGNED_MODEL}
         gateway_rows.append(("prefix_aligned", partial(GatewayRouter, "prefix", wl.normalize, {}, n, **aligned)))
         gateway_rows.append(("precise", partial(PreciseGatewayRouter, "prefix", wl.normalize, {}, n, **aligned)))
+        if project:
+            gateway_rows.append(
+                ("precise_projected", partial(ProjectedGatewayRouter, "prefix", wl.normalize, {}, n, **aligned))
+            )
     for spec in hold:
         tokens, _, fleet = str(spec).partition(":")
         name = f"prefix_hold{float(tokens):g}" + (f"_fleet{float(fleet):g}" if fleet else "")
@@ -655,6 +674,38 @@ def relative_summary(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
             series["work_max_mean"].append(s["work_max_mean"])
         out[name] = {k: {"mean": sum(v) / len(v), "min": min(v), "max": max(v)} for k, v in series.items()}
     return out
+
+
+PRECISE_ROWS = ("prefix_aligned", "precise", "precise_projected", "sglang_like", "oracle")
+
+
+def precise_medians(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's view of the ``--precise`` rows over the samples: each row's median hit rate
+    and prediction error, and the median over samples of each precise row's hit rate minus
+    the approximate row's and the SGLang row's (paired: the same sample)."""
+    rows = [row for row in PRECISE_ROWS if all(row in cells for cells in per_seed)]
+    out: dict[str, Any] = {"rows": {}, "paired": {}}
+    for row in rows:
+        errors = [cells[row].get("prediction_error") for cells in per_seed]
+        out["rows"][row] = {
+            "hit_rate": statistics.median(cells[row]["hit_rate"] for cells in per_seed),
+            "prediction_error": statistics.median(errors) if None not in errors else None,
+        }
+    for row in ("precise", "precise_projected"):
+        for peer in ("prefix_aligned", "sglang_like"):
+            if row in rows and peer in rows:
+                diffs = [cells[row]["hit_rate"] - cells[peer]["hit_rate"] for cells in per_seed]
+                out["paired"][f"{row}-{peer}"] = statistics.median(diffs)
+    return out
+
+
+def print_precise_medians(wname: str, level: str, medians: dict[str, Any]) -> None:
+    print(f"{wname} @ {level}: medians over samples (hit %, pred err %; paired: median of differences, points)")
+    for row, cell in medians["rows"].items():
+        error = "-" if cell["prediction_error"] is None else f"{100 * cell['prediction_error']:.2f}"
+        print(f"  {row:<22} {100 * cell['hit_rate']:6.2f} {error:>6}")
+    for pair, diff in medians["paired"].items():
+        print(f"  {pair:<38} {100 * diff:+6.2f}")
 
 
 def print_summary(wname: str, level: str, summary: dict[str, Any]) -> None:
@@ -746,6 +797,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="add the `precise` row (the simulated engines' KV events feed the gateway's precise index) and "
         "`prefix_aligned` (the same tokens, approximate model only)",
     )
+    parser.add_argument(
+        "--project",
+        action="store_true",
+        help="with --precise: add `precise_projected` (kv_events.project_evictions on, experimental)",
+    )
     parser.add_argument("--salts", type=int, default=1, metavar="N",
                         help="run every gateway row on N ring instances (the same rules, the ring's points hashed "
                         "with salts 1..N-1 as rows ROW~1..): hit rates then come with their spread between equally "
@@ -777,15 +833,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_seed = []
             for seed in range(args.seeds):
                 wl = build(wname, size=size * bp.LEVEL_SIZE[level], seed=seed)
-                rows = rows_for(wl, variants, not args.no_peers, args.hold, args.salts, args.precise)
+                rows = rows_for(wl, variants, not args.no_peers, args.hold, args.salts, args.precise, args.project)
                 cells = run_level(wl, level, rows, args.hop_ms)
                 per_seed.append(cells)
                 print_table(f"{wname} (seed {seed})", level, cells)
             summary = relative_summary(per_seed)
             ensemble = ensemble_summary(per_seed)
+            medians = precise_medians(per_seed) if args.precise else {}
             results["workloads"][wname][level] = {"seeds": per_seed, "summary": summary, "ensemble": ensemble}
+            if medians:
+                results["workloads"][wname][level]["precise_medians"] = medians
             if args.seeds > 1:
                 print_summary(wname, level, summary)
+                if medians:
+                    print_precise_medians(wname, level, medians)
             if ensemble:
                 print_ensemble(wname, level, ensemble, args.seeds)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -41,9 +41,12 @@ from gateway.prefix.blocks import chain_block_keys, engine_seed
 # slot, the hash int, a 3-item list, our key int), the replica's key refcount entry and its
 # share of the holders dict, just after a resize.  tracemalloc: tests/kv_events/test_index.py.
 ENTRY_BYTES = 400
+# ... and with the LRU clock (track_lru, for the projection): each key's stamp, a dict slot and an int
+LRU_BYTES = 100
 _FIXED_BYTES = 2048  # per replica: its dicts and sets, empty
 
 _KEY, _DEPTH, _COPIES = 0, 1, 2
+_AGE_WEIGHT = 1 / 64  # the eviction age's moving mean: over the last few hundred evictions
 PROBE_STRIDE = 8  # leading(): keys probed per stretch (see there)
 FULL_KINDS = (None, "full_attention")
 MEDIA = (None, "GPU")
@@ -58,6 +61,10 @@ class _Replica:
     engine: dict[int | bytes, list[int]] = field(default_factory=dict)  # engine hash -> [our key, depth, copies]
     refs: dict[int, int] = field(default_factory=dict)  # our key -> engine hashes naming it
     block_size: int | None = None  # of its last BlockStored
+    # The projection (see PreciseIndex.surviving): the engine's free queue as an age per key.
+    stamp: dict[int, int] = field(default_factory=dict)  # our key -> the clock at its last store/touch
+    clock: int = 0  # blocks the engine stored so far (each allocation pushes its LRU one block)
+    evict_age: float | None = None  # blocks stored between a key's last use and its eviction (mean)
     full_groups: set[int] = field(default_factory=set)
     other_groups: set[int] = field(default_factory=set)
 
@@ -76,6 +83,9 @@ class PreciseIndex:
         self._entries = 0
         self.generation = 0  # moves whenever a slot is given or taken: masks from mask_of() expire
         self.evicted = 0
+        # Keep the LRU clock's stamps (the projection, kv_events.project_evictions): set by the
+        # router that projects; off, stores cost no stamp
+        self.track_lru = False
         self.skipped: dict[str, int] = dict.fromkeys(SKIP_REASONS, 0)
         # hears (replica, our keys) of every BlockStored indexed: the router's speculative
         # choices end when the engine confirms them
@@ -126,6 +136,7 @@ class PreciseIndex:
         self._entries -= len(replica.engine)
         replica.engine = {}
         replica.refs = {}
+        replica.stamp = {}
         if self.on_cleared is not None:
             self.on_cleared(name)
 
@@ -149,7 +160,7 @@ class PreciseIndex:
                 self._remove(replica, event)
             elif isinstance(event, AllBlocksCleared):
                 self.clear(name)
-        if self._entries * ENTRY_BYTES + _FIXED_BYTES * len(self._replicas) > self.max_bytes:
+        if self._entries * self.entry_bytes() + _FIXED_BYTES * len(self._replicas) > self.max_bytes:
             self._evict()
 
     def _skip(self, reason: str, count: int = 1) -> None:
@@ -172,6 +183,7 @@ class PreciseIndex:
         if len(tokens) != len(hashes) * size:
             self._skip("bad_tokens")
             return
+        replica.clock += len(hashes)  # every block it stored took one from its free queue
         parent_hash = event.parent_block_hash
         if parent_hash is None:
             seed = self._seed(replica, event)
@@ -196,15 +208,18 @@ class PreciseIndex:
             return
         if self.on_stored is not None:
             self.on_stored(self._names[replica.slot], keys)
-        engine, refs, holders = replica.engine, replica.refs, self._holders
+        engine, refs, holders, stamp = replica.engine, replica.refs, self._holders, replica.stamp
         bit = 1 << replica.slot
+        now, track = replica.clock, self.track_lru
         for i in range(take):
             block = hashes[i]
+            key = keys[i]
+            if track:
+                stamp[key] = now  # computed (again): at the back of the free queue once freed
             entry = engine.get(block)
             if entry is not None:
                 entry[_COPIES] += 1
                 continue
-            key = keys[i]
             engine[block] = [key, depth + i + 1, 1]
             self._entries += 1
             held = refs.get(key, 0)
@@ -241,6 +256,11 @@ class PreciseIndex:
             entry[_COPIES] -= 1
             if entry[_COPIES] <= 0:
                 del engine[block]
+                at = replica.stamp.get(entry[_KEY])
+                if at is not None:  # how old the front of its free queue is, in allocations
+                    age = max(0, replica.clock - at)
+                    mean = replica.evict_age
+                    replica.evict_age = age if mean is None else mean + (age - mean) * _AGE_WEIGHT
                 self._drop_key(replica, entry[_KEY])
 
     def _drop_key(self, replica: _Replica, key: int) -> None:
@@ -251,6 +271,7 @@ class PreciseIndex:
             refs[key] = held
             return
         refs.pop(key, None)
+        replica.stamp.pop(key, None)
         mask = self._holders.get(key, 0) & ~(1 << replica.slot)
         if mask:
             self._holders[key] = mask
@@ -259,7 +280,7 @@ class PreciseIndex:
 
     def _evict(self) -> None:
         """Over the byte bound: the biggest replica loses its oldest entries (see module doc)."""
-        budget = (self.max_bytes - _FIXED_BYTES * len(self._replicas)) // ENTRY_BYTES
+        budget = (self.max_bytes - _FIXED_BYTES * len(self._replicas)) // self.entry_bytes()
         target = max(0, budget - max(1, budget // 64))  # a little room, so eviction runs in batches
         while self._entries > target:
             replica = max(self._replicas.values(), key=lambda r: len(r.engine))
@@ -328,6 +349,59 @@ class PreciseIndex:
             depth[names[low.bit_length() - 1]] = value
             mask ^= low
 
+    # -- the projection ----------------------------------------------------------------------
+    def touch(self, name: str, keys: Sequence[int], ahead_blocks: int = 0) -> None:
+        """The gateway sent a request with these leading ``keys`` to ``name``: the blocks of
+        them its engine holds will be hit (pinned, then freed to the back of its free queue)
+        once the ``ahead_blocks`` its queue allocates before that have been allocated — so
+        they are as young as blocks stored then.  Events never say so (a hit stores nothing),
+        and without it a hot head would age as if no request had used it since it was stored.
+        Stops at the first key the engine does not hold (the engine's lookup does too).
+        """
+        replica = self._replicas.get(name)
+        if replica is None:
+            return
+        stamp = replica.stamp
+        at = replica.clock + max(0, ahead_blocks)
+        for key in keys:
+            held = stamp.get(key)
+            if held is None:
+                return
+            if held < at:  # a touch promised for later (queued work ahead) stays
+                stamp[key] = at
+
+    def surviving(self, name: str, keys: Sequence[int], depth: int, allocate_blocks: int, capacity_blocks: int) -> int:
+        """How many of the ``depth`` leading ``keys`` ``name`` holds now are still held once
+        its engine has allocated ``allocate_blocks`` more blocks (the work queued ahead of
+        this request there), with a cache of ``capacity_blocks``.
+
+        vLLM allocates from the head of one LRU free queue (a freed request's blocks go to
+        the back), so a block is gone once more blocks than the cache holds were allocated
+        since it was last used.  Each key's last use is a stamp on a clock that counts the
+        blocks the engine stored (the allocations that push its queue), moved on by
+        :meth:`touch` (a request sent there, one finished there); the projected front is
+        ``clock + allocate_blocks - capacity_blocks``.  A request's chain is stored and touched
+        together, its head no older than its tail, so the surviving depth is the first key
+        older than that front, found by bisection (O(log depth)).  Blocks the engine already
+        evicted are gone from the index by its ``BlockRemoved``.
+        """
+        replica = self._replicas.get(name)
+        if replica is None or depth <= 0 or allocate_blocks <= 0:
+            return depth
+        budget = capacity_blocks if replica.evict_age is None else min(capacity_blocks, replica.evict_age)
+        front = replica.clock + allocate_blocks - budget
+        stamp = replica.stamp
+        if stamp.get(keys[0], -1) < front:
+            return 0
+        lo, hi = 1, depth  # keys[:lo] survive; keys[hi:] are not asked about
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if stamp.get(keys[mid], -1) >= front:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def block_size(self, name: str) -> int | None:
         """The block size of ``name``'s last ``BlockStored`` (None: none seen)."""
         replica = self._replicas.get(name)
@@ -345,8 +419,12 @@ class PreciseIndex:
         return replica is not None and bool(self._holders.get(key, 0) >> replica.slot & 1)
 
     def memory_bytes(self) -> int:
-        """The bytes the bound counts (what :data:`ENTRY_BYTES` budgets)."""
-        return self._entries * ENTRY_BYTES + _FIXED_BYTES * len(self._replicas)
+        """The bytes the bound counts (what :meth:`entry_bytes` budgets)."""
+        return self._entries * self.entry_bytes() + _FIXED_BYTES * len(self._replicas)
+
+    def entry_bytes(self) -> int:
+        """Bytes budgeted per indexed block: :data:`ENTRY_BYTES`, plus :data:`LRU_BYTES` with the clock."""
+        return ENTRY_BYTES + (LRU_BYTES if self.track_lru else 0)
 
 
 def _plain_blocks(event: BlockStored) -> int:

@@ -45,7 +45,9 @@ class KvEvents:
         self.enabled = settings.enabled is not False
         self.index = PreciseIndex(settings.max_bytes, settings.max_depth_tokens or max_depth_tokens)
         self.ingestor = Ingestor(self.index, clock)
-        self.routing = PreciseRouting(self.ingestor, settings.stale_s, settings.speculative_s, clock, self.enabled)
+        self.routing = PreciseRouting(
+            self.ingestor, settings.stale_s, settings.speculative_s, clock, self.enabled, settings.project_evictions
+        )
         self.clock = clock
         self._ctx: Any = None
         self._subs: dict[str, asyncio.Task[None]] = {}

@@ -9,6 +9,7 @@ and holds a matcher once the gateway attaches one (``PrefixPolicy.attach_precise
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from gateway.routing.affinity import AffinityIndex
@@ -18,12 +19,28 @@ from gateway.routing.base import RequestView
 class PreciseMatcher(Protocol):
     """Answers the policy's matching for replicas whose engines report their caches."""
 
-    def match_groups(self, affinity: AffinityIndex, request: RequestView, want: int) -> list[tuple[int, int]] | None:
+    def match_groups(
+        self,
+        affinity: AffinityIndex,
+        request: RequestView,
+        want: int,
+        pending: Callable[[str], int] | None = None,
+    ) -> list[tuple[int, int]] | None:
         """``affinity.match_groups(request.block_keys, want)`` with the precise replicas'
-        depths from their engines; None when none of ``want`` is precise."""
+        depths from their engines as they will be when the request runs there, after the
+        ``pending(name)`` uncached prompt tokens queued ahead of it; None when none of
+        ``want`` is precise."""
 
-    def chose(self, name: str, request: RequestView) -> None:
-        """``name`` was chosen for ``request`` (a committed decision)."""
+    def expected_depth(self, name: str, request: RequestView, depth: int) -> int:
+        """Of the ``depth`` keys of ``request`` matched on ``name`` (by the last
+        :meth:`match_groups`), how many it will still hold when the request runs there."""
+
+    def chose(self, name: str, request: RequestView, pending_tokens: int = 0) -> None:
+        """``name`` was chosen for ``request`` (a committed decision), with ``pending_tokens``
+        uncached prompt tokens queued ahead of it there."""
+
+    def finished(self, name: str, request: RequestView) -> None:
+        """``name`` served ``request`` to its end: the engine freed its blocks just now."""
 
     def withdraw(self, name: str, request: RequestView) -> None:
         """The attempt on ``name`` failed before an answer."""

@@ -6,8 +6,10 @@ from __future__ import annotations
 import gc
 import tracemalloc
 
+import pytest
+
 from gateway.kv_events.decoder import decode_frames
-from gateway.kv_events.index import ENTRY_BYTES, PreciseIndex
+from gateway.kv_events.index import ENTRY_BYTES, LRU_BYTES, PreciseIndex
 from gateway.prefix.blocks import chain_block_keys, engine_seed
 from tests.kv_events.frames import cleared, hashes_for, message, removed, stored
 
@@ -142,8 +144,10 @@ def test_memory_stays_under_the_byte_bound_by_evicting_the_biggest_replicas_olde
     assert index.leading(_keys([49] * (4 * BS)), ["r0"]) == {"r0": 4}  # r0 kept its newest
 
 
-def test_entry_bytes_covers_what_the_structures_really_hold() -> None:
+@pytest.mark.parametrize("track_lru", [False, True])
+def test_entry_bytes_covers_what_the_structures_really_hold(track_lru: bool) -> None:
     index = _index(max_bytes=1 << 30, max_depth_tokens=1 << 20)
+    index.track_lru = track_lru  # the projection's clock: a stamp per key
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
@@ -163,7 +167,8 @@ def test_entry_bytes_covers_what_the_structures_really_hold() -> None:
         if "kv_events" in str(stat) or "blocks.py" in str(stat)
     )
     assert index.blocks() == n
-    assert 0 < grown <= n * ENTRY_BYTES
+    assert 0 < grown <= n * index.entry_bytes()
+    assert index.entry_bytes() == ENTRY_BYTES + (LRU_BYTES if track_lru else 0)
 
 
 def test_leading_finds_each_replicas_first_miss_between_probes() -> None:

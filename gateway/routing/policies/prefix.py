@@ -221,7 +221,9 @@ class PrefixPolicy:
         want, bits = self._eligible_bits(load)
         fleet = DecisionFleet(load, settings.load_factor, bits, self.index.name_of)
         precise = self.precise
-        found = precise.match_groups(self.index, request, want) if precise is not None and keys else None
+        found = None
+        if precise is not None and keys:
+            found = precise.match_groups(self.index, request, want, lambda name: load.pending[load.index[name]])
         if found is None:
             found = self.index.match_groups(keys, want) if keys else []
         best_any = found[0][0] if found else 0
@@ -315,10 +317,14 @@ class PrefixPolicy:
         if commit:
             added = self._record(pick, request)
             if precise is not None:
-                precise.chose(pick, request)
+                precise.chose(pick, request, load.pending[load.index[pick]])
             if start is not None:
                 started = self.demand.record(start)
         predicted = picked.tokens
+        if precise is not None and picked.depth:
+            expected = precise.expected_depth(pick, request, picked.depth)
+            if expected < picked.depth:  # queued work there evicts some of it first
+                predicted = depth_tokens(request, expected)
         prompt_tokens = request.prompt_tokens_estimate or request.prompt_tokens
         if prompt_tokens:
             # vLLM always recomputes a prompt's last token, so a full hit stops one block short.
@@ -368,6 +374,8 @@ class PrefixPolicy:
         The second, served, records them again — only when some attempt was taken back while
         it ran (an int compare per served request) and its prompt is no longer held."""
         keys, name = request.block_keys, decision.replica
+        if self.precise is not None and keys:
+            self.precise.finished(name, request)
         if decision.detail.get("withdrawals", self._withdrawals) == self._withdrawals or not keys:
             return
         if self.index.knows(name) and not self.index.holds(name, keys[-1]):  # known: not one that left
