@@ -140,9 +140,6 @@ class PreciseIndex:
         if self.on_cleared is not None:
             self.on_cleared(name)
 
-    def names(self) -> list[str]:
-        return list(self._replicas)
-
     def knows(self, name: str) -> bool:
         return name in self._replicas
 
@@ -160,7 +157,7 @@ class PreciseIndex:
                 self._remove(replica, event)
             elif isinstance(event, AllBlocksCleared):
                 self.clear(name)
-        if self._entries * self.entry_bytes() + _FIXED_BYTES * len(self._replicas) > self.max_bytes:
+        if self.memory_bytes() > self.max_bytes:
             self._evict()
 
     def _skip(self, reason: str, count: int = 1) -> None:

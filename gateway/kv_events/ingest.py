@@ -82,3 +82,13 @@ class Ingestor:
     def _clear(self, feed: Feed) -> None:
         feed.clears += 1
         self.index.clear(feed.name)
+
+    def new_stream(self, name: str) -> None:
+        """``name``'s engine ended or restarted (its publisher disconnected, its counters went
+        back): its entries are dropped and its next message starts a new stream on every rank."""
+        feed = self.feeds.get(name)
+        if feed is None:
+            self.index.clear(name)
+            return
+        feed.last_seq.clear()
+        self._clear(feed)

@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.kv_events.feeds import APPROXIMATE_REASONS
 from gateway.kv_events.service import KvEvents
 
 
@@ -96,4 +95,4 @@ class KvEventsCollector(Collector):
         )
 
 
-__all__ = ["APPROXIMATE_REASONS", "KvEventsCollector"]
+__all__ = ["KvEventsCollector"]

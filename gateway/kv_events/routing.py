@@ -30,11 +30,17 @@ from dataclasses import dataclass
 from gateway.kv_events.ingest import Ingestor
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import RequestView
+from gateway.routing.policies.prefix_keys import token_blocks
 
 _SPEC_STRIDE = 8  # speculative records keep every 8th key (and the deepest): matches within 7 blocks
 _SPEC_MAX_KEYS = 500_000  # (key, replica) speculative entries at most (~50 MB); the oldest choices go first
 _PINNED_TTL_S = 600.0  # a request in flight counts as pinning its blocks at most this long
 _MODES_EVERY_S = 0.1  # the set of precise replicas is recomputed this often (its staleness is seconds)
+
+
+def _kept(keys: Sequence[int]) -> tuple[int, ...]:
+    """The keys a choice is remembered by: every ``_SPEC_STRIDE``-th and the deepest."""
+    return (*keys[_SPEC_STRIDE - 1 :: _SPEC_STRIDE], keys[-1])
 
 
 @dataclass(slots=True, eq=False)
@@ -72,7 +78,7 @@ class Speculative:
             return
         now = self.clock()
         self._purge(now)
-        choice = _Choice(name, now + self.ttl_s, (*keys[_SPEC_STRIDE - 1 :: _SPEC_STRIDE], keys[-1]), confirm)
+        choice = _Choice(name, now + self.ttl_s, _kept(keys), confirm)
         by_key = self._by_key
         for key in choice.stored:
             holders = by_key.get(key)
@@ -175,7 +181,7 @@ class Pinned:
         if not keys:
             return
         self._purge()
-        kept = [*keys[_SPEC_STRIDE - 1 :: _SPEC_STRIDE], keys[-1]]
+        kept = list(_kept(keys))  # cleared when released (the queue holds the same list)
         held = self._keys.get(name)
         if held is None:
             held = self._keys[name] = {}
@@ -334,12 +340,12 @@ class PreciseRouting:
         cache_key = (id(affinity), affinity.generation, self._version, self.index.generation, pmask)
         eligible = self._eligible.get(cache_key)
         if eligible is None:
-            names = {bit_names[bit] for bit in _bits(pmask)}
+            names = {name for slot, name in bit_names.items() if pmask >> slot & 1}
             eligible = self._eligible[cache_key] = (names, self.index.mask_of(names))
             if len(self._eligible) > 256:
                 self._eligible.clear()
         names, index_mask = eligible
-        blocks = len(keys) if request.token_blocks is None else request.token_blocks
+        blocks = token_blocks(request)
         depth_of = self.index.leading(keys[:blocks], mask=index_mask) if blocks else {}
         self._expected = (request, {})
         if self.project and pending is not None and depth_of:
@@ -350,12 +356,9 @@ class PreciseRouting:
         if len(keys) > blocks:
             whole = [name for name, depth in depth_of.items() if depth >= blocks]
             if whole:
-                mask = self._bits_of(affinity, whole)
-                for depth, held in affinity.match_groups(keys, mask):
+                for name, depth in affinity.match(keys, whole).items():
                     if depth > blocks:
-                        for bit in _bits(held):
-                            name = affinity.name_of(bit)
-                            depth_of[name] = max(depth_of[name], depth)
+                        depth_of[name] = max(depth_of[name], depth)
         for name, depth in depth_of.items():
             if depth > 0:
                 bit = 1 << affinity.slot_of(name)  # type: ignore[operator]  # in pmask: a member
@@ -424,15 +427,6 @@ class PreciseRouting:
         left = expected.get(name)
         return depth if left is None else min(depth, left)
 
-    @staticmethod
-    def _bits_of(affinity: AffinityIndex, names: list[str]) -> int:
-        mask = 0
-        for name in names:
-            slot = affinity.slot_of(name)
-            if slot is not None:
-                mask |= 1 << slot
-        return mask
-
     def chose(self, name: str, request: RequestView, pending_tokens: int = 0) -> None:
         """``name`` was chosen for ``request``: held speculatively, and events should follow
         if it stores a block its engine does not hold (see ``stale_s``).  The blocks of it the
@@ -441,7 +435,7 @@ class PreciseRouting:
         keys = request.block_keys
         if not keys:
             return
-        blocks = len(keys) if request.token_blocks is None else request.token_blocks
+        blocks = token_blocks(request)
         if blocks and self.project:
             self.index.touch(name, keys[:blocks], -(-pending_tokens // max(1, request.block_size or 1)))
             self.pinned.pin(name, keys[:blocks])
@@ -458,7 +452,7 @@ class PreciseRouting:
         to the back of its free queue, so they are its youngest now (the store events aged
         them from when they were computed, while the request pinned them)."""
         keys = request.block_keys
-        blocks = len(keys) if request.token_blocks is None else request.token_blocks
+        blocks = token_blocks(request)
         if blocks and self.project:
             self.index.touch(name, keys[:blocks])
             self.pinned.unpin(name, keys[:blocks])
@@ -467,14 +461,5 @@ class PreciseRouting:
         """The attempt failed before an answer: the choice is no evidence of a cached prefix."""
         if request.block_keys:
             self.speculative.withdraw(name, request.block_keys)
-            blocks = len(request.block_keys) if request.token_blocks is None else request.token_blocks
+            blocks = token_blocks(request)
             self.pinned.unpin(name, request.block_keys[:blocks])
-
-
-def _bits(mask: int) -> list[int]:
-    out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
-    return out

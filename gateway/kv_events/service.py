@@ -128,9 +128,7 @@ class KvEvents:
                     continue
                 if feed is not None:
                     feed.restarts += 1
-                    feed.clears += 1
-                    feed.last_seq.clear()  # its next message starts a new stream
-                self.index.clear(name)
+                self.ingestor.new_stream(name)
 
     async def _subscribe(self, replica: Replica) -> None:
         from gateway.kv_events.subscriber import Subscription

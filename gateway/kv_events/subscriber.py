@@ -137,10 +137,8 @@ class Subscription:
                 # the engine that comes back may publish before this SUB reconnects: catch up
                 self._fresh_until = asyncio.get_running_loop().time() + self.settings.rediscover_s
                 feed.disconnects += 1
-                feed.clears += 1
                 feed.fresh_since = time.monotonic()
-                feed.last_seq.clear()  # a new engine numbers from 0: its stream starts afresh
-                self.ingestor.index.clear(self.name)
+                self.ingestor.new_stream(self.name)  # a new engine numbers from 0: its stream starts afresh
                 log.info("kv events: %s publisher disconnected; its entries are cleared", self.name)
         finally:
             monitor.close(0)
