@@ -314,12 +314,11 @@ class Gateway:
     async def _learn_context(self) -> None:
         """What the replicas' ``/v1/models`` say: each model's max_model_len (the context
         check) and which names are LoRA adapters of which base model (routing keys)."""
-        listing = await self.monitor.models()
+        self._learn_listing(await self.monitor.models())
+
+    def _learn_listing(self, listing: list[tuple[Replica, list[dict[str, Any]]]]) -> None:
         if self.context is not None:
             self.context.learn(listing)
-        self._learn_identities(listing)
-
-    def _learn_identities(self, listing: list[tuple[Replica, list[dict[str, Any]]]]) -> None:
         if listing:  # no healthy replica answered: keep what was known
             self.identities.learn(listing)
 
@@ -405,9 +404,7 @@ class Gateway:
         """Union of the models healthy replicas serve, restricted to what some route accepts."""
         seen: dict[str, dict[str, Any]] = {}
         listing = await self.monitor.models()
-        if self.context is not None:
-            self.context.learn(listing)
-        self._learn_identities(listing)
+        self._learn_listing(listing)
         for replica, entries in listing:
             for entry in entries:
                 model_id = entry["id"]

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gateway.observe.outcome import Outcome
+from gateway.prefix.exactness import is_exact
 from gateway.prefix.learn import suggest_pattern
 from gateway.prefix.normalize import Normalizer
 
@@ -86,7 +87,7 @@ class Tally:
     @property
     def predicted_exact(self) -> bool | None:
         seen = self.predicted_units_seen
-        return all(label.startswith("exact") for label in seen) if seen else None
+        return all(map(is_exact, seen)) if seen else None
 
     def as_dict(self) -> dict[str, object]:
         d = asdict(self)

@@ -86,7 +86,7 @@ class JinjaTemplate:
         self._template = env.from_string(source)  # a syntax error fails at route build time
         self._variables = dict(special_tokens)
         self.name = "hf-jinja"
-        added = tokenizer.added_tokens()
+        added = tokenizer.special_tokens()  # every added token: the tokenizer splits them out before BPE
         self._specials = {text: SpecialToken(text, token_id) for text, token_id in added.items()}
         self._split = (
             re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")

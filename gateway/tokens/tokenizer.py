@@ -231,10 +231,6 @@ class HFTokenizer:
                 return full[:start]
         return []
 
-    def added_tokens(self) -> dict[str, int]:
-        """Every added token (special or not): the tokenizer splits them out before BPE."""
-        return dict(self._specials)
-
 
 def _cache_dir() -> Path:
     configured = os.environ.get(CACHE_DIR_ENV)

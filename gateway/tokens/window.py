@@ -233,10 +233,6 @@ class ModelWindows:
         self._last = wt
         return wt
 
-    def units(self, model: str) -> str:
-        """What predicted cached tokens are counted in for this model, e.g. ``exact (llama3)``."""
-        return self.for_model(model).alignment.units  # type: ignore[attr-defined,no-any-return]
-
     def _current(self) -> WindowTokenizer:
         if self._last is None:
             self._last = self._window_for(alignment_for_family("cl100k_base"))
