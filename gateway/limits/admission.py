@@ -150,6 +150,7 @@ class KeyLimiter:
             if self.shared is not None:
                 log.info("limits: the state server cannot run the limit scripts; limits are per process")
             self.shared = None
+            self._orphans.clear()  # it holds no slots (and knows no ZREM): nothing to free there
             return True
         return False
 
@@ -245,7 +246,7 @@ class KeyLimiter:
     async def _free_orphans(self) -> None:
         """ZREM every remembered lost slot, in pipelined batches; a failure trips the breaker
         and leaves the rest for its next close."""
-        while self._orphans and self._client is not None and self.breaker is not None:
+        while self._orphans and self._client is not None and self.breaker is not None and self.shared is not None:
             batch = list(self._orphans)[:_CLEANUP_BATCH]
             try:
                 async with asyncio.timeout(_CLEANUP_TIMEOUT_S):

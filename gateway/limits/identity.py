@@ -72,15 +72,13 @@ class ClientIdentity:
 
     def address(self, headers: Sequence[tuple[bytes, bytes]], client: Any) -> str:
         peer_text = str(client[0]) if client else ""
-        if self.source == "forwarded" and peer_text:
-            peer = parse_address(peer_text)
-            if peer is not None and self._trusted(peer):
-                forwarded = self._from_header(headers)
-                if forwarded is not None:
-                    return forwarded
         if not peer_text:
             return "-"
         peer = parse_address(peer_text)
+        if self.source == "forwarded" and peer is not None and self._trusted(peer):
+            forwarded = self._from_header(headers)
+            if forwarded is not None:
+                return forwarded
         return self._group(peer) if peer is not None else peer_text[:64]
 
     def _from_header(self, headers: Sequence[tuple[bytes, bytes]]) -> str | None:

@@ -529,9 +529,7 @@ class AffinitySync:
                     raise
                 except Exception as exc:
                     self.stats.errors += 1
-                    self._lost(
-                        batch, withdrawn, len(starts) + len(varies), demand if ends_snapshot else None, ends_snapshot
-                    )
+                    self._lost(batch, withdrawn, len(starts) + len(varies), demand, ends_snapshot)
                     if not self._publish_failing:
                         log.warning("affinity sync: cannot publish to Redis (%s); dropping records meanwhile", exc)
                         self._publish_failing = True

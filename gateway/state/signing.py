@@ -41,6 +41,7 @@ from typing import Literal
 PREFIX = b"h2:"
 MAX_SKEW_S = 30.0  # pods' clocks (NTP) agree far better; replays within it are refused by sequence
 REPLAY_WINDOW = 1024  # how far out of order one sender's messages may arrive and still be accepted
+_WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
 MAX_SENDERS = 4096
 START_SLACK_S = 1.0  # a message sealed this long before the receiver started is still taken (clock skew)
 
@@ -67,7 +68,7 @@ class _Seen:
         """Record ``sequence``; False if it was seen already or is too far behind."""
         if sequence > self.newest:
             shift = sequence - self.newest
-            self.mask = ((self.mask << shift) | 1) & ((1 << REPLAY_WINDOW) - 1) if shift < REPLAY_WINDOW else 1
+            self.mask = ((self.mask << shift) | 1) & _WINDOW_MASK if shift < REPLAY_WINDOW else 1
             self.newest = sequence
             self.stamp = max(self.stamp, stamp_s)
             return True
