@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import heapq
-import importlib.util
 import json
 import statistics
 import sys
@@ -233,11 +232,6 @@ class GatewayRouter:
         self.first_token(handle)
         self.prediction_error += abs(handle.predicted - cached_tokens)
         self.route_.runner.release(handle.replica, handle.view, handle.decision, cached_tokens, True)
-
-
-def sim_publishes_events() -> bool:
-    """Whether the simulator's engine records vLLM's KV events (the ``simkv`` work)."""
-    return importlib.util.find_spec("gateway.sim.kvevents") is not None
 
 
 class PreciseGatewayRouter(GatewayRouter):
@@ -573,8 +567,6 @@ def rows_for(
     for name, policy, settings in variants:
         gateway_rows.append((name, partial(GatewayRouter, policy, wl.normalize, dict(settings), n)))
     if precise:
-        if not sim_publishes_events():
-            raise SystemExit("--precise needs the simulator's KV events (gateway/sim/kvevents.py)")
         # Events name token ids: the route must tokenize as the engine does (the simulator's
         # llama3 vocabulary and Llama 3.1 template: the gateway picks them for a Llama 3.1 name;
         # the `prefix` row keeps the deliberate mismatch), so the approximate model gets the same

@@ -19,6 +19,14 @@ _MAX_CACHE_SALT_LENGTH = 128
 _CACHE_SALT_FORBIDDEN_CHARS = frozenset("@/\\\x00")
 
 
+def with_refused(message: str, parameter: str | None, value: Any) -> str:
+    """``message`` with vLLM 0.32's `` (parameter=…, value=…)`` suffix (whichever are known)."""
+    extras = [f"parameter={parameter}"] if parameter is not None else []
+    if value is not None:
+        extras.append(f"value={value}")
+    return f"{message} ({', '.join(extras)})" if extras else message
+
+
 class VLLMValidationError(ValueError):
     """vLLM's ``VLLMValidationError``, raised inside request validation (its "before" model
     validators): pydantic then reports ``Value error, <message> (parameter=...)``, and its
@@ -30,11 +38,7 @@ class VLLMValidationError(ValueError):
         self.value = value
 
     def __str__(self) -> str:
-        extras = [f"parameter={self.parameter}"] if self.parameter is not None else []
-        if self.value is not None:
-            extras.append(f"value={self.value}")
-        base = super().__str__()
-        return f"{base} ({', '.join(extras)})" if extras else base
+        return with_refused(super().__str__(), self.parameter, self.value)
 
 
 def validate_cache_salt(cache_salt: object) -> None:
@@ -81,11 +85,7 @@ class APIError(Exception):
         value: Any = _NO_VALUE,
     ):
         if value is not _NO_VALUE:  # a VLLMValidationError: vLLM appends what was refused
-            extras = [f"parameter={param}"] if param is not None else []
-            if value is not None:
-                extras.append(f"value={value}")
-            if extras:
-                message = f"{message} ({', '.join(extras)})"
+            message = with_refused(message, param, value)
         super().__init__(message)
         self.status = status
         self.message = message

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import zmq
 
+from gateway.replicas.engine import parse_engine_metrics
 from tests.real_vllm import engine, workload
 
 SMALL_CACHE_BLOCKS = 96  # x128 tokens: a few conversations fit, the eviction phase overflows it
@@ -279,7 +280,7 @@ def record(final: Path, bytes_hashes: bool = True) -> None:
             a.replace(str(eng.model), "MODEL_DIR") for a in replica.command(Path("VENV/bin/python"), Path("MODEL_DIR"))
         ],
         "env": {k: replica.env()[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_SERVER_DEV_MODE")},
-        "block_size": _block_size(out / "metrics.txt"),
+        "block_size": parse_engine_metrics((out / "metrics.txt").read_text()).block_size,
         "num_gpu_blocks_override": SMALL_CACHE_BLOCKS,
         "lora": {"name": engine.LORA_NAME, "rank": 8, "target_modules": ["q_proj", "v_proj"], "weights": "random"},
         "model_config": json.loads((eng.model / "config.json").read_text()),
@@ -317,17 +318,6 @@ def record_bytes_hashes(eng: engine.Engine, out: Path) -> dict[str, Any]:
     finally:
         replica.stop()
     return {"env": {"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}, "requests": "requests_bytes_hashes.jsonl"}
-
-
-def _block_size(metrics: Path) -> int | None:
-    import re
-
-    for line in metrics.read_text().splitlines():
-        if line.startswith("vllm:cache_config_info"):
-            m = re.search(r'block_size="(\d+)"', line)
-            if m:
-                return int(m.group(1))
-    return None
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
