@@ -72,6 +72,8 @@ def ensure_venv(log: Path | None = None) -> Path:
     if installed_version(python) == VLLM_VERSION and not _has_extras(python):
         return python
     venv = python.parents[1]
+    if log:
+        log.parent.mkdir(parents=True, exist_ok=True)  # a fresh machine: the lane's home is not there yet
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     try:
         steps = []
