@@ -1,8 +1,9 @@
 """``prefix-gateway``: a thin CLI that builds a config and calls the same functions a program would.
 
     prefix-gateway serve [--config FILE] [--replica URL ... --policy NAME] [--host H] [--port P]
+    prefix-gateway epp [--config FILE | --replica URL ...] [--port 9002] [--metrics-port 9090] [--host H]
     prefix-gateway check-config FILE [FILE ...]
-    prefix-gateway demo [--port P]
+    prefix-gateway demo [--port P] [--envoy]
     prefix-gateway hash-key < key.txt      (sha256 for admin.api_key_sha256 / auth.api_keys_sha256; prompts on a TTY)
     prefix-gateway explain FILE.json [--gateway URL] [--admin-key KEY] [--config FILE] [--json]
     prefix-gateway doctor (--gateway URL [--admin-key KEY] | --file FILE.jsonl [--config FILE]) [--json]
@@ -110,6 +111,44 @@ def run_serve(args: argparse.Namespace) -> int:
         return serve_workers(config, args.workers, config_path)
     _exit_cleanly_on_signals()
     serve(config, config_path=config_path)
+    return 0
+
+
+# -- epp (the endpoint picker) -------------------------------------------------------------
+def add_epp(sub: Any) -> None:
+    p = sub.add_parser(
+        "epp",
+        help="run as Envoy's endpoint picker (ext_proc, Gateway API Inference Extension)",
+        description="Serve Envoy's ext_proc protocol (gRPC, with gRPC health) on --port and the metrics/admin "
+        "HTTP app on --metrics-port; Envoy carries the requests, the picker chooses each one's replica with the "
+        "same config, routes and policies as `serve`. See docs/endpoint-picker.md.",
+    )
+    p.add_argument("--config", "-c", help="YAML config (default: ./config/gateway.yaml, else the packaged demo)")
+    p.add_argument("--replica", action="append", default=[], metavar="URL", help="quick start without a file (repeat)")
+    p.add_argument("--policy", default="prefix", help="policy for --replica quick start (default: prefix)")
+    p.add_argument("--host", default="0.0.0.0", help="address of both listeners (default: 0.0.0.0)")
+    p.add_argument("--port", type=int, default=9002, help="gRPC ext_proc + health port (default: 9002)")
+    p.add_argument("--metrics-port", type=int, default=9090, help="HTTP /metrics, /admin/*, /ready (default: 9090)")
+    p.add_argument("--tls-cert", help="serve gRPC over TLS with this certificate (PEM), with --tls-key")
+    p.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    p.set_defaults(run=run_epp)
+
+
+def run_epp(args: argparse.Namespace) -> int:
+    from gateway.epp import require_grpc
+
+    require_grpc()  # before anything else: a clear message naming the extra when grpcio is missing
+    from gateway.epp.server import Listen, PickerServer
+    from gateway.observe.logs import configure_logging
+
+    config = build_serve_config(argparse.Namespace(**{**vars(args), "host": None, "port": None}))
+    if config.state.backend == "redis":
+        config.state.resolved_redis_url()
+    config_path = None if args.replica else str(args.config or default_config_path())
+    listen = Listen(args.host, args.port, args.metrics_port, args.tls_cert, args.tls_key)
+    configure_logging(config.logging)
+    _exit_cleanly_on_signals()
+    PickerServer(config, listen, config_path=config_path).run()
     return 0
 
 
@@ -489,6 +528,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 # -- main ----------------------------------------------------------------------------------
 SUBCOMMANDS: list[Callable[[Any], None]] = [
     add_serve,
+    add_epp,
     add_check_config,
     add_demo,
     add_hash_key,

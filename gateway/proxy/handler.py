@@ -100,6 +100,15 @@ def report_failure(replica: Replica, exc: UpstreamError) -> None:
     replica.report_transport_error(f"{exc.kind}: {exc}")
 
 
+def forward_authorization(gw: Gateway, plan: Plan | None) -> bool:
+    """Whether the client's Authorization goes upstream (the route's setting, else upstream's);
+    never when the gateway checks client keys: then it is the gateway's own key."""
+    if gw.client_keys.enabled:
+        return False
+    per_route = plan.route.config.forward_client_authorization if plan is not None else None
+    return gw.config.upstream.forward_client_authorization if per_route is None else per_route
+
+
 class ProxyEndpoint:
     """ASGI app for one endpoint (chat, completions or embeddings)."""
 
@@ -289,11 +298,7 @@ class Exchange:
         return headers
 
     def _forward_authorization(self) -> bool:
-        if self.gw.client_keys.enabled:
-            return False  # then the client's Authorization is the gateway's own key: never passed on
-        plan = self.plan
-        per_route = plan.route.config.forward_client_authorization if plan is not None else None
-        return self.gw.config.upstream.forward_client_authorization if per_route is None else per_route
+        return forward_authorization(self.gw, self.plan)
 
     def _next_replica(self, plan: Plan, tried: list[str]) -> tuple[Decision, Replica] | None:
         try:
