@@ -45,7 +45,7 @@ from gateway.errors import (
 from gateway.http.capacity import BodyReservation, Slot
 from gateway.limits.admission import Ticket
 from gateway.observe.outcome import Outcome
-from gateway.proxy.handler import dumps, forward_authorization, upstream_body
+from gateway.proxy.handler import dumps, forward_authorization, gateway_headers, upstream_body
 from gateway.proxy.parse import as_utf8, parse_body
 from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
 from gateway.routing.attempt import Attempt
@@ -336,6 +336,11 @@ class PickerStream:
             self.outcome.error_kind = "upstream_status"
             self.shape_error = "json" not in content_type.lower()
         out = [self._error_headers()] if self.shape_error else [m.response_headers(_REMOVE_SERVED)]
+        decision = self.attempt.decision if self.attempt is not None else None
+        added = gateway_headers(self.gw, self.plan, decision)
+        if added:
+            mutation = out[0].response_headers.response.header_mutation
+            mutation.set_headers.extend(m.set_header(k.decode("latin-1"), v) for k, v in added)
         if message.response_headers.end_of_stream:
             self._response_done()
         return out

@@ -100,6 +100,21 @@ def report_failure(replica: Replica, exc: UpstreamError) -> None:
     replica.report_transport_error(f"{exc.kind}: {exc}")
 
 
+def gateway_headers(gw: Gateway, plan: Plan, decision: Decision | None) -> list[tuple[bytes, bytes]]:
+    """The gateway's own response headers: route and replica (``server.response_headers``), and
+    what normalization moved (``x-prefix-gateway-normalized``: the client sees its body was rewritten)."""
+    headers = []
+    if gw.config.server.response_headers:
+        headers.append((b"x-prefix-gateway-route", plan.route.name.encode()))
+        if decision is not None:
+            headers.append((b"x-prefix-gateway-replica", decision.replica.encode()))
+    prepared = plan.prepared
+    if prepared is not None and prepared.relocated and prepared.normalized:
+        value = ",".join(f"{rule}={count}" for rule, count in prepared.normalized.items())
+        headers.append((b"x-prefix-gateway-normalized", value.encode()))
+    return headers
+
+
 def forward_authorization(gw: Gateway, plan: Plan | None) -> bool:
     """Whether the client's Authorization goes upstream (the route's setting, else upstream's);
     never when the gateway checks client keys: then it is the gateway's own key."""
@@ -431,16 +446,8 @@ class Exchange:
     # -- relaying ----------------------------------------------------------------------
     def _response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
         headers = [(b"content-type", content_type)]
-        plan = self.plan
-        if plan is not None:
-            if self.gw.config.server.response_headers:
-                headers.append((b"x-prefix-gateway-route", plan.route.name.encode()))
-                if self.decision is not None:
-                    headers.append((b"x-prefix-gateway-replica", self.decision.replica.encode()))
-            prepared = plan.prepared
-            if prepared is not None and prepared.relocated and prepared.normalized:
-                value = ",".join(f"{rule}={count}" for rule, count in prepared.normalized.items())
-                headers.append((b"x-prefix-gateway-normalized", value.encode()))
+        if self.plan is not None:
+            headers.extend(gateway_headers(self.gw, self.plan, self.decision))
         return headers
 
     async def _relay_whole(self, response: UpstreamResponse) -> None:
