@@ -278,20 +278,17 @@ class PickerStream:
 
     def _fallbacks(self, plan: Plan, exclude: list[str]) -> list[str]:
         """Where Envoy goes next if the pick fails before answering (``upstream.max_retries`` of
-        them): the policy's next choices, decided without recording (dry run)."""
-        tried = [*exclude, plan.replica.name]
-        out = []
-        runner = plan.route.runner
-        for _ in range(self.gw.config.upstream.max_retries):
-            try:
-                _, replica = runner.decide(plan.request, exclude=tried, dry_run=True)
-            except NoHealthyReplica:
-                break
-            if replica.name in tried:
-                break
-            out.append(endpoint_of(replica.url))
-            tried.append(replica.name)
-        return out
+        them): the least loaded other healthy replicas.  Not the policy's next choices: a dry-run
+        decide per fallback cost more than the rest of the pick (measured), and no replica but the
+        pick holds the prompt's prefix anyway.  Envoy only uses them on a refused or reset
+        connection; the served endpoint then tells routing where the prompt really went."""
+        count = self.gw.config.upstream.max_retries
+        if not count:
+            return []
+        skip = {plan.replica.name, *exclude}
+        others = [r for r in plan.route.runner.replicas if r.healthy and r.name not in skip]
+        others.sort(key=lambda r: (r.in_flight, r.pending_prefill_tokens))
+        return [endpoint_of(r.url) for r in others[:count]]
 
     def _auth_headers(self, plan: Plan) -> list[tuple[str, bytes]]:
         if forward_authorization(self.gw, plan):

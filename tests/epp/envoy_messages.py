@@ -23,7 +23,11 @@ def _metadata(namespace: str, key: str, value: Any) -> Metadata:
 
 
 def request_headers(
-    path: str = "/v1/chat/completions", method: str = "POST", end: bool = False, subset: list[str] | None = None, **extra: str
+    path: str = "/v1/chat/completions",
+    method: str = "POST",
+    end: bool = False,
+    subset: list[str] | None = None,
+    **extra: str,
 ) -> ep.ProcessingRequest:
     pairs = {":method": method, ":path": path, ":authority": "gw", "content-type": "application/json", **extra}
     message = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=_headers(pairs), end_of_stream=end))
@@ -64,7 +68,12 @@ def completion_reply(prompt_tokens: int = 40, cached: int | None = 32) -> dict[s
         "id": "x",
         "object": "chat.completion",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 2, "total_tokens": prompt_tokens + 2, "prompt_tokens_details": details},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 2,
+            "total_tokens": prompt_tokens + 2,
+            "prompt_tokens_details": details,
+        },
     }
 
 
@@ -84,7 +93,9 @@ def picked(responses: list[ep.ProcessingResponse]) -> tuple[str, str]:
 
 def body_out(responses: list[ep.ProcessingResponse], part: str = "request_body") -> tuple[bytes, bool, list[int]]:
     """The streamed body the responses carry: (bytes, last chunk's end_of_stream, chunk sizes)."""
-    chunks = [getattr(r, part).response.body_mutation.streamed_response for r in responses if r.WhichOneof("response") == part]
+    chunks = [
+        getattr(r, part).response.body_mutation.streamed_response for r in responses if r.WhichOneof("response") == part
+    ]
     return b"".join(c.body for c in chunks), bool(chunks) and chunks[-1].end_of_stream, [len(c.body) for c in chunks]
 
 

@@ -106,11 +106,16 @@ async def test_a_stream_gets_usage_added_and_stripped_again(gw: Gateway) -> None
     assert json.loads(sent)["stream_options"] == {"include_usage": True}  # the picker asked for usage
     await stream.handle(em.response_headers(content_type="text/event-stream"))
     chunk = {"choices": [{"index": 0, "delta": {"content": "hi"}}], "usage": None}
-    usage = {"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 16}}}
+    usage = {
+        "choices": [],
+        "usage": {"prompt_tokens": 30, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 16}},
+    }
     events = f"data: {json.dumps(chunk)}\n\ndata: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode()
     out = await stream.handle(em.response_body(events))
     relayed, end, _ = em.body_out(out, "response_body")
-    assert end and b'"usage"' not in relayed and relayed.endswith(b"data: [DONE]\n\n")  # the client sees what it asked for
+    assert (
+        end and b'"usage"' not in relayed and relayed.endswith(b"data: [DONE]\n\n")
+    )  # the client sees what it asked for
     stream.close()
     assert stream.outcome.cached_tokens == 16 and stream.outcome.ttft_s is not None
 
@@ -118,7 +123,11 @@ async def test_a_stream_gets_usage_added_and_stripped_again(gw: Gateway) -> None
 # -- bad input -------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("raw", "code"),
-    [(b"not json", "invalid_json"), (b"[1, 2]", "invalid_json"), (b'{"model": "demo-model"}', "missing_required_parameter")],
+    [
+        (b"not json", "invalid_json"),
+        (b"[1, 2]", "invalid_json"),
+        (b'{"model": "demo-model"}', "missing_required_parameter"),
+    ],
 )
 async def test_a_bad_body_is_an_openai_shaped_400(gw: Gateway, raw: bytes, code: str) -> None:
     stream, (_, out) = await run(gw, em.request_headers(), em.request_body(raw))
@@ -161,7 +170,7 @@ async def test_malformed_ext_proc_streams_get_an_error_not_a_crash(gw: Gateway, 
 
 
 async def test_a_stream_cut_midway_releases_the_replica_and_counts_499(gw: Gateway) -> None:
-    stream, (_, picked) = await run(gw, em.request_headers(), em.request_body(em.chat(stream=True)))
+    stream, (_, _picked) = await run(gw, em.request_headers(), em.request_body(em.chat(stream=True)))
     await stream.handle(em.response_headers(content_type="text/event-stream"))
     await stream.handle(em.response_body(b'data: {"choices": []}\n\n', end=False))
     assert sum(in_flight(gw)) == 1
@@ -173,7 +182,7 @@ async def test_a_stream_cut_midway_releases_the_replica_and_counts_499(gw: Gatew
 
 
 async def test_a_bare_upstream_error_becomes_openai_shaped(gw: Gateway) -> None:
-    stream, (_, picked) = await run(gw, em.request_headers(), em.request_body(em.chat()))
+    stream, (_, _picked) = await run(gw, em.request_headers(), em.request_body(em.chat()))
     out = await stream.handle(em.response_headers(503, content_type="text/plain"))
     mutation = out[0].response_headers.response.header_mutation
     assert "content-length" in mutation.remove_headers
