@@ -60,3 +60,7 @@ EXAMPLE_REPLICAS = [f"http://127.0.0.1:{port}" for port in range(8001, 8005)]
 
 def envoy_binary() -> str | None:
     return shutil.which("envoy")
+
+
+if __name__ == "__main__":  # regenerate the example: python3 -m gateway.epp.envoy_config > config/envoy/envoy.yaml
+    print(render(EXAMPLE_REPLICAS), end="")
