@@ -279,9 +279,12 @@ def run_demo(args: argparse.Namespace) -> int:
     from gateway.sim.launcher import run_replicas
 
     if args.envoy:
-        from gateway.epp.demo import run_envoy_demo
+        from gateway.epp.demo import check_envoy
 
-        return run_envoy_demo(args)
+        problem = check_envoy()  # before any replica starts
+        if problem is not None:
+            print(f"prefix-gateway demo --envoy: {problem}", file=sys.stderr)
+            return 2
     path = Path(args.config) if args.config else default_config_path()
     base = load_config(path)
     model = _demo_model(base)
@@ -292,23 +295,36 @@ def run_demo(args: argparse.Namespace) -> int:
     with run_replicas(len(base.replicas), time_scale=args.time_scale, model=model, log_dir=log_dir) as urls:
         config = demo_config(base, urls, args.port, str(path), admin_key)
 
+        def save_key(port: int) -> None:
+            assert admin_key is not None
+            try:
+                write_demo_key(config.server.host, port, admin_key)
+                ports.append(port)
+            except OSError as exc:  # a read-only or shared home: the demo still runs
+                print(f"(admin key not saved for the CLI clients: {exc}; pass --admin-key)", flush=True)
+
         def announce(url: str) -> None:
             print(demo_banner(url, model, len(urls), log_dir, admin_key), flush=True)
             if admin_key is not None:
-                port = int(url.rsplit(":", 1)[1])
-                try:
-                    write_demo_key(config.server.host, port, admin_key)
-                    ports.append(port)
-                except OSError as exc:  # a read-only or shared home: the demo still runs
-                    print(f"(admin key not saved for the CLI clients: {exc}; pass --admin-key)", flush=True)
+                save_key(int(url.rsplit(":", 1)[1]))
 
         _exit_cleanly_on_signals()
         try:
-            serve(config, announce=announce)
+            if not args.envoy:
+                serve(config, announce=announce)
+                return 0
+            from gateway.epp.demo import serve_behind_envoy
+
+            def announce_envoy(url: str, metrics_port: int) -> None:
+                admin_url = f"http://127.0.0.1:{metrics_port}"
+                print(demo_banner(url, model, len(urls), log_dir, admin_key, admin_url), flush=True)
+                if admin_key is not None:
+                    save_key(metrics_port)
+
+            return serve_behind_envoy(config, urls, args.port, log_dir, announce_envoy)
         finally:
             for port in ports:
                 remove_demo_key(port)
-    return 0
 
 
 # -- hash-key ------------------------------------------------------------------------------

@@ -7,73 +7,65 @@ same two-command equivalent is in docs/endpoint-picker.md.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
 
+from gateway.config import GatewayConfig
+
 STARTUP_S = 30.0
 
 
-def run_envoy_demo(args: argparse.Namespace) -> int:
+def check_envoy() -> str | None:
+    """Why ``demo --envoy`` cannot run here (the extra or the binary missing), else None."""
     from gateway.epp import require_grpc
     from gateway.epp.envoy_config import INSTALL_ENVOY, envoy_binary
 
     require_grpc()
-    binary = envoy_binary()
-    if binary is None:  # before any replica starts: nothing to clean up
-        print(f"prefix-gateway demo --envoy: no envoy binary on PATH; install it: {INSTALL_ENVOY}", file=sys.stderr)
-        return 2
-    from gateway.admin.local_key import remove_demo_key, write_demo_key
-    from gateway.cli import _demo_model, _exit_cleanly_on_signals, demo_admin_key, demo_banner, demo_config
-    from gateway.config import default_config_path, load_config
-    from gateway.epp.envoy_config import EnvoyPorts, render
-    from gateway.epp.server import Listen, PickerServer
-    from gateway.sim.launcher import free_port, run_replicas
+    if envoy_binary() is None:
+        return f"no envoy binary on PATH; install it: {INSTALL_ENVOY}"
+    return None
 
-    path = Path(args.config) if args.config else default_config_path()
-    base = load_config(path)
-    model = _demo_model(base)
-    log_dir = tempfile.mkdtemp(prefix="prefix-gateway-demo-")
-    admin_key = demo_admin_key(base)
-    print(f"starting {len(base.replicas)} simulated replicas, the picker and Envoy ...", flush=True)
-    _exit_cleanly_on_signals()
-    with run_replicas(len(base.replicas), time_scale=args.time_scale, model=model, log_dir=log_dir) as urls:
-        config = demo_config(base, urls, 0, str(path), admin_key)
-        picker = PickerServer(config, Listen("127.0.0.1", 0, 0)).start_in_thread()
-        ports = EnvoyPorts(listen_port=args.port or free_port(), admin_port=free_port(), picker_port=picker.grpc_port)
-        envoy_yaml = Path(log_dir) / "envoy.yaml"
-        envoy_yaml.write_text(render(urls, ports, fail_open=False))
-        with (Path(log_dir) / "envoy.log").open("wb") as log:
-            envoy = subprocess.Popen(
-                [binary, "-c", str(envoy_yaml), "--log-level", "warn", "--disable-hot-restart"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        try:
-            _wait_live(envoy, f"http://127.0.0.1:{ports.admin_port}/ready", log_dir)
-            admin_url = f"http://127.0.0.1:{picker.metrics_port}"
-            if admin_key is not None:
-                try:
-                    write_demo_key("127.0.0.1", picker.metrics_port, admin_key)
-                except OSError as exc:
-                    print(f"(admin key not saved for the CLI clients: {exc}; pass --admin-key)", flush=True)
-            url = f"http://127.0.0.1:{ports.listen_port}"
-            print(demo_banner(url, model, len(urls), log_dir, admin_key, admin_url), flush=True)
-            print(f"Envoy config: {envoy_yaml}    Envoy admin: http://127.0.0.1:{ports.admin_port}", flush=True)
-            envoy.wait()
-            print(f"envoy exited ({envoy.returncode}); see {log_dir}/envoy.log", file=sys.stderr)
-            return 1
-        finally:
-            if envoy.poll() is None:
-                envoy.terminate()
-                envoy.wait(10)
-            picker.stop()
-            remove_demo_key(picker.metrics_port)
+
+def serve_behind_envoy(
+    config: GatewayConfig, urls: Sequence[str], port: int, log_dir: str, announce: Callable[[str, int], None]
+) -> int:
+    """Serve ``config`` as the picker with Envoy on ``port`` (0: any) until Envoy exits or a signal.
+
+    ``announce(envoy_url, picker_metrics_port)`` once both serve (the CLI prints its banner).
+    """
+    from gateway.epp.envoy_config import EnvoyPorts, envoy_binary, render
+    from gateway.epp.server import Listen, PickerServer
+    from gateway.sim.launcher import free_port
+
+    binary = envoy_binary()
+    assert binary is not None  # check_envoy() said so
+    picker = PickerServer(config, Listen("127.0.0.1", 0, 0)).start_in_thread()
+    ports = EnvoyPorts(listen_port=port or free_port(), admin_port=free_port(), picker_port=picker.grpc_port)
+    envoy_yaml = Path(log_dir) / "envoy.yaml"
+    envoy_yaml.write_text(render(urls, ports, fail_open=False))
+    with (Path(log_dir) / "envoy.log").open("wb") as log:
+        envoy = subprocess.Popen(
+            [binary, "-c", str(envoy_yaml), "--log-level", "warn", "--disable-hot-restart"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        _wait_live(envoy, f"http://127.0.0.1:{ports.admin_port}/ready", log_dir)
+        announce(f"http://127.0.0.1:{ports.listen_port}", picker.metrics_port)
+        print(f"Envoy config: {envoy_yaml}    Envoy admin: http://127.0.0.1:{ports.admin_port}", flush=True)
+        envoy.wait()
+        print(f"envoy exited ({envoy.returncode}); see {log_dir}/envoy.log", file=sys.stderr)
+        return 1
+    finally:
+        if envoy.poll() is None:
+            envoy.terminate()
+            envoy.wait(10)
+        picker.stop()
 
 
 def _wait_live(envoy: subprocess.Popen[bytes], ready_url: str, log_dir: str) -> None:

@@ -93,36 +93,22 @@ def _chunks(data: bytes, end: bool) -> Iterator[tuple[bytes, bool]]:
         yield piece, end and at + BODY_CHUNK_BYTES >= len(data)
 
 
+def _body(part: str, data: bytes, end: bool) -> list[ep.ProcessingResponse]:
+    out = []
+    for piece, eos in _chunks(data, end):
+        mutation = ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(body=piece, end_of_stream=eos))
+        out.append(ep.ProcessingResponse(**{part: ep.BodyResponse(response=ep.CommonResponse(body_mutation=mutation))}))
+    return out
+
+
 def request_body(data: bytes, end: bool) -> list[ep.ProcessingResponse]:
     """``data`` as the request body's streamed mutation(s), each under :data:`BODY_CHUNK_BYTES`."""
-    return [
-        ep.ProcessingResponse(
-            request_body=ep.BodyResponse(
-                response=ep.CommonResponse(
-                    body_mutation=ep.BodyMutation(
-                        streamed_response=ep.StreamedBodyResponse(body=part, end_of_stream=eos)
-                    )
-                )
-            )
-        )
-        for part, eos in _chunks(data, end)
-    ]
+    return _body("request_body", data, end)
 
 
 def response_body(data: bytes, end: bool) -> list[ep.ProcessingResponse]:
     """``data`` as the response body's streamed mutation(s) (the replica's bytes, relayed)."""
-    return [
-        ep.ProcessingResponse(
-            response_body=ep.BodyResponse(
-                response=ep.CommonResponse(
-                    body_mutation=ep.BodyMutation(
-                        streamed_response=ep.StreamedBodyResponse(body=part, end_of_stream=eos)
-                    )
-                )
-            )
-        )
-        for part, eos in _chunks(data, end)
-    ]
+    return _body("response_body", data, end)
 
 
 def immediate(status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]] = ()) -> ep.ProcessingResponse:

@@ -440,13 +440,8 @@ class PickerStream:
                 self.finished = True  # the client had the whole answer ([DONE]) before it closed
             else:
                 o.status, o.error_kind = 499, "stream_cut"  # Envoy cut the stream: the client left, or it failed
-        if self.reservation is not None:
-            self.reservation.release()
-        if self.slot is not None:
-            self.slot.release()
-        if self.ticket is not None:
-            self.gw.limiter.release(self.ticket)
-            self.ticket = None
+        self.gw.release_admission(self.slot, self.reservation, self.ticket)
+        self.ticket = None
         completed = self.finished and o.status == 200 and o.error_kind is None
         if self.attempt is not None:
             cached = self.usage.cached_tokens if self.usage is not None else None

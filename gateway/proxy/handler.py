@@ -570,13 +570,8 @@ class Exchange:
     # -- bookkeeping -------------------------------------------------------------------
     def _finish(self) -> None:
         # the body stays referenced (payload, samples, warm restarts) until here: held until here
-        if self.reservation is not None:
-            self.reservation.release()
-        if self.slot is not None:
-            self.slot.release()
-        if self.ticket is not None:
-            self.gw.limiter.release(self.ticket)
-            self.ticket = None
+        self.gw.release_admission(self.slot, self.reservation, self.ticket)
+        self.ticket = None
         o = self.outcome
         completed = o.status == 200 and o.error_kind is None
         self._let_go(completed, served=self.served)

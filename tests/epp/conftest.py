@@ -9,17 +9,8 @@ from pathlib import Path
 import pytest
 
 from gateway.sim.launcher import ReplicaGroup
+from tests.e2e_prefix.e2e_helpers import SIM_OPTIONS  # the prefix e2e tests' fleet: same tokenizer, instant
 from tests.replica_fleet import fresh, shared_group
-
-SIM_OPTIONS = {
-    "tokenizer": "cl100k_base",
-    "time_scale": 0,
-    "enable_admin": True,
-    "num_gpu_blocks": 4096,
-    "max_output_tokens": 8,
-    "disable_uvicorn_access_log": True,
-    "disable_log_stats": True,
-}
 
 
 @pytest.fixture(scope="package")
