@@ -214,3 +214,35 @@ async def test_client_keys_are_checked_and_never_reach_the_replica(gw: Gateway) 
     _, (_, picked) = await run(gw, em.request_headers(authorization="Bearer sk-good"), em.request_body(em.chat()))
     mutation = picked[0].request_headers.response.header_mutation
     assert "authorization" in mutation.remove_headers  # the gateway's own key stays at the gateway
+
+
+def _gateway(**sections: Any) -> Gateway:
+    data = quick_config(URLS).model_dump(exclude_unset=True)
+    for name, values in sections.items():
+        data[name] = {**data.get(name, {}), **values}
+    return Gateway(parse_config(data, "test"))
+
+
+async def test_over_the_per_key_rate_is_a_429_with_retry_after() -> None:
+    gw = _gateway(limits={"per_key_requests_per_s": 0.01, "per_key_burst": 1})
+    first, (_, picked) = await run(gw, em.request_headers(), em.request_body(em.chat()))
+    assert em.picked(picked)
+    stream, (out,) = await run(gw, em.request_headers())
+    status, body = em.immediate(out)
+    assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
+    headers = {h.header.key: h.header.raw_value for h in out[0].immediate_response.headers.set_headers}
+    assert int(headers["retry-after"]) >= 1
+    first.close()
+    stream.close()
+
+
+async def test_a_full_process_sheds_with_a_503() -> None:
+    gw = _gateway(server={"max_concurrency": 1})
+    holding, _ = await run(gw, em.request_headers(), em.request_body(em.chat()))
+    shed, (out,) = await run(gw, em.request_headers())
+    status, body = em.immediate(out)
+    assert status == 503 and body["error"]["code"] == "server_overloaded"
+    shed.close()
+    holding.close()
+    _, (_, again) = await run(gw, em.request_headers(), em.request_body(em.chat()))  # the slot came back
+    assert em.picked(again)
