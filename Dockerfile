@@ -16,6 +16,8 @@ COPY gateway ./gateway
 # Install (with the [epp] extra: the same image runs `epp`, the endpoint picker, on 9002/9090),
 # then write the tokenizer vocabularies into the image so pods never download
 # them and never need a writable filesystem for them (air-gapped clusters work as is).
+# DL3013 (pin versions) reads ".[epp]" as a package name: it is this project, with its extra.
+# hadolint ignore=DL3013
 RUN pip install --no-cache-dir ".[epp]" \
  && python -c "from gateway.tokens.tokenizer import materialize_encoding as m; m('cl100k_base'); m('o200k_base')" \
  && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin gateway
