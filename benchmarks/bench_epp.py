@@ -36,8 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,41 +89,61 @@ def _wait(check: Any, proc: subprocess.Popen[bytes], what: str, log_path: Path) 
         time.sleep(0.05)
 
 
-@contextmanager
-def picker_process(replica_url: str, workdir: Path) -> Iterator[tuple[int, int]]:
-    """``prefix-gateway epp`` over one replica, as its own process; yields (gRPC port, pid) once ready."""
-    config = {
+def picker_config(replica_url: str) -> dict[str, Any]:
+    """One replica, one least-loaded route: the same routing work as bench_workers' gateway rows."""
+    return {
         "server": {"drain_grace_s": 0},
         "replicas": [{"name": "r0", "url": replica_url}],
         "routes": [{"name": "bench", "match": {"models": [DEFAULT_MODEL]}, "policy": "least_loaded"}],
     }
-    config_path = workdir / "picker.yaml"
+
+
+@dataclass
+class Picker:
+    """A running ``prefix-gateway epp``: its gRPC port (Envoy's ext_proc target) and HTTP admin URL."""
+
+    grpc_port: int
+    admin_url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+
+@contextmanager
+def picker_process(
+    config: dict[str, Any], workdir: Path, name: str = "picker", env: dict[str, str] | None = None
+) -> Iterator[Picker]:
+    """``prefix-gateway epp --config`` as its own process; yields it once ``/ready`` answers 200."""
+    config_path = workdir / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     grpc_port, metrics_port = free_port(), free_port()
-    log_path = workdir / "picker.log"
+    log_path = workdir / f"{name}.log"
     cmd = [sys.executable, "-m", "gateway", "epp", "--config", str(config_path), "--host", "127.0.0.1"]
     cmd += ["--port", str(grpc_port), "--metrics-port", str(metrics_port)]
+    environ = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ, cwd=ROOT)
     try:
-        ready = f"http://127.0.0.1:{metrics_port}/ready"
-        _wait(lambda: httpx.get(ready, timeout=1).status_code == 200, proc, "the picker", log_path)
-        yield grpc_port, proc.pid
+        admin_url = f"http://127.0.0.1:{metrics_port}"
+        _wait(lambda: httpx.get(admin_url + "/ready", timeout=1).status_code == 200, proc, "the picker", log_path)
+        yield Picker(grpc_port, admin_url, proc, log_path)
     finally:
         stop_process(proc, signal.SIGINT, 15)
 
 
 @contextmanager
-def envoy_process(replica_url: str, picker_port: int, workdir: Path, concurrency: int) -> Iterator[tuple[str, int]]:
-    """Envoy with the picker's standalone config in front of the replica; yields (base URL, pid) once live."""
+def envoy_process(
+    replica_urls: Sequence[str], picker_port: int, workdir: Path, concurrency: int, name: str = "envoy"
+) -> Iterator[tuple[str, int]]:
+    """Envoy with the picker's standalone config (fail-closed) in front of ``replica_urls``; yields
+    (base URL, pid) once its admin says LIVE."""
     from gateway.epp.envoy_config import EnvoyPorts, envoy_binary, render
 
     binary = envoy_binary()
     assert binary is not None, unavailable_reason()
     ports = EnvoyPorts(listen_port=free_port(), admin_port=free_port(), picker_port=picker_port)
-    config_path = workdir / "envoy.yaml"
-    config_path.write_text(render([replica_url], ports, fail_open=False))
-    log_path = workdir / "envoy.log"
+    config_path = workdir / f"{name}.yaml"
+    config_path.write_text(render(replica_urls, ports, fail_open=False))
+    log_path = workdir / f"{name}.log"
     cmd = [binary, "-c", str(config_path), "--log-level", "warn", "--disable-hot-restart"]
     cmd += ["--concurrency", str(concurrency)]
     with log_path.open("wb") as log:
@@ -209,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
             run_replicas(1, time_scale=0, disable_uvicorn_access_log=True, disable_log_stats=True, log_dir=workdir)
         )
         direct = urls[0]
-        picker_port, picker_pid = stack.enter_context(picker_process(direct, workdir))
-        envoy_url, envoy_pid = stack.enter_context(envoy_process(direct, picker_port, workdir, args.envoy_concurrency))
+        picker = stack.enter_context(picker_process(picker_config(direct), workdir))
+        envoy_url, envoy_pid = stack.enter_context(
+            envoy_process([direct], picker.grpc_port, workdir, args.envoy_concurrency)
+        )
+        picker_pid = picker.process.pid
         targets = {"direct": direct, ROW: envoy_url}
         # CPU per request of each process in a row (steadier than wall time on a shared machine)
         processes: dict[str, dict[str, int]] = {ROW: {"picker": picker_pid, "envoy": envoy_pid}}

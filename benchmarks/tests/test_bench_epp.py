@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_epp import ROW, envoy_process, picker_process, table, unavailable_reason, verdict
+from benchmarks.bench_epp import (
+    ROW,
+    envoy_process,
+    picker_config,
+    picker_process,
+    table,
+    unavailable_reason,
+    verdict,
+)
 from benchmarks.bench_workers import peak
 from gateway.sim.launcher import run_replicas
 
@@ -54,8 +62,8 @@ def test_requests_through_envoy_and_the_picker_reach_the_replica(tmp_path: Path)
         (direct,) = stack.enter_context(
             run_replicas(1, time_scale=0, disable_uvicorn_access_log=True, disable_log_stats=True, log_dir=tmp_path)
         )
-        picker_port, _ = stack.enter_context(picker_process(direct, tmp_path))
-        url, _ = stack.enter_context(envoy_process(direct, picker_port, tmp_path, 1))
+        picker = stack.enter_context(picker_process(picker_config(direct), tmp_path))
+        url, _ = stack.enter_context(envoy_process([direct], picker.grpc_port, tmp_path, 1))
         row = peak(url, 4, 0.5)
     # fail-closed Envoy: a request the picker did not route would be an error here
     assert row["errors"] == 0 and row["rps"] > 0
