@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import peer_sglang  # noqa: E402
 from benchmarks.bench_proxy import phase_added_latency  # noqa: E402
-from benchmarks.bench_workers import gateway_workers, peak  # noqa: E402
+from benchmarks.bench_workers import gateway_workers, median_round, peak, peak_lines  # noqa: E402
 from benchmarks.processes import free_port, stop_process  # noqa: E402
 from benchmarks.procstat import cpu_seconds  # noqa: E402
 from gateway.sim import DEFAULT_MODEL  # noqa: E402
@@ -157,19 +157,7 @@ def envoy_process(
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = results["peak"]
-    router = rows.get("sglang-router", {}).get("rps")
-    lines = [
-        f"peak small-request throughput, {results['concurrency']} connections, median of {results['peak_rounds']} "
-        f"rounds of {results['duration_s']} s per row (rows interleaved; envoy --concurrency "
-        f"{results['envoy_concurrency']})",
-        f"{'row':<16}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'vs router':>11}",
-    ]
-    for name, row in rows.items():
-        ratio = f"{row['rps'] / router:.2f}x" if router else "-"
-        lines.append(
-            f"{name:<16}{row['rps']:>10.0f}{row['p50_ms']:>10.2f}{row['p99_ms']:>10.2f}{row['errors']:>8}{ratio:>11}"
-        )
+    lines = peak_lines(results, f"; envoy --concurrency {results['envoy_concurrency']}")
     for name, added in results["added_latency"].items():
         lines.append(
             f"added latency, {name} at {added['rate']:.0f} req/s: p50 {added['added_p50_ms']:.3f} ms, "
@@ -269,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             if served[row]
         }
         for name, runs in per_round.items():
-            ordered = sorted(runs, key=lambda r: r["rps"])
-            results["peak"][name] = {**ordered[len(ordered) // 2], "rounds_rps": [r["rps"] for r in runs]}
+            results["peak"][name] = median_round(runs)
         for name in (ROW, "gateway x2"):
             if name in targets:
                 added = phase_added_latency(direct, targets[name], 300.0, round_s, rounds)
