@@ -68,6 +68,10 @@ POLICIES = ("round_robin", "random", "least_loaded", "session", "prefix")
 # SGLang router, prefix) plus round-robin as context.  ``--policy`` picks others (random, session).
 DEFAULT_ROWS = ("round_robin", "least_loaded", "prefix")
 SGLANG = peer_sglang.ROW  # the peer router's row: not a gateway policy, a separate process
+# --epp: the prefix policy as Envoy's endpoint picker (a real Envoy + ``prefix-gateway epp``,
+# bench_epp.py's processes) beside the proxy's prefix row, on the same fleet and requests
+EPP = "prefix_epp"
+EPP_ENVOY_CONCURRENCY = 2
 LOAD_AWARE = report.LOAD_AWARE  # the control workload's reference row
 CONTROL = "control"
 LEVELS = ("moderate", "saturated")
@@ -225,6 +229,34 @@ def start_gateway(
     return GatewayProcess(name, f"http://127.0.0.1:{port}", proc, log_path)
 
 
+@dataclass
+class EppRow(ManagedProcess):
+    """Envoy + ``prefix-gateway epp`` as one row: ``url`` is Envoy's, ``process`` the picker's;
+    ``admin_url`` the picker's HTTP app (``/admin/stats``); both stop with the ExitStack that started them."""
+
+    admin_url: str = ""
+    envoy_pid: int = 0
+
+    def stop(self) -> None:
+        """Stopped by the ExitStack of :func:`gateways` (Envoy first, then the picker)."""
+
+
+def start_epp(
+    variant: Variant, replicas: Sequence[tuple[str, str]], workdir: Path, stack: contextlib.ExitStack
+) -> EppRow:
+    """The picker with this row's gateway config, and a fail-closed Envoy in front of the same replicas."""
+    from benchmarks.bench_epp import envoy_process, picker_process, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    config = gateway_config(replicas, variant, 0)
+    picker = stack.enter_context(picker_process(config, workdir, f"picker-{variant.name}", {ADMIN_KEY_ENV: ADMIN_KEY}))
+    envoy = envoy_process([url for _, url in replicas], picker.grpc_port, workdir, EPP_ENVOY_CONCURRENCY)
+    url, envoy_pid = stack.enter_context(envoy)
+    return EppRow(variant.name, url, picker.process, picker.log_path, admin_url=picker.admin_url, envoy_pid=envoy_pid)
+
+
 @dataclass(frozen=True)
 class Variant:
     """One row of the table: a policy behind a gateway with a normalization mode (and settings)."""
@@ -262,9 +294,13 @@ def gateways(
     tail of its log) is stored in ``failed``: one broken policy must not stop the benchmark.
     """
     started: dict[str, GatewayProcess | peer_sglang.SGLangRouter] = {}
+    behind_envoy: list[tuple[Variant, Sequence[tuple[str, str]]]] = []
+    stack = contextlib.ExitStack()
     try:
         for variant, replicas in specs:
-            if variant.policy == SGLANG:
+            if variant.name == EPP:
+                behind_envoy.append((variant, replicas))
+            elif variant.policy == SGLANG:
                 started[variant.name] = peer_sglang.start([url for _, url in replicas], workdir, variant.name)
             else:
                 started[variant.name] = start_gateway(variant, replicas, workdir)
@@ -282,10 +318,18 @@ def gateways(
                 tail = gw.log_path.read_text(errors="replace")[-1500:]
                 failed[name] = f"{exc}; log tail: {tail}"
                 print(f"  {name:<16} FAILED TO START: {exc}")
+        for variant, replicas in behind_envoy:
+            try:
+                ready[variant.name] = start_epp(variant, replicas, workdir, stack)
+                warm_up(ready[variant.name].url)
+            except RuntimeError as exc:
+                failed[variant.name] = str(exc)
+                print(f"  {variant.name:<16} FAILED TO START: {exc}")
         yield ready
     finally:
         for gw in started.values():
             gw.stop()
+        stack.close()
 
 
 def warm_up(url: str) -> None:
@@ -466,6 +510,8 @@ def variants_for(workload: Workload, plan: Plan) -> list[Variant]:
     variants = [Variant(p, p, "off" if p == SGLANG else workload.normalize) for p in policies]
     if plan.norm_off_row and workload.normalize != "off" and "prefix" in policies:
         variants.append(Variant("prefix_norm_off", "prefix", "off"))
+    if plan.epp and "prefix" in policies:
+        variants.append(Variant(EPP, "prefix", workload.normalize))
     variants += [Variant(name, policy, workload.normalize, settings) for name, policy, settings in plan.extra]
     return variants
 
@@ -512,6 +558,7 @@ class Plan:
     repeat: int = 1  # runs per cell; the table shows their medians
     norm_off_row: bool = False  # also prefix with normalization off where the workload needs it
     lean: bool = False  # --quick: least_loaded only on the control, sglang everywhere but there
+    epp: bool = False  # also the prefix policy through Envoy + the picker (row EPP)
 
 
 def run_level(
@@ -572,14 +619,18 @@ def run_level(
             for v in variants:
                 if v.name in failed:
                     continue
+                gw = gws[v.name]
                 # the peer router names no replica: its responses are attributed by their ids
-                ids = id_prefixes if v.policy == SGLANG else None
-                cpu0 = cpu_seconds(gws[v.name].process.pid)
-                s = run_once(wire, gws[v.name].url, fleet, names, deadline, via_gateway=True, id_prefixes=ids)
-                # the router's own CPU per request: on a shared machine it decides how much of
-                # the CPU a router needs, hence how its latency suffers from the neighbours
-                s["router_cpu_ms_per_request"] = (cpu_seconds(gws[v.name].process.pid) - cpu0) * 1000 / len(wire)
-                s["gateway"] = gateway_stats(gws[v.name].url)
+                # (through Envoy too, should a response lack the picker's replica header)
+                ids = id_prefixes if v.policy == SGLANG or isinstance(gw, EppRow) else None
+                pids = [gw.process.pid, *([gw.envoy_pid] if isinstance(gw, EppRow) else [])]
+                cpu0 = sum(cpu_seconds(pid) for pid in pids)
+                s = run_once(wire, gw.url, fleet, names, deadline, via_gateway=True, id_prefixes=ids)
+                # the router's own CPU per request (Envoy's and the picker's for the EPP row): on a
+                # shared machine it decides how much of the CPU a router needs, hence how its
+                # latency suffers from the neighbours
+                s["router_cpu_ms_per_request"] = (sum(cpu_seconds(pid) for pid in pids) - cpu0) * 1000 / len(wire)
+                s["gateway"] = gateway_stats(gw.admin_url if isinstance(gw, EppRow) else gw.url)
                 s["hit_rate_predicted"] = (s["gateway"] or {}).get("hit_rate_predicted")  # a median over repeats
                 runs.setdefault(v.name, []).append(s)
                 print(fmt_short(v.name, s) + tag)
@@ -601,6 +652,12 @@ def run_level(
         if v.settings:
             ldata["runs"][v.name]["policy_settings"] = dict(v.settings)
     ldata["oracle"] = _merged(runs["oracle"])
+    epp_row, proxy_row = ldata["runs"].get(EPP) or {}, ldata["runs"].get("prefix") or {}
+    if isinstance(epp_row.get("hit_rate"), float) and isinstance(proxy_row.get("hit_rate"), float):
+        # issue 24: the picker's hit rate within 0.5 points of the proxy's (medians of --repeat)
+        points = round((epp_row["hit_rate"] - proxy_row["hit_rate"]) * 100, 2)
+        ldata["epp_vs_proxy_hit_points"] = points
+        print(f"  {EPP} vs prefix (proxy): {points:+.2f} hit-rate points (target: within 0.5)")
     if report.REFERENCE_ORACLE in runs:
         ldata[report.REFERENCE_ORACLE] = _merged(runs[report.REFERENCE_ORACLE])
     return ldata
@@ -676,6 +733,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also the prefix policy with normalization off, on workloads that need normalization",
     )
+    parser.add_argument(
+        "--epp",
+        action="store_true",
+        help=f"also row {EPP}: the prefix policy as Envoy's endpoint picker (needs the envoy binary and the "
+        "[epp] extra), with its hit rate against the proxy's prefix row",
+    )
     parser.add_argument("--no-gateway", action="store_true", help="client-side round-robin only (harness check)")
     args = parser.parse_args(argv)
 
@@ -735,6 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max(1, args.repeat),
             args.norm_off_row,
             lean=args.quick and not args.policy,
+            epp=args.epp,
         )
         for wname in workloads:
             t_build = time.monotonic()

@@ -99,12 +99,19 @@ def peak(url: str, concurrency: int, duration: float) -> dict[str, Any]:
     }
 
 
-def table(results: dict[str, Any]) -> str:
+def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row's median round by req/s, with every round's req/s beside it."""
+    ordered = sorted(runs, key=lambda r: r["rps"])
+    return {**ordered[len(ordered) // 2], "rounds_rps": [r["rps"] for r in runs]}
+
+
+def peak_lines(results: dict[str, Any], note: str = "") -> list[str]:
+    """The peak table's heading and one line per row, each against the SGLang router's req/s."""
     rows = results["peak"]
     router = rows.get("sglang-router", {}).get("rps")
     lines = [
         f"peak small-request throughput, {results['concurrency']} connections, median of {results['peak_rounds']} "
-        f"rounds of {results['duration_s']} s per row (rows interleaved)",
+        f"rounds of {results['duration_s']} s per row (rows interleaved{note})",
         f"{'row':<16}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'vs router':>11}",
     ]
     for name, row in rows.items():
@@ -112,6 +119,11 @@ def table(results: dict[str, Any]) -> str:
         lines.append(
             f"{name:<16}{row['rps']:>10.0f}{row['p50_ms']:>10.2f}{row['p99_ms']:>10.2f}{row['errors']:>8}{ratio:>11}"
         )
+    return lines
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = peak_lines(results)
     added = results["added_latency_x2"]
     lines.append(
         f"added latency, gateway x2 at {added['rate']:.0f} req/s: p50 {added['added_p50_ms']:.3f} ms, "
@@ -163,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, url in targets.items():
                 per_round[name].append(peak(url, args.concurrency, duration))
         for name, runs in per_round.items():
-            ordered = sorted(runs, key=lambda r: r["rps"])
-            results["peak"][name] = {**ordered[len(ordered) // 2], "rounds_rps": [r["rps"] for r in runs]}
+            results["peak"][name] = median_round(runs)
         results["added_latency_x2"] = {
             k: v
             for k, v in phase_added_latency(direct, targets["gateway x2"], 300.0, round_s, rounds).items()

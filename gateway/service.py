@@ -26,10 +26,10 @@ from gateway.config.reload import Reloader
 from gateway.discovery.build import build_sources
 from gateway.discovery.membership import Membership
 from gateway.errors import ModelNotFound
-from gateway.http.capacity import Capacity
+from gateway.http.capacity import BodyReservation, Capacity, Slot
 from gateway.kv_events.metrics import KvEventsCollector
 from gateway.kv_events.service import KvEvents
-from gateway.limits.admission import KeyLimiter
+from gateway.limits.admission import KeyLimiter, Ticket
 from gateway.limits.context import ContextLimits
 from gateway.limits.identity import ClientIdentity
 from gateway.observe.logs import AccessLog
@@ -378,6 +378,17 @@ class Gateway:
         request = request_view(route.name, endpoint, body, prepared, headers.get(route.session_header), request_id)
         decision, replica = route.runner.decide(request, dry_run=dry_run)
         return Plan(route, endpoint, prepared, request, decision, replica)
+
+    # -- admission -----------------------------------------------------------------------
+    def release_admission(self, slot: Slot | None, reservation: BodyReservation | None, ticket: Ticket | None) -> None:
+        """Give back what admitting a request took — its place among ``server.max_concurrency``,
+        its body bytes, its per-key concurrency slot — once it ended (the proxy and the picker)."""
+        if reservation is not None:
+            reservation.release()
+        if slot is not None:
+            slot.release()
+        if ticket is not None:
+            self.limiter.release(ticket)
 
     # -- recording ---------------------------------------------------------------------
     def record(self, outcome: Outcome, plan: Plan | None = None, body: Mapping[str, Any] | None = None) -> None:

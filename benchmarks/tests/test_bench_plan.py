@@ -46,3 +46,15 @@ def test_variant_health_keys_go_to_the_gateways_health_section():
     assert config["routes"][0]["policy_settings"] == {"bound_extra": 2}
     plain = gateway_config([("r0", "http://127.0.0.1:1")], Variant("prefix", "prefix", "off"), 9)
     assert "health" not in plain and "policy_settings" not in plain["routes"][0]
+
+
+def test_the_epp_row_is_opt_in_and_normalizes_as_the_proxy_row():
+    from benchmarks.bench_policies import EPP
+
+    assert EPP not in _names("agent", normalize="relocate")
+    wl = Workload(name="agent", description="", requests=[], normalize="relocate")
+    plan = Plan(["moderate"], ["prefix", SGLANG], False, Path("."), epp=True)
+    rows = {v.name: (v.policy, v.normalize) for v in variants_for(wl, plan)}
+    assert rows[EPP] == rows["prefix"] == ("prefix", "relocate")
+    # without the prefix policy there is nothing to compare the picker with
+    assert EPP not in [v.name for v in variants_for(wl, Plan(["moderate"], [SGLANG], False, Path("."), epp=True))]

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.discovery.dns import DnsSource
+from gateway.discovery.inference_pool import InferencePoolSource
 from gateway.discovery.kubernetes import KubernetesSource
 from gateway.discovery.settings import DiscoveryConfig
 from gateway.discovery.stats import SourceStats
@@ -21,4 +22,6 @@ def build_sources(
             sources[config.name] = DnsSource(config.name, config.dns, stats[config.name])
         elif config.kubernetes is not None:
             sources[config.name] = KubernetesSource(config.name, config.kubernetes, stats[config.name], environ)
+        elif config.inference_pool is not None:
+            sources[config.name] = InferencePoolSource(config.name, config.inference_pool, stats[config.name], environ)
     return sources

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+KINDS = ("dns", "kubernetes", "inference_pool")  # the source kinds, one key each in a source
 
 
 class _Strict(BaseModel):
@@ -27,17 +28,10 @@ class DnsSettings(_Strict):
     interval_s: float = Field(5.0, gt=0, description="how often the name is resolved again")
 
 
-class KubernetesSettings(_Strict):
-    """List + watch EndpointSlices through the API server with the pod's service account."""
+class KubeApiSettings(_Strict):
+    """How to reach the API server (shared by the EndpointSlice and InferencePool sources)."""
 
-    label_selector: str = Field(
-        ...,
-        min_length=1,
-        description="EndpointSlice label selector, e.g. kubernetes.io/service-name=vllm (the Service's name)",
-    )
     namespace: str | None = Field(None, description="namespace to watch (default: the gateway pod's own)")
-    port_name: str | None = Field(None, description="the EndpointSlice port to use, by name (default: the first)")
-    port: int | None = Field(None, ge=1, le=65535, description="use this port instead of the slice's")
     scheme: Literal["http", "https"] = Field("http", description="scheme of the replica URLs")
     api_url: str | None = Field(
         None, description="API server URL (default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT)"
@@ -56,14 +50,46 @@ class KubernetesSettings(_Strict):
         return value.rstrip("/") if value else value
 
 
+class KubernetesSettings(KubeApiSettings):
+    """List + watch EndpointSlices through the API server with the pod's service account."""
+
+    label_selector: str = Field(
+        ...,
+        min_length=1,
+        description="EndpointSlice label selector, e.g. kubernetes.io/service-name=vllm (the Service's name)",
+    )
+    port_name: str | None = Field(None, description="the EndpointSlice port to use, by name (default: the first)")
+    port: int | None = Field(None, ge=1, le=65535, description="use this port instead of the slice's")
+
+
+class InferencePoolSettings(KubeApiSettings):
+    """List + watch one ``inference.networking.k8s.io/v1`` InferencePool, then the pods it selects.
+
+    Every ready pod matching the pool's ``spec.selector.matchLabels`` is one replica per
+    ``spec.targetPorts`` entry (``podIP:number``), as the Gateway API Inference Extension's own
+    endpoint picker counts them.
+    """
+
+    name: str = Field(
+        ...,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="the InferencePool's metadata.name (in `namespace`)",
+    )
+
+
 class DiscoveryConfig(_Strict):
-    """One named replica source; exactly one of ``dns`` / ``kubernetes``."""
+    """One named replica source; exactly one of ``dns`` / ``kubernetes`` / ``inference_pool``."""
 
     name: str = Field(
         ..., min_length=1, max_length=32, description="routes list it in replicas:; prefix of discovered names"
     )
     dns: DnsSettings | None = Field(None, description="resolve a (headless Service) name")
     kubernetes: KubernetesSettings | None = Field(None, description="watch EndpointSlices")
+    inference_pool: InferencePoolSettings | None = Field(
+        None, description="watch a Gateway API Inference Extension InferencePool and its pods"
+    )
     weight: float = Field(1.0, gt=0, description="weight of every discovered replica")
     api_key_env: str | None = Field(None, description="env var with the upstream API key of discovered replicas")
     drain_timeout_s: float = Field(
@@ -82,10 +108,11 @@ class DiscoveryConfig(_Strict):
 
     @model_validator(mode="after")
     def _one_kind(self) -> DiscoveryConfig:
-        if (self.dns is None) == (self.kubernetes is None):
-            raise ValueError("set exactly one of `dns` or `kubernetes`")
+        kinds = [kind for kind in KINDS if getattr(self, kind) is not None]
+        if len(kinds) != 1:
+            raise ValueError("set exactly one of " + ", ".join(f"`{kind}`" for kind in KINDS))
         return self
 
     @property
     def kind(self) -> str:
-        return "dns" if self.dns is not None else "kubernetes"
+        return next(kind for kind in KINDS if getattr(self, kind) is not None)

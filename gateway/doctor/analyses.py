@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.doctor.discovery import discovery_failing
 from gateway.doctor.evidence import reported_rate
 from gateway.doctor.kv_modes import kv_fallbacks, kv_mode_notes
 from gateway.doctor.live_stats import (
@@ -66,5 +67,6 @@ def diagnose(corpus: Corpus) -> Diagnosis:
         findings += kv_fallbacks(name, live, corpus.stats)
         out.routes.append(summary)
         out.findings += findings
+    out.findings += discovery_failing(corpus.stats)
     out.findings.sort(key=lambda f: f.rank, reverse=True)
     return out

@@ -30,6 +30,13 @@ class Outcome:
     ttft_s: float | None = None
     added_s: float | None = None  # time the gateway itself spent (before + after the upstream call)
 
+    def take_usage(self, prompt_tokens: int | None, completion_tokens: int | None, cached_tokens: int | None) -> None:
+        """The replica's reported usage; a prediction is capped at the prompt (past the token
+        window the prompt length is an estimate: never predict more than the prompt)."""
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt_tokens, completion_tokens, cached_tokens
+        if self.predicted_cached_tokens is not None and prompt_tokens is not None:
+            self.predicted_cached_tokens = min(self.predicted_cached_tokens, prompt_tokens)
+
     @property
     def status_class(self) -> str:
         return f"{self.status // 100}xx"

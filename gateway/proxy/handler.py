@@ -35,9 +35,9 @@ from gateway.observe.outcome import Outcome
 from gateway.proxy.parse import as_utf8, parse_body, read_body
 from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
 from gateway.replicas.pool import Replica
+from gateway.routing.attempt import Attempt
 from gateway.routing.base import Decision
 from gateway.routing.plan import Plan
-from gateway.routing.runner import PolicyRunner
 from gateway.service import ENDPOINT_PATHS, Gateway
 from gateway.upstream.client import UpstreamResponse
 from gateway.upstream.errors import UpstreamAbandoned, UpstreamError, UpstreamReadTimeout, UpstreamStalled
@@ -100,6 +100,30 @@ def report_failure(replica: Replica, exc: UpstreamError) -> None:
     replica.report_transport_error(f"{exc.kind}: {exc}")
 
 
+def gateway_headers(gw: Gateway, plan: Plan, decision: Decision | None) -> list[tuple[bytes, bytes]]:
+    """The gateway's own response headers: route and replica (``server.response_headers``), and
+    what normalization moved (``x-prefix-gateway-normalized``: the client sees its body was rewritten)."""
+    headers = []
+    if gw.config.server.response_headers:
+        headers.append((b"x-prefix-gateway-route", plan.route.name.encode()))
+        if decision is not None:
+            headers.append((b"x-prefix-gateway-replica", decision.replica.encode()))
+    prepared = plan.prepared
+    if prepared is not None and prepared.relocated and prepared.normalized:
+        value = ",".join(f"{rule}={count}" for rule, count in prepared.normalized.items())
+        headers.append((b"x-prefix-gateway-normalized", value.encode()))
+    return headers
+
+
+def forward_authorization(gw: Gateway, plan: Plan | None) -> bool:
+    """Whether the client's Authorization goes upstream (the route's setting, else upstream's);
+    never when the gateway checks client keys: then it is the gateway's own key."""
+    if gw.client_keys.enabled:
+        return False
+    per_route = plan.route.config.forward_client_authorization if plan is not None else None
+    return gw.config.upstream.forward_client_authorization if per_route is None else per_route
+
+
 class ProxyEndpoint:
     """ASGI app for one endpoint (chat, completions or embeddings)."""
 
@@ -129,8 +153,7 @@ class Exchange:
         self.plan: Plan | None = None
         self.body: dict[str, Any] | None = None  # the parsed client body (for the sample buffer)
         self.replica: Replica | None = None  # holds an in-flight slot while set
-        self._prefill_charge = 0  # prompt tokens charged to the replica's queued prefill (see PolicyRunner.acquire)
-        self._work_tokens: int | None = None  # prefill queued ahead on the replica + this request's (slow rule)
+        self._attempt: Attempt | None = None  # the hold on ``replica`` (gateway.routing.attempt)
         self.decision: Decision | None = None
         self.response: UpstreamResponse | None = None
         self.usage: Usage | None = None
@@ -254,29 +277,23 @@ class Exchange:
     # -- upstream with retries ---------------------------------------------------------
     def _hold(self, plan: Plan, decision: Decision, replica: Replica) -> None:
         self.decision, self.replica = decision, replica
-        # the runner owns both halves: acquire here, release in _let_go
-        ahead = replica.pending_prefill_tokens + replica.peer_pending_prefill_tokens
-        self._prefill_charge = plan.route.runner.acquire(replica, plan.request, decision)
-        self._work_tokens = ahead + self._prefill_charge if plan.request.prompt_tokens_estimate else None
+        self._attempt = Attempt(plan, decision, replica)  # released in _let_go
         # from now on the request has reached a replica: an abort is counted there, not as "none"
         self._note_decision()
 
     def _prefill_answered(self) -> None:
         """The replica sent its first byte: this request's prefill no longer queues ahead of others."""
-        if self._prefill_charge and self.replica is not None:
-            PolicyRunner.prefill_done(self.replica, self._prefill_charge)
-        self._prefill_charge = 0
+        if self._attempt is not None:
+            self._attempt.answered()
 
     def _let_go(self, completed: bool, served: bool = True) -> None:
         """Release the attempt's replica; ``served=False``: it did not serve the prompt (see
         ``served`` in the constructor), so what routing recorded at decision time is taken back."""
-        replica, plan = self.replica, self.plan
-        if replica is None or plan is None or self.decision is None:
+        attempt = self._attempt
+        if attempt is None or self.replica is None:
             return
-        self._prefill_answered()
         self.replica = None
-        cached = self.usage.cached_tokens if self.usage is not None else None
-        plan.route.runner.release(replica, plan.request, self.decision, cached, completed, served)
+        attempt.release(self.usage.cached_tokens if self.usage is not None else None, completed, served)
 
     def _upstream_headers(self, replica: Replica) -> dict[str, str]:
         """The client's Authorization goes upstream only where a route (or upstream) says so;
@@ -296,11 +313,7 @@ class Exchange:
         return headers
 
     def _forward_authorization(self) -> bool:
-        if self.gw.client_keys.enabled:
-            return False  # then the client's Authorization is the gateway's own key: never passed on
-        plan = self.plan
-        per_route = plan.route.config.forward_client_authorization if plan is not None else None
-        return self.gw.config.upstream.forward_client_authorization if per_route is None else per_route
+        return forward_authorization(self.gw, self.plan)
 
     def _next_replica(self, plan: Plan, tried: list[str]) -> tuple[Decision, Replica] | None:
         try:
@@ -433,16 +446,8 @@ class Exchange:
     # -- relaying ----------------------------------------------------------------------
     def _response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
         headers = [(b"content-type", content_type)]
-        plan = self.plan
-        if plan is not None:
-            if self.gw.config.server.response_headers:
-                headers.append((b"x-prefix-gateway-route", plan.route.name.encode()))
-                if self.decision is not None:
-                    headers.append((b"x-prefix-gateway-replica", self.decision.replica.encode()))
-            prepared = plan.prepared
-            if prepared is not None and prepared.relocated and prepared.normalized:
-                value = ",".join(f"{rule}={count}" for rule, count in prepared.normalized.items())
-                headers.append((b"x-prefix-gateway-normalized", value.encode()))
+        if self.plan is not None:
+            headers.extend(gateway_headers(self.gw, self.plan, self.decision))
         return headers
 
     async def _relay_whole(self, response: UpstreamResponse) -> None:
@@ -517,8 +522,9 @@ class Exchange:
                             t_in = perf_counter()
                             self.served = True  # its first bytes: the replica computed the prompt
                             self._prefill_answered()  # the replica is done prefilling, however slow the client
-                            if self.replica is not None:
-                                self.replica.record_ttfb(t_in - self.t_upstream, self._work_tokens)
+                            attempt = self._attempt
+                            if self.replica is not None and attempt is not None:
+                                self.replica.record_ttfb(t_in - self.t_upstream, attempt.work_tokens)
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                         if first:
                             now = perf_counter()
@@ -564,13 +570,8 @@ class Exchange:
     # -- bookkeeping -------------------------------------------------------------------
     def _finish(self) -> None:
         # the body stays referenced (payload, samples, warm restarts) until here: held until here
-        if self.reservation is not None:
-            self.reservation.release()
-        if self.slot is not None:
-            self.slot.release()
-        if self.ticket is not None:
-            self.gw.limiter.release(self.ticket)
-            self.ticket = None
+        self.gw.release_admission(self.slot, self.reservation, self.ticket)
+        self.ticket = None
         o = self.outcome
         completed = o.status == 200 and o.error_kind is None
         self._let_go(completed, served=self.served)
@@ -578,14 +579,7 @@ class Exchange:
             o.status = 500
         usage = self.usage
         if usage is not None:
-            o.prompt_tokens, o.completion_tokens, o.cached_tokens = (
-                usage.prompt_tokens,
-                usage.completion_tokens,
-                usage.cached_tokens,
-            )
-            if o.predicted_cached_tokens is not None and o.prompt_tokens is not None:
-                # past the window the prompt length is an estimate: never predict more than the prompt
-                o.predicted_cached_tokens = min(o.predicted_cached_tokens, o.prompt_tokens)
+            o.take_usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
         if self.added:
             o.added_s = self.added
         o.duration_s = perf_counter() - self.t0

@@ -195,3 +195,141 @@ def test_the_hpa_scales_the_gateway() -> None:
     target = hpa["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", one("deployment.yaml", "Deployment")["metadata"]["name"])
     assert hpa["spec"]["minReplicas"] >= 2  # shared state and drain assume more than one pod
+
+
+# -- the endpoint picker's kit: epp.yaml, epp-rbac.yaml, epp-configmap.yaml, inferencepool.yaml --
+CRDS = ROOT / "tests" / "fixtures" / "crds"  # the upstream CRDs' schemas (README.md there: source, commit)
+
+
+def strict(schema: Any) -> Any:
+    """``schema`` with unknown fields refused (as ``kubernetes-validate --strict`` does for built-ins)."""
+    if isinstance(schema, dict):
+        out = {key: strict(value) for key, value in schema.items()}
+        open_ended = "additionalProperties" in schema or schema.get("x-kubernetes-preserve-unknown-fields")
+        if "properties" in schema and not open_ended:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [strict(item) for item in schema]
+    return schema
+
+
+def crd_schema(name: str) -> dict[str, Any]:
+    return strict(json.loads((CRDS / name).read_text()))
+
+
+def epp_config() -> Any:
+    data = one("epp-configmap.yaml", "ConfigMap")["data"]["gateway.yaml"]
+    return parse_config(yaml.safe_load(data), "k8s/epp-configmap.yaml")
+
+
+def test_the_pool_and_the_route_match_their_crds() -> None:
+    pool, route = one("inferencepool.yaml", "InferencePool"), one("inferencepool.yaml", "HTTPRoute")
+    jsonschema.validate(pool, crd_schema("inferencepool-v1.schema.json"))
+    jsonschema.validate(route, crd_schema("httproute-v1.schema.json"))
+    assert (pool["apiVersion"], route["apiVersion"]) == (
+        "inference.networking.k8s.io/v1",
+        "gateway.networking.k8s.io/v1",
+    )
+    # the CRDs' CEL rules that jsonschema cannot evaluate
+    numbers = [p["number"] for p in pool["spec"]["targetPorts"]]
+    assert len(numbers) == len(set(numbers)), "port number must be unique"
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref.get("kind", "Service") != "Service" or "port" in ref, "port is required when kind is 'Service'"
+    # a misspelt field is refused (the strict schema works)
+    typo = json.loads(json.dumps(pool))
+    typo["spec"]["targetPort"] = typo["spec"].pop("targetPorts")
+    try:
+        jsonschema.validate(typo, crd_schema("inferencepool-v1.schema.json"))
+    except jsonschema.ValidationError:
+        pass
+    else:
+        raise AssertionError("a pool with spec.targetPort (no s) passed the schema")
+
+
+def test_the_pool_selects_the_vllm_pods_and_points_at_the_picker() -> None:
+    pool, route = one("inferencepool.yaml", "InferencePool"), one("inferencepool.yaml", "HTTPRoute")
+    vllm = one("vllm.yaml", "Deployment")["spec"]["template"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= vllm["metadata"]["labels"].items()
+    (container,) = vllm["spec"]["containers"]
+    served = {p["containerPort"] for p in container["ports"] if p["name"] == "http"}
+    assert {p["number"] for p in pool["spec"]["targetPorts"]} == served
+    assert f"--port={served.pop()}" in container["args"]
+    service = one("epp.yaml", "Service")
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref["name"] == service["metadata"]["name"] and ref["kind"] == "Service"
+    (grpc,) = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
+    assert ref["port"]["number"] == grpc["port"] and grpc["appProtocol"] in ("http2", "kubernetes.io/h2c")
+    (rule,) = route["spec"]["rules"]
+    (backend,) = rule["backendRefs"]
+    assert backend == {
+        "group": "inference.networking.k8s.io",
+        "kind": "InferencePool",
+        "name": pool["metadata"]["name"],
+    }
+    assert route["spec"]["parentRefs"][0]["kind"] == "Gateway"
+
+
+def test_the_picker_watches_the_pool_with_the_same_routes_as_the_proxy() -> None:
+    config = epp_config()
+    (source,) = config.discovery
+    assert source.inference_pool is not None and source.kind == "inference_pool"
+    assert source.inference_pool.name == one("inferencepool.yaml", "InferencePool")["metadata"]["name"]
+    assert source.inference_pool.namespace is None  # the pod's own: the pool and the picker live together
+    proxy = gateway_config_in_configmap()
+    assert [r.model_dump() for r in config.routes] == [r.model_dump() for r in proxy.routes]
+
+
+def test_the_picker_deployment_serves_what_its_service_and_probes_use() -> None:
+    deployment, service = one("epp.yaml", "Deployment"), one("epp.yaml", "Service")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[0] == "epp"
+    flags = dict(zip(args[1::2], args[2::2], strict=True))
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (int(flags["--port"]), int(flags["--metrics-port"])) == (ports["grpc"], ports["metrics"]) == (9002, 9090)
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == set(ports)
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    assert container["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(ports["metrics"])
+    # the config it reads is the picker's ConfigMap, mounted where --config points
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "config"]
+    assert flags["--config"].startswith(mount["mountPath"] + "/")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "config"]
+    assert volume["configMap"]["name"] == one("epp-configmap.yaml", "ConfigMap")["metadata"]["name"]
+    # hardened like the proxy's pods, and its grace covers the drain
+    proxy_pod = one("deployment.yaml", "Deployment")["spec"]["template"]["spec"]
+    (proxy_container,) = proxy_pod["containers"]
+    assert pod["securityContext"] == proxy_pod["securityContext"]
+    assert container["securityContext"] == proxy_container["securityContext"]
+    assert container["resources"] == proxy_container["resources"]
+    server = epp_config().server
+    budget = container["lifecycle"]["preStop"]["sleep"]["seconds"] + server.drain_grace_s
+    assert pod["terminationGracePeriodSeconds"] > budget + server.timeout_graceful_shutdown_s
+
+
+def test_the_picker_may_read_its_pool_and_pods_and_nothing_more() -> None:
+    pod = one("epp.yaml", "Deployment")["spec"]["template"]["spec"]
+    account = one("epp-rbac.yaml", "ServiceAccount")["metadata"]["name"]
+    assert pod["serviceAccountName"] == account and pod["automountServiceAccountToken"] is True
+    role = one("epp-rbac.yaml", "Role")
+    assert role["rules"] == [
+        {
+            "apiGroups": ["inference.networking.k8s.io"],
+            "resources": ["inferencepools"],
+            "verbs": ["get", "list", "watch"],
+        },
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    ]
+    binding = one("epp-rbac.yaml", "RoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+
+
+def test_the_image_carries_the_picker() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert 'pip install --no-cache-dir "./[epp]"' in dockerfile  # gRPC + Envoy's protos: `epp` runs
+    assert "9002" in dockerfile and "9090" in dockerfile

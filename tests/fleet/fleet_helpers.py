@@ -16,11 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.http.server import RunningGateway, serve_in_thread
 from gateway.sim.launcher import ReplicaGroup
+from tests.configs import gateway_config
 
 MODEL = "demo-model"
+ADMIN_KEY = "fleet-admin"  # the tests set PREFIX_GATEWAY_ADMIN_KEY to it
 SLOW = {  # streams of ~0.3 s: long enough to be cut by a careless membership change
     "time_scale": 1.0,
     "decode_ms_per_token": 15.0,
@@ -109,3 +114,31 @@ class Load:
         self._stop.set()
         for thread in self._threads:
             thread.join(30)
+
+
+def discovered_gateway(source: dict[str, Any]) -> Any:
+    config = gateway_config([], replicas=[], discovery=[source], routes=[{"name": "main", "policy": "prefix"}])
+    return serve_in_thread(config)
+
+
+def stats(gw: RunningGateway) -> dict[str, Any]:
+    response = httpx.get(f"{gw.url}/admin/stats", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+    response.raise_for_status()
+    return response.json()
+
+
+def pool(gw: RunningGateway) -> list[str]:
+    return [r.name for r in gw.gateway.routes.get("main").runner.replicas]  # type: ignore[union-attr]
+
+
+def healthy_pool(gw: RunningGateway) -> list[str]:
+    return [r.name for r in gw.gateway.routes.get("main").runner.replicas if r.healthy]  # type: ignore[union-attr]
+
+
+def metrics(gw: RunningGateway) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

@@ -13,50 +13,28 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import gateway.discovery.dns as dns_module
-from gateway.http.server import RunningGateway, serve_in_thread
-from tests.configs import gateway_config
-from tests.fleet.fleet_helpers import MODEL, Load, loopback_replicas
+from gateway.http.server import RunningGateway
+from tests.fleet.fleet_helpers import (
+    ADMIN_KEY,
+    MODEL,
+    Load,
+    discovered_gateway,
+    healthy_pool,
+    loopback_replicas,
+    metrics,
+    pool,
+    stats,
+)
 from tests.fleet.kube_api import endpoint_slice, run_kube_api
 from tests.polling import wait_for
-
-ADMIN_KEY = "fleet-admin"
 
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, list[str]]]:
     with loopback_replicas(3, tmp_path_factory.mktemp("sims")) as found:
         yield found
-
-
-def discovered_gateway(source: dict[str, Any]) -> Any:
-    config = gateway_config([], replicas=[], discovery=[source], routes=[{"name": "main", "policy": "prefix"}])
-    return serve_in_thread(config)
-
-
-def stats(gw: RunningGateway) -> dict[str, Any]:
-    response = httpx.get(f"{gw.url}/admin/stats", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
-    response.raise_for_status()
-    return response.json()
-
-
-def pool(gw: RunningGateway) -> list[str]:
-    return [r.name for r in gw.gateway.routes.get("main").runner.replicas]  # type: ignore[union-attr]
-
-
-def healthy_pool(gw: RunningGateway) -> list[str]:
-    return [r.name for r in gw.gateway.routes.get("main").runner.replicas if r.healthy]  # type: ignore[union-attr]
-
-
-def metrics(gw: RunningGateway) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def homes(gw: RunningGateway, n: int = 60) -> list[str]:
