@@ -240,7 +240,7 @@ def test_settings_are_strict() -> None:
 
 def test_the_affinity_wait_ends_exactly_at_its_wake_time() -> None:
     """Woken at ``wake_at`` the head must go, whatever the float rounding of now - enqueued_at."""
-    fleet = FakeFleet({"r1": 0, "r2": 100}, favourite="r1")
+    fleet = FakeFleet({"r1": 0, "r2": 10**6}, favourite="r1")
     q = FlowQueue(limits_of(max_requests=100_000, ttl=1e9))
     d = Dispatcher(q, affinity_wait_s=0.5)
     for i in range(2000):
