@@ -337,7 +337,7 @@ class RouteFlow:
             bands[band] = {"depth": info["depth"], "bytes": info["bytes"], "flow_labels": labels}
         return {
             "saturated": runner is not None and self._saturated(runner, now),
-            "queued": self.queue.count,
+            "held": self.queue.count,  # now (the totals below count since start)
             "saturated_for_s": None if self.saturated_since is None else round(now - self.saturated_since, 3),
             "bands": bands,
             **self.totals,
