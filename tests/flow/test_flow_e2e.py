@@ -108,7 +108,9 @@ def test_a_client_that_leaves_the_queue_never_reaches_a_replica(slow_sims: list[
     with flow_gateway([url]) as gw:
         with busy(gw):
             with pytest.raises(openai.APITimeoutError):
-                client(gw).with_options(timeout=0.3).chat.completions.create(model=MODEL, messages=chat("gone"), max_tokens=1)
+                client(gw).with_options(timeout=0.3).chat.completions.create(
+                    model=MODEL, messages=chat("gone"), max_tokens=1
+                )
             wait_for(lambda: queued(gw) == 0, what="the queue to let it go")
         route = gw.gateway.flow.routes["main"]
         assert route.totals["cancelled"] == 1 and route.totals["dispatched"] == 0
