@@ -33,7 +33,7 @@ ONE_PER_REPLICA = {
 
 
 def flow_gateway(urls: list[str], **flow: Any) -> contextlib.AbstractContextManager[RunningGateway]:
-    settings = {"saturation": ONE_PER_REPLICA, "objectives": {"chat": 10, "batch": -1}, **flow}
+    settings = {"enabled": True, "saturation": ONE_PER_REPLICA, "objectives": {"chat": 10, "batch": -1}, **flow}
     return running_gateway(urls, flow_control=settings)
 
 
@@ -172,7 +172,7 @@ def test_turned_off_by_a_reload_lets_held_requests_go(slow_sims: list[str], tmp_
         "logging": {"summary_interval_s": 0},
         "replicas": [{"name": "r0", "url": slow_sims[0]}],
         "routes": [{"name": "main", "policy": "least_loaded"}],
-        "flow_control": {"saturation": ONE_PER_REPLICA},
+        "flow_control": {"enabled": True, "saturation": ONE_PER_REPLICA},
     }
     path.write_text(json.dumps(data))
     with serve_in_thread(parse_config(data, "<test>"), config_path=path, reload_poll_s=0.05) as gw, busy(gw):

@@ -138,7 +138,7 @@ def drained(fleet: list[str]) -> None:
 
 def test_two_tenants_quiet_ttft_and_flood_throughput(fleet: list[str]) -> None:
     tenant = "x-llm-d-inference-fairness-id"
-    with running_gateway(fleet, flow_control={"saturation": SATURATION}) as gw:
+    with running_gateway(fleet, flow_control={"enabled": True, "saturation": SATURATION}) as gw:
         idle = asyncio.run(idle_ttfts(gw))
         quiet_on, flood_on = asyncio.run(flooded(gw, {tenant: "quiet"}, {tenant: "flood"}))
         held = gw.gateway.flow.routes["main"].totals["queued"]
@@ -158,7 +158,8 @@ def test_two_tenants_quiet_ttft_and_flood_throughput(fleet: list[str]) -> None:
 
 
 def test_high_priority_band_under_a_low_priority_flood(fleet: list[str]) -> None:
-    with running_gateway(fleet, flow_control={"saturation": SATURATION, "objectives": {"interactive": 10}}) as gw:
+    settings = {"enabled": True, "saturation": SATURATION, "objectives": {"interactive": 10}}
+    with running_gateway(fleet, flow_control=settings) as gw:
         idle = asyncio.run(idle_ttfts(gw))
         high, _ = asyncio.run(flooded(gw, {"x-llm-d-inference-objective": "interactive"}, {}))
         held = gw.gateway.flow.routes["main"].totals["queued"]
