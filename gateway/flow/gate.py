@@ -39,6 +39,7 @@ from gateway.flow.saturation import full_reason
 from gateway.flow.settings import FlowControlSettings, SaturationSettings
 from gateway.replicas.pool import Replica
 from gateway.routing.plan import Draft, Plan, decide
+from gateway.routing.routes import Route
 from gateway.routing.runner import PolicyRunner
 
 log = logging.getLogger("prefix_gateway.flow")
@@ -406,3 +407,24 @@ class FlowControl:
     def snapshot(self) -> dict[str, Any]:
         now = self.clock()
         return {name: flow.snapshot(now) for name, flow in self.routes.items()}
+
+    def explain(self, route: Route, headers: Mapping[str, str], key_hash: str | None = None) -> dict[str, Any]:
+        """``/admin/explain``'s section: what flow control would do with this request now, and why."""
+        now = self.clock()
+        settings = self.settings
+        cls = classify(settings, headers, route.name, route.config.flow_control.default_priority, key_hash)
+        limits = settings.saturation
+        full = {r.name: replica_full(r, limits, now) for r in route.runner.eligible()}
+        saturated = bool(full) and all(full.values())
+        held = self.routes[route.name].queue.count if route.name in self.routes else 0
+        verdict = admit(saturated, held, cls.priority) if self.enabled else "direct"
+        return {
+            "enabled": self.enabled,
+            "priority": cls.priority,
+            "objective": cls.objective,
+            "flow": cls.flow,  # an API key only as 16 hex of its sha256
+            "saturated": saturated,
+            "held": held,
+            "would": verdict,  # direct | queue | shed
+            "replicas_full": {name: why for name, why in full.items() if why},
+        }

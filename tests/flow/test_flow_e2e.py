@@ -188,3 +188,24 @@ def test_turned_off_by_a_reload_lets_held_requests_go(slow_sims: list[str], tmp_
         assert gw.gateway.replicas["r0"].in_flight == 2  # sent next to the long one
         t.join(30)
         assert answer[0].status_code == 200
+
+
+def test_explain_says_what_flow_control_would_do(slow_sims: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", "admin-secret")
+    admin = {"Authorization": "Bearer admin-secret"}
+
+    def explain(**headers: str) -> dict[str, Any]:
+        body = {"model": MODEL, "messages": chat("hello there")}
+        wrapper = {"endpoint": "chat", "body": body, "headers": headers}
+        response = httpx.post(f"{gw.url}/admin/explain", json=wrapper, headers=admin, timeout=10)
+        assert response.status_code == 200, response.text
+        return response.json()["flow_control"]
+
+    with flow_gateway(slow_sims[:1]) as gw:
+        idle = explain()
+        assert idle["would"] == "direct" and not idle["saturated"] and idle["flow"] == "route:main"
+        with busy(gw):
+            assert explain()["would"] == "queue"
+            shed = explain(**{"x-llm-d-inference-objective": "batch", "x-llm-d-inference-fairness-id": "t9"})
+            assert shed["would"] == "shed" and shed["priority"] == -1 and shed["flow"] == "id:t9"
+            assert shed["replicas_full"] == {"r0": "in_flight"}
