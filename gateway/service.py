@@ -439,6 +439,7 @@ class Gateway:
     def stats_snapshot(self) -> dict[str, Any]:
         """``GET /admin/stats``: per route and per replica, cumulative since start."""
         routes: dict[str, Any] = {}
+        flows = self.flow.snapshot()
         for route in self.routes.routes:
             route.follow_engines()
             tally = self.stats.by_route.get(route.name)
@@ -476,6 +477,8 @@ class Gateway:
                 ),
                 # the block size the route hashes with and each replica's own (disagreements named)
                 "block_size": route.pipeline.block.as_dict() if route.pipeline is not None else None,
+                # held requests while saturated (gateway.flow); the doctor names a saturated route from it
+                "flow_control": flows.get(route.name),
             }
         return {
             "uptime_s": round(time.time() - self.started_at, 3),
@@ -494,7 +497,7 @@ class Gateway:
             "warm_restart": self.warmer.snapshot(),
             "models": self.identities.snapshot(),  # LoRA adapters (and aliases) keyed as their base's engine cache
             "kv_events": self.kv_events.snapshot(),
-            "flow_control": {"enabled": self.flow.enabled, "routes": self.flow.snapshot()},
+            "flow_control": {"enabled": self.flow.enabled, "routes": flows},
         }
 
     def _normalizers(self) -> list[tuple[str, Any]]:
