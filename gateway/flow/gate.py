@@ -40,7 +40,7 @@ from gateway.flow.settings import FlowControlSettings, SaturationSettings
 from gateway.replicas.pool import Replica
 from gateway.routing.plan import Draft, Plan, decide
 from gateway.routing.routes import Route
-from gateway.routing.runner import PolicyRunner
+from gateway.routing.runner import LiveReplicaView, PolicyRunner
 
 log = logging.getLogger("prefix_gateway.flow")
 
@@ -48,36 +48,20 @@ log = logging.getLogger("prefix_gateway.flow")
 RECHECK_S = 0.05
 
 
-class ReplicaSignals:
-    """A replica's load as :mod:`gateway.flow.saturation` reads it (ours and the peers')."""
+class ReplicaSignals(LiveReplicaView):
+    """A replica's load as :mod:`gateway.flow.saturation` reads it: the runner's live view
+    (in flight and queued prefill, ours and the peers'; KV usage) plus the scrape's age."""
 
-    __slots__ = ("replica",)
-
-    def __init__(self, replica: Replica) -> None:
-        self.replica = replica
-
-    @property
-    def in_flight(self) -> int:
-        return self.replica.in_flight + self.replica.peer_in_flight
-
-    @property
-    def pending_prefill_tokens(self) -> int:
-        return self.replica.pending_prefill_tokens + self.replica.peer_pending_prefill_tokens
+    __slots__ = ()
 
     @property
     def waiting(self) -> float | None:
-        engine = self.replica.engine
-        return None if engine is None else engine.waiting
+        return self.num_waiting
 
     @property
     def running(self) -> float | None:
         engine = self.replica.engine
         return None if engine is None else engine.running
-
-    @property
-    def kv_cache_usage(self) -> float | None:
-        engine = self.replica.engine
-        return None if engine is None else engine.kv_cache_usage
 
     @property
     def scraped_at(self) -> float | None:
