@@ -18,6 +18,15 @@ requests leave.  ``affinity_wait_s`` (default 0) lets the head wait that long fo
 favourite first, holding the queue behind it: worth it only where a prefix hit saves more
 than the wait costs everyone behind it (long shared prompts).
 
+Look-past (``lookahead`` W > 1, the policy benchmark's finding): measured on the virtual
+clock, placing the head on whichever replica frees first loses the prefix hits at
+saturation (every replica sits at its limit, and the one that frees is rarely the head's
+prefix holder).  With W > 1 the dispatcher takes the first of the top band's W flow heads,
+in fair order, whose own unrestricted decision (the policy's bounded loads included, so
+it spills as it would unsaturated) is a replica with room; only when none of them is does
+the head spill to a replica with room, after ``affinity_wait_s``.  A flow is overtaken by
+at most W-1 others per dispatch, and FCFS within a flow holds (only heads are candidates).
+
 Admission (:func:`admit`): with nothing queued and room somewhere, a request goes at once
 (the fast path: no queue touched); with the route saturated, a negative-priority request is
 shed (429), anything else queues; with requests already queued, a new one queues behind
@@ -51,7 +60,7 @@ class Placer(Protocol):
 
     def preferred(self, entry: Entry) -> str | None:
         """Where the policy would place ``entry`` over every eligible replica, changing nothing
-        (asked only with ``affinity_wait_s``)."""
+        (asked with ``lookahead`` > 1 or ``affinity_wait_s``)."""
         ...
 
     def place(self, entry: Entry, allowed: Collection[str]) -> Any | None:
@@ -72,12 +81,13 @@ class Step:
 class Dispatcher:
     """Runs dispatch steps over one route's queue."""
 
-    def __init__(self, queue: FlowQueue, affinity_wait_s: float = 0.0) -> None:
+    def __init__(self, queue: FlowQueue, affinity_wait_s: float = 0.0, lookahead: int = 1) -> None:
         self.queue = queue
         self.affinity_wait_s = affinity_wait_s
+        self.lookahead = lookahead
 
     def step(self, placer: Placer, now: float) -> Step:
-        """Expire what is due, then dispatch heads while a replica has room."""
+        """Expire what is due, then dispatch while a replica has room."""
         queue = self.queue
         out = Step(expired=queue.expire(now))
         wait = self.affinity_wait_s
@@ -88,18 +98,31 @@ class Dispatcher:
             room = placer.with_room(now)
             if not room:
                 break
-            if wait > 0 and now < entry.enqueued_at + wait:  # the same sum as wake_at: no float spin
+            chosen, allowed = entry, room
+            if self.lookahead > 1:
+                # look past the head: the first flow head (fair order) whose own decision has room
+                found = None
+                for candidate in queue.candidates(self.lookahead):
+                    favourite = placer.preferred(candidate)
+                    if favourite is None or favourite in room:
+                        found = candidate, (room if favourite is None else (favourite,))
+                        break
+                if found is not None:
+                    chosen, allowed = found
+                elif wait > 0 and now < entry.enqueued_at + wait:  # the same sum as wake_at: no float spin
+                    out.wake_at = entry.enqueued_at + wait  # then the head takes whoever has room
+                    break
+            elif wait > 0 and now < entry.enqueued_at + wait:
                 favourite = placer.preferred(entry)
                 if favourite is not None and favourite not in room:
-                    out.wake_at = entry.enqueued_at + wait  # then it takes whoever has room
+                    out.wake_at = entry.enqueued_at + wait
                     break
-            placement = placer.place(entry, room)
-            popped = queue.pop()
-            assert popped is entry  # nothing changed the queue in between
+            placement = placer.place(chosen, allowed)
+            queue.take(chosen)
             if placement is None:
-                out.unplaceable.append(entry)
+                out.unplaceable.append(chosen)
                 continue
-            out.dispatched.append((entry, placement))
+            out.dispatched.append((chosen, placement))
         deadline = queue.next_deadline()
         if deadline is not None and (out.wake_at is None or deadline < out.wake_at):
             out.wake_at = deadline

@@ -103,7 +103,7 @@ class RouteFlow:
         self.control = control
         settings = control.settings
         self.queue = FlowQueue(settings.band)
-        self.dispatcher = Dispatcher(self.queue, settings.affinity_wait_s)
+        self.dispatcher = Dispatcher(self.queue, settings.affinity_wait_s, settings.lookahead)
         self.labels = FlowLabels(settings.flow_label_limit)
         self.runner: PolicyRunner | None = None  # the newest runner of the route a request came with
         self._watched: list[Replica] = []
@@ -384,6 +384,7 @@ class FlowControl:
         for flow in self.routes.values():
             flow.queue.limits = settings.band
             flow.dispatcher.affinity_wait_s = settings.affinity_wait_s
+            flow.dispatcher.lookahead = settings.lookahead
             flow.labels.limit = settings.flow_label_limit
             if not settings.enabled:
                 flow.release_all()

@@ -152,6 +152,23 @@ class Band:
             self.heap = [(f.entries[seq].tag, seq, f) for f in self.flows.values() for seq in (next(iter(f.entries)),)]
             heapq.heapify(self.heap)
 
+    def heads(self, n: int) -> list[Entry]:
+        """The first ``n`` flows' heads in fair order (least tag first): the only entries that may
+        leave next without breaking FCFS within a flow."""
+        valid = [
+            (tag, seq, flow)
+            for tag, seq, flow in self.heap
+            if flow.entries and next(iter(flow.entries)) == seq and self.flows.get(flow.name) is flow
+        ]
+        return [flow.entries[seq] for _, seq, flow in heapq.nsmallest(n, valid)]
+
+    def take(self, entry: Entry) -> None:
+        """Dispatch ``entry``, a flow head (see :meth:`heads`); the band's clock moves to the least
+        tag queued, so overtaking the head by look-past credits no flow."""
+        head = self.peek()
+        self.clock = max(self.clock, head.tag if head is not None else entry.tag)
+        self._take(entry)
+
     def flow_depths(self) -> dict[str, int]:
         return {name: len(flow.entries) for name, flow in self.flows.items()}
 
@@ -207,6 +224,21 @@ class FlowQueue:
             self.count -= 1
             self._compact()
         return entry
+
+    def candidates(self, n: int) -> list[Entry]:
+        """Up to ``n`` entries that may leave next, in fair order, from the most important non-empty band."""
+        for priority in self._order:
+            band = self.bands[priority]
+            if band.count:
+                return band.heads(n)
+        return []
+
+    def take(self, entry: Entry) -> None:
+        """Dispatch ``entry``, one of :meth:`candidates` (``pop`` is ``take(peek())``)."""
+        self.bands[entry.priority].take(entry)
+        entry.state = DISPATCHED
+        self.count -= 1
+        self._compact()
 
     def remove(self, entry: Entry) -> bool:
         """Take ``entry`` out wherever it is (its client left); False if it was not queued."""

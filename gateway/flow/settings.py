@@ -101,6 +101,12 @@ class FlowControlSettings(_Strict):
         ge=0,
         description="how long the head of the queue may wait for its prefix's replica while another has room",
     )
+    lookahead: int = Field(
+        16,
+        ge=1,
+        le=256,
+        description="flow heads the dispatcher looks at for one whose own decision has room (1: the head only)",
+    )
     flow_label_limit: int = Field(
         16, ge=0, le=1000, description="flows named in metrics per route (the busiest; the rest are 'other')"
     )

@@ -250,3 +250,36 @@ def test_the_affinity_wait_ends_exactly_at_its_wake_time() -> None:
         assert step.dispatched == [] and step.wake_at == t + 0.5
         step = d.step(fleet, now=step.wake_at)
         assert len(step.dispatched) == 1
+
+
+class PrefixFleet(FakeFleet):
+    """Each entry's favourite replica is its item."""
+
+    def preferred(self, entry: Entry) -> str | None:
+        return entry.item
+
+    def place(self, entry: Entry, allowed: Collection[str]) -> str | None:
+        name = entry.item if entry.item in allowed else sorted(allowed)[0]
+        self.free[name] -= 1
+        return name
+
+
+def test_look_past_sends_the_flow_head_whose_prefix_replica_has_room() -> None:
+    q = FlowQueue(limits_of())
+    head = q.push("a", 0, 10, 1, now=0.0, item="r1")  # r1 is full
+    q.push("a", 0, 10, 1, now=0.0, item="r2")  # not a flow head: never overtakes its own flow
+    other = q.push("b", 0, 10, 1, now=0.1, item="r2")
+    fleet = PrefixFleet({"r1": 0, "r2": 1})
+    step = Dispatcher(q, lookahead=16).step(fleet, now=1.0)
+    assert step.dispatched == [(other, "r2")]  # placed where its prefix is, not the head spilled
+    assert q.peek() is head
+    fleet.free["r1"] = 1
+    assert Dispatcher(q, lookahead=16).step(fleet, now=1.1).dispatched == [(head, "r1")]
+    # nobody's favourite has room: the head spills (after affinity_wait_s, here 0)
+    q2 = FlowQueue(limits_of())
+    lone = q2.push("a", 0, 10, 1, now=0.0, item="r1")
+    waiting = Dispatcher(q2, affinity_wait_s=0.5, lookahead=16)
+    spill = PrefixFleet({"r1": 0, "r3": 1})
+    step = waiting.step(spill, now=0.1)
+    assert step.dispatched == [] and step.wake_at == 0.5
+    assert waiting.step(spill, now=0.5).dispatched == [(lone, "r3")]
