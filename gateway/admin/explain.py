@@ -130,7 +130,9 @@ def parse_input_bytes(raw: bytes, limit: int | None = None) -> ExplainInput:
 def explain(gateway: Gateway, request: ExplainInput) -> dict[str, Any]:
     """Dry-run plan of ``request`` and the JSON report (raises the handler's 404/503 errors)."""
     plan = gateway.plan(request.endpoint, request.body, request.headers, "explain", dry_run=True)
-    return build_report(plan)
+    report = build_report(plan)
+    report["flow_control"] = gateway.flow.explain(plan.route, request.headers)
+    return report
 
 
 def build_report(plan: Plan) -> dict[str, Any]:

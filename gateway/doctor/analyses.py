@@ -21,6 +21,7 @@ from gateway.doctor.live_stats import (
     imbalance_spills,
     kv_pressure,
     learned_by_gateway,
+    saturated_route,
     tokenizer_misalignment,
     volatile_from_stats,
     warmup_misses,
@@ -60,6 +61,7 @@ def diagnose(corpus: Corpus) -> Diagnosis:
         findings += tokenizer_misalignment(corpus, info, live)
         findings += kv_pressure(corpus, info, live, samples)
         findings += imbalance_spills(info, live)
+        findings += saturated_route(info, live)
         findings += learned_by_gateway(info, live, samples)
         if not samples:
             findings += volatile_from_stats(info, live)

@@ -321,3 +321,33 @@ def imbalance_spills(info: RouteInfo, live: dict[str, Any]) -> list[Finding]:
             data={"reasons": reasons, "share": round(share, 4)},
         )
     ]
+
+
+def saturated_route(info: RouteInfo, live: dict[str, Any]) -> list[Finding]:
+    """The route is saturated now (flow control holds requests, or would): no cache fix helps the
+    latency there until the fleet has room — name it first, with what was held, shed and expired."""
+    flow = live.get("flow_control")
+    if not isinstance(flow, dict) or not (flow.get("saturated") or flow.get("held")):
+        return []
+    held, shed, expired = flow.get("held") or 0, flow.get("shed") or 0, flow.get("expired") or 0
+    since = flow.get("saturated_for_s")
+    return [
+        Finding(
+            "saturated",
+            info.name,
+            f"route {info.name} is saturated: no eligible replica has room"
+            + (f" (for {since:g} s)" if isinstance(since, (int, float)) else ""),
+            [
+                f"{held} request(s) held in the gateway now; {shed} shed (negative priority), "
+                f"{expired} expired (TTL) since start",
+                "a replica has no room at any flow_control.saturation limit (queued prefill, in flight, "
+                "engine waiting, KV usage, a stale scrape)",
+            ],
+            Fix(
+                summary="add replicas to the route's pool, or raise flow_control.saturation limits if the engines "
+                "still have headroom (see docs/flow-control.md, sizing the thresholds)",
+            ),
+            severity=0.9,
+            data={"held": held, "shed": shed, "expired": expired},
+        )
+    ]

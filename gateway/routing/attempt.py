@@ -19,10 +19,16 @@ class Attempt:
 
     __slots__ = ("_charge", "decision", "plan", "released", "replica", "work_tokens")
 
-    def __init__(self, plan: Plan, decision: Decision, replica: Replica) -> None:
+    def __init__(self, plan: Plan, decision: Decision, replica: Replica, charged: int | None = None) -> None:
+        """``charged``: flow control placed the request and acquired the replica already
+        (``gateway.flow``: counted there at dispatch), with this prefill charge."""
         self.plan, self.decision, self.replica = plan, decision, replica
         ahead = replica.pending_prefill_tokens + replica.peer_pending_prefill_tokens
-        self._charge = plan.route.runner.acquire(replica, plan.request, decision)
+        if charged is None:
+            self._charge = plan.route.runner.acquire(replica, plan.request, decision)
+        else:
+            self._charge = charged
+            ahead -= charged
         #: prefill queued ahead on the replica + this request's (the slow-replica rule's work)
         self.work_tokens = ahead + self._charge if plan.request.prompt_tokens_estimate else None
         self.released = False

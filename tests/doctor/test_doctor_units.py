@@ -256,3 +256,13 @@ def test_user_input_before_shared_instructions_in_a_file(tmp_path: Path) -> None
     first = found["user_first"]
     assert (first["data"]["where"], first["data"]["shared"]) == ("messages[0]", "messages[1]")
     assert first["data"]["estimated_tokens"] >= 400 and first["gain"] > 0.5
+
+
+def test_a_saturated_route_is_named() -> None:
+    flow = {"saturated": True, "held": 12, "shed": 3, "expired": 1, "saturated_for_s": 4.5, "bands": {}}
+    found = _causes(Corpus("test", stats=_stats(flow_control=flow, requests=100)))["saturated"]
+    assert found["route"] == "main" and "saturated" in found["title"] and "4.5 s" in found["title"]
+    assert found["data"] == {"held": 12, "shed": 3, "expired": 1}
+    idle = {"saturated": False, "held": 0, "shed": 0, "expired": 0, "saturated_for_s": None, "bands": {}}
+    assert "saturated" not in _causes(Corpus("test", stats=_stats(flow_control=idle, requests=100)))
+    assert "saturated" not in _causes(Corpus("test", stats=_stats(requests=100)))  # flow control never saw it
