@@ -254,7 +254,7 @@ async def test_each_request_gets_one_access_log_line_without_prompt_text(
     import logging
 
     caplog.set_level(logging.INFO, logger="prefix_gateway.access")
-    stream, (_, picked) = await run(
+    stream, _ = await run(
         gw, em.request_headers(**{"x-request-id": "rid-7"}), em.request_body(em.chat("a secret prompt"))
     )
     await stream.handle(em.response_headers())
