@@ -89,6 +89,7 @@ class PickerStream:
         self.slot: Slot | None = None
         self.reservation: BodyReservation | None = None
         self.ticket: Ticket | None = None
+        self._matched_key: str | None = None  # the client key presented (its hash), for per-key limits
         self.finished = False  # the response ended (or an immediate response was sent)
         self._closed = False
 
@@ -118,7 +119,7 @@ class PickerStream:
 
     def _fail(self, exc: GatewayError) -> list[ep.ProcessingResponse]:
         """An immediate response in OpenAI's shape — while the request phase lasts; once the
-        replica's answer started, the stream can only be ended (see :meth:`abort`)."""
+        replica's answer started, it is raised on: the servicer ends the gRPC stream (Envoy resets)."""
         if exc.route and self.outcome.route == "none":
             self.outcome.route = exc.route
         self.outcome.status, self.outcome.error_kind = exc.status, exc.kind
@@ -164,8 +165,6 @@ class PickerStream:
         if message.request_headers.end_of_stream:
             raise BadRequest("request body is empty; expected a JSON object", code="invalid_json")
         return []  # the headers are answered with the pick, once the body is whole
-
-    _matched_key: str | None = None
 
     def _admit(self) -> None:
         """What the proxy checks before reading a body: process caps (503) and the client key (401)."""
