@@ -45,7 +45,7 @@ from gateway.errors import (
 from gateway.http.capacity import BodyReservation, Slot
 from gateway.limits.admission import Ticket
 from gateway.observe.outcome import Outcome
-from gateway.proxy.handler import dumps, forward_authorization, gateway_headers, upstream_body
+from gateway.proxy.handler import dumps, forward_authorization, gateway_headers, log_fields, upstream_body
 from gateway.proxy.parse import as_utf8, parse_body
 from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
 from gateway.routing.attempt import Attempt
@@ -66,6 +66,7 @@ class PickerStream:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self.t0 = perf_counter()
+        self.t_sent = self.t0  # when the pick went to Envoy (the replica's time to first byte starts there)
         self.outcome = Outcome(route="none", endpoint="", status=0)
         self.headers: dict[str, str] = {}
         self.request_id = ""
@@ -88,6 +89,7 @@ class PickerStream:
         self.slot: Slot | None = None
         self.reservation: BodyReservation | None = None
         self.ticket: Ticket | None = None
+        self._matched_key: str | None = None  # the client key presented (its hash), for per-key limits
         self.finished = False  # the response ended (or an immediate response was sent)
         self._closed = False
 
@@ -117,7 +119,7 @@ class PickerStream:
 
     def _fail(self, exc: GatewayError) -> list[ep.ProcessingResponse]:
         """An immediate response in OpenAI's shape — while the request phase lasts; once the
-        replica's answer started, the stream can only be ended (see :meth:`abort`)."""
+        replica's answer started, it is raised on: the servicer ends the gRPC stream (Envoy resets)."""
         if exc.route and self.outcome.route == "none":
             self.outcome.route = exc.route
         self.outcome.status, self.outcome.error_kind = exc.status, exc.kind
@@ -163,8 +165,6 @@ class PickerStream:
         if message.request_headers.end_of_stream:
             raise BadRequest("request body is empty; expected a JSON object", code="invalid_json")
         return []  # the headers are answered with the pick, once the body is whole
-
-    _matched_key: str | None = None
 
     def _admit(self) -> None:
         """What the proxy checks before reading a body: process caps (503) and the client key (401)."""
@@ -248,7 +248,8 @@ class PickerStream:
         self.phase = "response"
         out = [m.pick_headers(",".join(endpoints), len(payload), self._auth_headers(plan), self._auth_removed(plan))]
         out.extend(m.request_body(payload, True))
-        o.added_s = perf_counter() - t_pick
+        self.t_sent = perf_counter()
+        o.added_s = self.t_sent - t_pick
         return out
 
     def _outside_subset(self, plan: Plan) -> list[str]:
@@ -410,7 +411,7 @@ class PickerStream:
         attempt = self.attempt
         if attempt is not None:
             attempt.answered()
-            attempt.replica.record_ttfb(perf_counter() - self.t0, attempt.work_tokens)
+            attempt.replica.record_ttfb(perf_counter() - self.t_sent, attempt.work_tokens)  # from the pick
         self.outcome.ttft_s = perf_counter() - self.t0
 
     def _response_trailers(self) -> list[ep.ProcessingResponse]:
@@ -455,5 +456,12 @@ class PickerStream:
             o.take_usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
         o.duration_s = perf_counter() - self.t0
         self.gw.record(o, self.plan, self.body)
+        access = self.gw.access_log
+        path = self.headers.get(":path", "")
+        if access.wants(path):
+            client = self.headers.get("x-envoy-external-address") or self.headers.get("x-forwarded-for") or "-"
+            info = log_fields(o)
+            status = info.pop("status", o.status)
+            access.write(client, self.headers.get(":method", ""), path, status, o.duration_s, self.request_id, info)
         if completed and self.plan is not None and o.replica:
             self.gw.warmer.remember(self.plan.route, o.replica, self.plan.request, self.payload)

@@ -116,6 +116,25 @@ def gateway_headers(gw: Gateway, plan: Plan, decision: Decision | None) -> list[
     return headers
 
 
+def log_fields(o: Outcome) -> dict[str, Any]:
+    """What the access log line says of a request beyond method, path and time (never prompt text)."""
+    info: dict[str, Any] = {"route": o.route, "replica": o.replica}
+    if o.reason:
+        info["reason"] = o.reason
+    if o.prompt_tokens is not None:
+        info["prompt_tokens"] = o.prompt_tokens
+        info["cached_tokens"] = o.cached_tokens
+    if o.retries:
+        info["retries"] = o.retries
+    if o.error_kind:
+        info["error"] = o.error_kind
+    if o.status == 499:
+        info["status"] = 499
+    if o.queued_s is not None:
+        info["queued_ms"] = round(o.queued_s * 1000, 1)  # held by flow control (gateway.flow)
+    return info
+
+
 def forward_authorization(gw: Gateway, plan: Plan | None) -> bool:
     """Whether the client's Authorization goes upstream (the route's setting, else upstream's);
     never when the gateway checks client keys: then it is the gateway's own key."""
@@ -630,18 +649,4 @@ class Exchange:
             self.gw.warmer.remember(self.plan.route, o.replica, self.plan.request, self.payload)
         info = self.scope.get(LOG_INFO_KEY)
         if info is not None:
-            info["route"] = o.route
-            info["replica"] = o.replica
-            if o.reason:
-                info["reason"] = o.reason
-            if o.prompt_tokens is not None:
-                info["prompt_tokens"] = o.prompt_tokens
-                info["cached_tokens"] = o.cached_tokens
-            if o.retries:
-                info["retries"] = o.retries
-            if o.error_kind:
-                info["error"] = o.error_kind
-            if o.status == 499:
-                info["status"] = 499
-            if o.queued_s is not None:
-                info["queued_ms"] = round(o.queued_s * 1000, 1)
+            info.update(log_fields(o))

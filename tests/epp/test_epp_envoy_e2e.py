@@ -64,6 +64,10 @@ def test_chat_completions_embeddings_and_models_through_envoy(fleet: ReplicaGrou
         embedding = client.embeddings.create(model=MODEL, input="embed me")
         assert len(embedding.data[0].embedding) > 0
 
+        big = "lorem " * 25_000  # 150 KB: several streamed chunks each way, mutations under 64 KiB
+        long = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": big}], max_tokens=2)
+        assert long.usage.prompt_tokens > 20_000
+
         models = client.models.list()
         assert [m.id for m in models.data] == [MODEL]  # answered by the picker: the fleet's union
 
@@ -71,7 +75,7 @@ def test_chat_completions_embeddings_and_models_through_envoy(fleet: ReplicaGrou
             metrics_url(pk) + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
         ).json()
         main = stats["routes"]["main"]
-        assert main["requests"] == 5 and main["errors"] == 0  # models is not an inference request
+        assert main["requests"] == 6 and main["errors"] == 0  # models is not an inference request
 
 
 def test_bad_input_gets_openai_shaped_errors_through_envoy(fleet: ReplicaGroup, tmp_path: Path) -> None:

@@ -246,3 +246,20 @@ async def test_a_full_process_sheds_with_a_503() -> None:
     holding.close()
     _, (_, again) = await run(gw, em.request_headers(), em.request_body(em.chat()))  # the slot came back
     assert em.picked(again)
+
+
+async def test_each_request_gets_one_access_log_line_without_prompt_text(
+    gw: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="prefix_gateway.access")
+    stream, _ = await run(
+        gw, em.request_headers(**{"x-request-id": "rid-7"}), em.request_body(em.chat("a secret prompt"))
+    )
+    await stream.handle(em.response_headers())
+    await stream.handle(em.response_body(em.completion_reply(40, 32)))
+    stream.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "prefix_gateway.access"]
+    assert len(lines) == 1 and '"POST /v1/chat/completions" 200' in lines[0] and "rid=rid-7" in lines[0]
+    assert "cached_tokens=32" in lines[0] and "secret" not in lines[0]
