@@ -64,7 +64,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import bench_policies as bp  # noqa: E402
 from benchmarks.bench_prefix_path import pct  # noqa: E402
 from benchmarks.replay import wire_body  # noqa: E402
-from benchmarks.workloads import BenchRequest, Workload, build  # noqa: E402
+from benchmarks.workloads import TENANT_HEADER, BenchRequest, Workload, build  # noqa: E402
 from gateway.config import HealthSettings, ReplicaConfig, RouteConfig  # noqa: E402
 from gateway.kv_events.decoder import decode_events  # noqa: E402
 from gateway.kv_events.index import PreciseIndex  # noqa: E402
@@ -333,7 +333,36 @@ def _key_depths(prepared: Any) -> list[int]:
 
 
 # -- the fleet on the virtual clock ------------------------------------------------------------
-ARRIVE, STEP_END, ENQUEUE, FIRST_TOKEN, FINISHED = range(5)  # event kinds
+ARRIVE, STEP_END, ENQUEUE, FIRST_TOKEN, FINISHED, TIMER, SCRAPE = range(7)  # event kinds
+
+
+class Gate(Protocol):
+    """Flow control on the virtual clock (``benchmarks/virtual_flow.py``): a router that holds
+    arrivals at the gateway and places each one when it lets it go (late binding).
+
+    The fleet hands it every arrival, asks it after every event (an arrival, a first token, a
+    finish, an engine step, its own timer, a scrape) which requests leave now, and scrapes the
+    engines for it every ``scrape_interval`` simulated seconds (the gateway's metrics scrape).
+    """
+
+    scrape_interval: float
+
+    def arrive(self, i: int, arrival: Arrival, now: float) -> None:
+        """Request ``i`` reached the gateway."""
+        ...
+
+    def ready(self, now: float) -> Iterator[tuple[int, Routed | None]]:
+        """Requests leaving the gateway now, in order: placed (``Routed``) or refused (None:
+        shed, expired)."""
+        ...
+
+    def wake_at(self) -> float | None:
+        """When the gateway must look again with nothing else happening (the next TTL)."""
+        ...
+
+    def scrape(self, engines: Sequence[Any], now: float) -> None:
+        """The gateway's scrape of every engine's metrics."""
+        ...
 
 
 @dataclass
@@ -346,6 +375,8 @@ class Outcome:
     ttft: float = 0.0
     uncached: int = 0
     wait: float = 0.0  # from reaching the engine to its first scheduling (queueing, KV full)
+    tenant: str | None = None  # the request's tenant (BenchRequest.tenant)
+    refused: bool = False  # answered by the gateway without reaching an engine (shed, TTL expired)
 
 
 @dataclass
@@ -381,17 +412,19 @@ class VirtualFleet:
 
         held: deque[int] = deque()  # arrived, not yet placed (only while the router holds them)
         holds = getattr(router, "holds", None)
+        gate: Gate | None = router if hasattr(router, "ready") else None  # type: ignore[assignment]
+        timers: set[float] = set()  # the gate's wake-ups already on the clock
 
-        def dispatch(i: int, now: float) -> None:
+        def dispatch(i: int, now: float, routed: Routed | None = None) -> None:
             _, req, body, headers = arrivals[i]
-            e, sent, handle = router.route(req, body, headers)
+            e, sent, handle = routed if routed is not None else router.route(req, body, headers)
             replica = replicas[e]
             tokens = _engine_tokens(replica, req.endpoint, sent)
             (ereq,) = replica.engine_requests(tokens, req.max_tokens, "length", 1, seed, now + hop)
             ereq.waiter = _Waiter()
             ereq.stream = True
             meta[id(ereq)] = (i, handle, e)
-            outcomes[i] = Outcome(e, prompt_tokens=len(tokens))
+            outcomes[i] = Outcome(e, prompt_tokens=len(tokens), tenant=req.tenant)
             if hop:
                 later(now + hop, ENQUEUE, (e, ereq))
             else:
@@ -419,14 +452,39 @@ class VirtualFleet:
             duration = engine.step_base_s + prefill / engine.prefill_tps
             later(now + duration, STEP_END, (e, scheduled))
 
+        def let_go(now: float) -> None:
+            """The gate's requests that leave now, placed or refused; its next wake-up on the clock."""
+            assert gate is not None
+            for i, routed in gate.ready(now):
+                if routed is None:
+                    outcomes[i] = Outcome(-1, tenant=arrivals[i][1].tenant, refused=True)
+                else:
+                    dispatch(i, now, routed)
+            wake = gate.wake_at()
+            if wake is not None and wake not in timers:
+                timers.add(wake)
+                later(max(wake, now), TIMER, wake)
+
+        if gate is not None:
+            gate.scrape(engines, 0.0)
+            later(gate.scrape_interval, SCRAPE, None)
         saved = sim_engine.time
         sim_engine.time = SimpleNamespace(monotonic=self.clock.monotonic)  # type: ignore[assignment]
         try:
             while events:
                 now, _, kind, payload = heapq.heappop(events)
                 self.clock.now = now
-                if kind == ARRIVE:
+                if kind == ARRIVE and gate is not None:
+                    gate.arrive(payload, arrivals[payload], now)
+                elif kind == ARRIVE:
                     held.append(payload)
+                elif kind == TIMER:
+                    timers.discard(payload)
+                elif kind == SCRAPE:
+                    assert gate is not None
+                    gate.scrape(engines, now)
+                    if events:  # scrapes go on while anything else will happen
+                        later(now + gate.scrape_interval, SCRAPE, None)
                 elif kind == ENQUEUE:
                     enqueue(*payload, now)
                 elif kind == FIRST_TOKEN:
@@ -458,6 +516,8 @@ class VirtualFleet:
                                 router.finished(handle, out.cached_tokens)
                             del meta[id(ereq)]
                     start_step(e, now)
+                if gate is not None:
+                    let_go(now)
                 # held requests leave in arrival order, each as soon as the router lets it go
                 if held:
                     waiting = list(held)
@@ -469,7 +529,7 @@ class VirtualFleet:
                             dispatch(i, now)
         finally:
             sim_engine.time = saved
-        done = [o for o in outcomes if o is not None]
+        done = [o for o in outcomes if o is not None]  # refused ones included: the gateway answered them
         if len(done) != len(arrivals) or meta:
             raise RuntimeError(f"{len(arrivals) - len(done)} requests never finished")
         return done
@@ -495,6 +555,8 @@ def arrivals_for(wl: Workload, level: str, requests: Sequence[BenchRequest] | No
     for r in reqs:
         body = wire_body(r, bp.MODEL)
         headers = {"x-session-id": r.session} if r.session else {}
+        if r.tenant:
+            headers[TENANT_HEADER] = r.tenant
         out.append(((r.t - t0) * sim_seconds_per_workload_second, r, body, headers))
     return out
 
@@ -518,7 +580,10 @@ def alone_ttft(uncached: int, options: SimOptions) -> float:
 
 
 def summarize(outcomes: Sequence[Outcome], n: int, options: SimOptions | None = None) -> dict[str, Any]:
-    """Hit rate, TTFT percentiles (simulated ms), prefill-work balance and the no-queue floor."""
+    """Hit rate, TTFT percentiles (simulated ms), prefill-work balance and the no-queue floor;
+    per tenant when requests name one; requests the gateway refused counted apart."""
+    refused = [o for o in outcomes if o.refused]
+    outcomes = [o for o in outcomes if not o.refused]
     prompt = sum(o.prompt_tokens for o in outcomes)
     cached = sum(o.cached_tokens for o in outcomes)
     ttfts = [o.ttft for o in outcomes]
@@ -540,7 +605,23 @@ def summarize(outcomes: Sequence[Outcome], n: int, options: SimOptions | None = 
         "alone_p90_ms": 1000 * pct(floor, 0.9),
         "wait_p90_ms": 1000 * pct([o.wait for o in outcomes], 0.9),
         "work_max_mean": max(work) / mean if mean else 1.0,
+        "refused": len(refused),
+        **({"tenants": tenant_figures(outcomes, refused)} if any(o.tenant for o in outcomes) else {}),
     }
+
+
+def tenant_figures(served: Sequence[Outcome], refused: Sequence[Outcome]) -> dict[str, Any]:
+    """Per tenant: requests, refused, TTFT p50/p90 (simulated ms) of those served."""
+    out: dict[str, Any] = {}
+    for name in sorted({o.tenant or "-" for o in [*served, *refused]}):
+        ttfts = [o.ttft for o in served if (o.tenant or "-") == name]
+        out[name] = {
+            "requests": len(ttfts),
+            "refused": sum((o.tenant or "-") == name for o in refused),
+            "ttft_p50_ms": 1000 * pct(ttfts, 0.5) if ttfts else 0.0,
+            "ttft_p90_ms": 1000 * pct(ttfts, 0.9) if ttfts else 0.0,
+        }
+    return out
 
 
 Row = tuple[str, Callable[[], Router], bool]  # name, router factory, oracle
@@ -636,6 +717,22 @@ def print_table(wname: str, level: str, cells: dict[str, Any]) -> None:
             + (f" {100 * s['prediction_error']:7.2f}%" if "prediction_error" in s else f" {'-':>8}")
             + f"  {s['decisions']}"
         )
+        if "tenants" in s or s.get("refused") or "flow" in s:
+            print(f"  {'':<22} " + describe_extras(s))
+
+
+def describe_extras(s: dict[str, Any]) -> str:
+    """The second line of a row: per-tenant TTFT, refused requests, flow control's queue."""
+    parts = [
+        f"{name} p50/p90 {t['ttft_p50_ms']:.0f}/{t['ttft_p90_ms']:.0f} ms ({t['requests']} req)"
+        for name, t in s.get("tenants", {}).items()
+    ]
+    if s.get("refused"):
+        parts.append(f"refused {s['refused']}")
+    flow = s.get("flow")
+    if flow:
+        parts.append(f"flow: queued {flow['queued']}, gateway wait p90 {flow['wait_p90_ms']:.0f} ms")
+    return "; ".join(parts)
 
 
 SUMMARY_SERIES = ("hit_pct_oracle", "hit_points_vs_prefix", "p50_x_prefix", "p90_x_prefix", "p90_x_oracle",
