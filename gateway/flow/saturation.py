@@ -1,0 +1,95 @@
+"""Does a replica have room now; is a route saturated (pure functions over load signals).
+
+Two kinds of signal, read differently:
+
+- the gateway's own counts (requests in flight, uncached prompt tokens sent with no first
+  byte yet — ours and the peers', see ``Replica.pending_prefill_tokens``) change the moment
+  a request is placed, so a dispatcher that places one request after another sees each
+  placement's effect before the next: these are what bound a burst;
+- the engine's scraped numbers (waiting, running, KV usage) lag by up to a scrape interval;
+  they can only say "no room".  A replica whose last scrape is older than
+  ``scrape_stale_s`` has no room either (a scrape that keeps failing leaves the old,
+  possibly idle, numbers behind).  A replica never scraped (scraping off, or not yet)
+  is judged on the gateway's counts alone.
+
+A route is saturated when it has eligible replicas and none of them has room.  The callers pass
+``now`` on the same clock as ``scraped_at`` (``time.monotonic()`` in the gateway, the
+virtual clock in ``benchmarks/bench_virtual.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.flow.settings import SaturationSettings
+
+
+class LoadSignals(Protocol):
+    """What is known of one replica's load (see :class:`Signals`; the gateway adapts ``Replica``)."""
+
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def pending_prefill_tokens(self) -> int: ...
+    @property
+    def waiting(self) -> float | None: ...
+    @property
+    def running(self) -> float | None: ...
+    @property
+    def kv_cache_usage(self) -> float | None: ...
+    @property
+    def scraped_at(self) -> float | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """A plain :class:`LoadSignals` (tests, the virtual-clock benchmark)."""
+
+    in_flight: int = 0
+    pending_prefill_tokens: int = 0
+    waiting: float | None = None
+    running: float | None = None
+    kv_cache_usage: float | None = None
+    scraped_at: float | None = None  # None: never scraped
+
+
+def full_reason(signals: LoadSignals, limits: SaturationSettings, now: float) -> str | None:
+    """Why the replica has no room now (a short fixed word), or None when it has room."""
+    if limits.queued_prefill_tokens and signals.pending_prefill_tokens >= limits.queued_prefill_tokens:
+        return "queued_prefill"
+    if limits.in_flight and signals.in_flight >= limits.in_flight:
+        return "in_flight"
+    scraped_at = signals.scraped_at
+    if scraped_at is None:
+        return None
+    if limits.scrape_stale_s and now - scraped_at > limits.scrape_stale_s:
+        return "stale"
+    waiting = signals.waiting
+    if limits.waiting and waiting is not None and waiting >= limits.waiting:
+        return "waiting"
+    running = signals.running
+    if limits.running and running is not None and running >= limits.running:
+        return "running"
+    usage = signals.kv_cache_usage
+    if limits.kv_cache_usage and usage is not None and usage >= limits.kv_cache_usage:
+        return "kv_cache"
+    return None
+
+
+def has_room(signals: LoadSignals, limits: SaturationSettings, now: float) -> bool:
+    return full_reason(signals, limits, now) is None
+
+
+def saturated(replicas: Iterable[LoadSignals], limits: SaturationSettings, now: float) -> bool:
+    """Every replica of ``replicas`` (a route's eligible ones) has no room.
+
+    False for none at all: a route without an eligible replica is not saturated but down
+    (the runner answers 503 ``no_healthy_replica``); queueing would only delay that."""
+    seen = False
+    for r in replicas:
+        if full_reason(r, limits, now) is None:
+            return False
+        seen = True
+    return seen

@@ -1,0 +1,238 @@
+"""The pure flow-control core: saturation, the fair priority queue, the dispatcher, classification."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.flow.classify import classify, vllm_priority
+from gateway.flow.dispatch import Dispatcher, admit
+from gateway.flow.queue import DISPATCHED, EXPIRED, REMOVED, Entry, FlowQueue, QueueFull
+from gateway.flow.saturation import Signals, full_reason, has_room, saturated
+from gateway.flow.settings import FlowControlSettings, SaturationSettings
+
+
+def limits_of(max_requests: int = 1000, max_bytes: int = 10**9, ttl: float = 30.0):
+    return lambda priority: (max_requests, max_bytes, ttl)
+
+
+# -- saturation --------------------------------------------------------------------------
+def test_room_from_the_gateways_own_counts() -> None:
+    limits = SaturationSettings(queued_prefill_tokens=1000, in_flight=4, waiting=0, kv_cache_usage=0)
+    assert has_room(Signals(in_flight=3, pending_prefill_tokens=999), limits, 0.0)
+    assert full_reason(Signals(pending_prefill_tokens=1000), limits, 0.0) == "queued_prefill"
+    assert full_reason(Signals(in_flight=4), limits, 0.0) == "in_flight"
+
+
+def test_scraped_numbers_only_say_no_room_and_stale_ones_count_as_full() -> None:
+    limits = SaturationSettings(waiting=2, running=10, kv_cache_usage=0.9, scrape_stale_s=5)
+    fresh = dict(scraped_at=100.0)
+    assert has_room(Signals(waiting=1, running=9, kv_cache_usage=0.5, **fresh), limits, 101.0)
+    assert full_reason(Signals(waiting=2, **fresh), limits, 101.0) == "waiting"
+    assert full_reason(Signals(running=10, **fresh), limits, 101.0) == "running"
+    assert full_reason(Signals(kv_cache_usage=0.95, **fresh), limits, 101.0) == "kv_cache"
+    assert full_reason(Signals(waiting=0, **fresh), limits, 105.5) == "stale"
+    # never scraped (scraping off): judged on the gateway's counts alone
+    assert has_room(Signals(), limits, 1e9)
+
+
+def test_a_route_is_saturated_when_no_replica_has_room() -> None:
+    limits = SaturationSettings(in_flight=1)
+    assert saturated([Signals(in_flight=1), Signals(in_flight=2)], limits, 0.0)
+    assert not saturated([Signals(in_flight=1), Signals(in_flight=0)], limits, 0.0)
+    assert not saturated([], limits, 0.0)  # no eligible replica: down (503), not saturated
+
+
+# -- the queue ---------------------------------------------------------------------------
+def test_strict_priority_between_bands_fcfs_within_a_flow() -> None:
+    q = FlowQueue(limits_of())
+    low = [q.push("a", 0, 10, 1, now=float(i)) for i in range(3)]
+    high = q.push("b", 5, 10, 1, now=10.0)
+    sheddable = q.push("c", -1, 10, 1, now=0.0)
+    assert q.pop() is high
+    assert [q.pop() for _ in range(3)] == low
+    assert q.pop() is sheddable
+    assert q.pop() is None and len(q) == 0
+
+
+def test_fair_share_of_prompt_work_between_flows() -> None:
+    """A flood of 10x the requests gets one share of the dispatched work, not ten."""
+    q = FlowQueue(limits_of())
+    for i in range(100):
+        q.push("flood", 0, 100, 1, now=0.0, item=i)
+    for i in range(10):
+        q.push("quiet", 0, 100, 1, now=0.0, item=i)
+    first = [q.pop().flow for _ in range(20)]  # type: ignore[union-attr]
+    assert Counter(first) == {"flood": 10, "quiet": 10}
+    # by work, not by requests: a flow with 4x longer prompts gets a quarter of the requests
+    q = FlowQueue(limits_of())
+    for _ in range(50):
+        q.push("long", 0, 400, 1, now=0.0)
+        q.push("short", 0, 100, 1, now=0.0)
+    picks = Counter(q.pop().flow for _ in range(25))  # type: ignore[union-attr]
+    assert picks["short"] == 20 and picks["long"] == 5
+
+
+def test_an_idle_flow_banks_no_credit_and_waits_behind_no_backlog() -> None:
+    q = FlowQueue(limits_of())
+    for _ in range(50):
+        q.push("flood", 0, 100, 1, now=0.0)
+    for _ in range(30):
+        q.pop()
+    late = q.push("quiet", 0, 100, 1, now=1.0)
+    # it starts at the band's clock: next or the one after, never behind the 20 left
+    assert late in (q.pop(), q.pop())
+
+
+def test_bounds_in_requests_and_bytes_per_band() -> None:
+    q = FlowQueue(lambda p: (2, 100, 30.0) if p == 0 else (10, 1000, 30.0))
+    q.push("a", 0, 1, 10, now=0.0)
+    q.push("a", 0, 1, 10, now=0.0)
+    with pytest.raises(QueueFull) as full:
+        q.push("a", 0, 1, 10, now=0.0)
+    assert full.value.what == "requests"
+    q.push("a", 1, 1, 900, now=0.0)  # another band, its own bounds
+    with pytest.raises(QueueFull) as full:
+        q.push("a", 1, 1, 101, now=0.0)
+    assert full.value.what == "bytes"
+
+
+def test_remove_from_anywhere_and_expiry() -> None:
+    q = FlowQueue(lambda p: (100, 10**6, 5.0))
+    a = q.push("f", 0, 1, 1, now=0.0)
+    b = q.push("f", 0, 1, 1, now=1.0)
+    c = q.push("f", 0, 1, 1, now=2.0)
+    assert q.remove(b) and b.state == REMOVED and not q.remove(b)
+    assert q.remove(a)  # the head: the flow's next one becomes the head
+    assert q.next_deadline() == 7.0
+    assert q.expire(6.9) == []
+    assert q.expire(7.0) == [c] and c.state == EXPIRED
+    assert len(q) == 0 and q.peek() is None and q.next_deadline() is None
+
+
+def test_snapshot_and_ahead_of() -> None:
+    q = FlowQueue(limits_of())
+    q.push("a", 1, 1, 5, now=0.0)
+    q.push("b", 1, 1, 5, now=0.0)
+    e = q.push("c", 0, 1, 7, now=0.0)
+    assert q.ahead_of(e) == {1: 2}
+    snap = q.snapshot()
+    assert snap[1] == {"depth": 2, "bytes": 10, "flows": {"a": 1, "b": 1}}
+    assert snap[0]["depth"] == 1
+
+
+def test_many_flows_stay_cheap_and_consistent() -> None:
+    q = FlowQueue(limits_of(max_requests=100_000))
+    entries = [q.push(f"f{i % 500}", i % 3, 1 + i % 7, 10, now=i * 1e-3) for i in range(5000)]
+    for e in entries[::3]:
+        q.remove(e)
+    seen = 0
+    last_priority = 10
+    while (e := q.pop()) is not None:
+        assert e.state == DISPATCHED
+        assert e.priority <= last_priority
+        last_priority = e.priority
+        seen += 1
+    assert seen == 5000 - len(entries[::3])
+
+
+# -- dispatch ----------------------------------------------------------------------------
+class FakeFleet:
+    """Replicas with a slot count each; ``favourite`` says where the policy would go."""
+
+    def __init__(self, slots: dict[str, int], favourite: str | None = None) -> None:
+        self.free = dict(slots)
+        self.favourite = favourite
+        self.placed: list[tuple[object, str]] = []
+
+    def with_room(self, now: float) -> Collection[str]:
+        return [name for name, n in self.free.items() if n > 0]
+
+    def preferred(self, entry: Entry) -> str | None:
+        return self.favourite
+
+    def place(self, entry: Entry, allowed: Collection[str]) -> str | None:
+        name = self.favourite if self.favourite in allowed else sorted(allowed)[0]
+        self.free[name] -= 1
+        self.placed.append((entry.item, name))
+        return name
+
+
+def test_admission() -> None:
+    assert admit(saturated=False, queued=0, priority=-5) == "direct"
+    assert admit(saturated=False, queued=3, priority=0) == "queue"
+    assert admit(saturated=True, queued=0, priority=0) == "queue"
+    assert admit(saturated=True, queued=0, priority=-1) == "shed"
+
+
+def test_dispatch_fills_the_room_there_is_in_queue_order() -> None:
+    q = FlowQueue(limits_of(ttl=10.0))
+    for i in range(5):
+        q.push("f", 0, 1, 1, now=0.0, item=i)
+    fleet = FakeFleet({"r1": 1, "r2": 2})
+    step = Dispatcher(q).step(fleet, now=1.0)
+    assert [e.item for e, _ in step.dispatched] == [0, 1, 2]
+    assert sorted(p for _, p in step.dispatched) == ["r1", "r2", "r2"]
+    assert len(q) == 2 and step.wake_at == 10.0  # the TTL of what is left
+
+
+def test_late_binding_goes_to_the_favourite_once_it_has_room() -> None:
+    q = FlowQueue(limits_of())
+    q.push("f", 0, 1, 1, now=0.0, item="x")
+    fleet = FakeFleet({"r1": 0, "r2": 1}, favourite="r1")
+    d = Dispatcher(q, affinity_wait_s=0.5)
+    step = d.step(fleet, now=0.1)
+    assert step.dispatched == [] and step.wake_at == 0.5  # waits for r1 a while
+    fleet.free["r1"] = 1
+    assert [p for _, p in d.step(fleet, now=0.2).dispatched] == ["r1"]
+    # without the wait (the default) it takes the free replica at once
+    q.push("f", 0, 1, 1, now=0.0, item="y")
+    fleet.free = {"r1": 0, "r2": 1}
+    assert [p for _, p in Dispatcher(q).step(fleet, now=0.0).dispatched] == ["r2"]
+    # and after the wait, too
+    q.push("f", 0, 1, 1, now=0.0, item="z")
+    fleet.free = {"r1": 0, "r2": 1}
+    assert [p for _, p in d.step(fleet, now=0.6).dispatched] == ["r2"]
+
+
+def test_dispatch_expires_first() -> None:
+    q = FlowQueue(limits_of(ttl=1.0))
+    old = q.push("f", 0, 1, 1, now=0.0)
+    new = q.push("f", 0, 1, 1, now=0.5)
+    step = Dispatcher(q).step(FakeFleet({"r1": 5}), now=1.2)
+    assert step.expired == [old] and [e for e, _ in step.dispatched] == [new]
+
+
+# -- classification and settings ---------------------------------------------------------
+def test_priority_from_objective_key_or_route() -> None:
+    key = "ab" * 32
+    s = FlowControlSettings(objectives={"chat": 10, "batch": -1}, api_key_priorities={key: 3})
+    assert classify(s, {"x-llm-d-inference-objective": "chat"}, "r").priority == 10
+    assert classify(s, {"x-gateway-inference-objective": "batch"}, "r").priority == -1  # legacy header
+    assert classify(s, {"x-llm-d-inference-objective": "typo"}, "r", key_hash=key).priority == 3
+    assert classify(s, {}, "r", route_default=2).priority == 2
+    assert classify(s, {}, "r").priority == 0
+    assert vllm_priority(10) == "-10"
+
+
+def test_flow_from_fairness_header_key_or_route() -> None:
+    s = FlowControlSettings()
+    assert classify(s, {"x-llm-d-inference-fairness-id": "t1"}, "r").flow == "id:t1"
+    assert classify(s, {"x-gateway-inference-fairness-id": "t2"}, "r").flow == "id:t2"
+    key = "cd" * 32
+    flow = classify(s, {}, "r", key_hash=key).flow
+    assert flow.startswith("key:") and key not in flow  # never the whole hash, never the key
+    assert classify(s, {}, "r").flow == "route:r"
+
+
+def test_settings_are_strict() -> None:
+    with pytest.raises(ValidationError):
+        FlowControlSettings(unknown=1)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError):
+        FlowControlSettings(api_key_priorities={"not-a-hash": 1})
+    s = FlowControlSettings(bands={5: {"max_requests": 3, "ttl_s": 2.0}})  # type: ignore[dict-item]
+    assert s.band(5) == (3, s.max_bytes_per_band, 2.0)
+    assert s.band(0) == (s.max_requests_per_band, s.max_bytes_per_band, s.ttl_s)
