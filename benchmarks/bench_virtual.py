@@ -44,11 +44,12 @@ import argparse
 import contextlib
 import heapq
 import json
+import math
 import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -85,7 +86,15 @@ from gateway.sim.options import SimOptions  # noqa: E402
 from gateway.sim.replica import Replica as SimReplica  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-DEFAULT_WORKLOADS = ("mooncake_synthetic", "mooncake_conversation", "rag", "agent_long", "agent", "agent_toolloop")
+DEFAULT_WORKLOADS = (
+    "mooncake_synthetic",
+    "mooncake_conversation",
+    "rag",
+    "agent_long",
+    "agent",
+    "agent_toolloop",
+    "tenants",
+)
 QUICK_SIZE = 0.5
 ALIGNED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # keyed with the simulator's own tokens (SimOptions.tokenizer)
 
@@ -213,11 +222,13 @@ class GatewayRouter:
         _, replica = self.route_.runner.decide(view, dry_run=True)
         return replica.pending_prefill_tokens > self.hold_tokens
 
-    def route(self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]) -> Routed:
+    def route(
+        self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str], exclude: Collection[str] = ()
+    ) -> Routed:
         view, sent = self._view(req, body, headers)
         self._prepared.pop(id(req), None)
         route = self.route_
-        decision, replica = route.runner.decide(view)
+        decision, replica = route.runner.decide(view, exclude)
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
         predicted = int(decision.detail.get("predicted_cached_tokens", 0))
         self.predicted_tokens += predicted
@@ -463,7 +474,8 @@ class VirtualFleet:
             wake = gate.wake_at()
             if wake is not None and wake not in timers:
                 timers.add(wake)
-                later(max(wake, now), TIMER, wake)
+                # the clock must move on: a wake-up already due is looked at one tick later
+                later(max(wake, math.nextafter(now, math.inf)), TIMER, wake)
 
         if gate is not None:
             gate.scrape(engines, 0.0)
@@ -638,6 +650,8 @@ def rows_for(
     salts: int = 1,
     precise: bool = False,
     project: bool = False,
+    flow: bool = False,
+    flow_variants: Sequence[str] = (),
 ) -> list[Row]:
     """The rows of one workload: ``prefix``, the variants and hold rows (each also on ``salts``
     - 1 more ring instances, see :func:`salted_ring`), the peers, the oracle."""
@@ -659,6 +673,16 @@ def rows_for(
             gateway_rows.append(
                 ("precise_projected", partial(ProjectedGatewayRouter, "prefix", wl.normalize, {}, n, **aligned))
             )
+    if flow:  # flow control as shipped in front of the `prefix` route (benchmarks/virtual_flow.py)
+        from benchmarks.virtual_flow import ROW, FlowGatewayRouter
+
+        gateway_rows.append((ROW, partial(FlowGatewayRouter, "prefix", wl.normalize, {}, n)))
+    for spec in flow_variants:  # other flow-control settings, for tuning its defaults
+        from benchmarks.virtual_flow import FlowGatewayRouter, parse_flow_variant
+
+        name, settings, proposal = parse_flow_variant(spec)
+        router = partial(FlowGatewayRouter, "prefix", wl.normalize, {}, n, flow=settings, proposal=proposal)
+        gateway_rows.append((name, router))
     for spec in hold:
         tokens, _, fleet = str(spec).partition(":")
         name = f"prefix_hold{float(tokens):g}" + (f"_fleet{float(fleet):g}" if fleet else "")
@@ -688,6 +712,8 @@ def run_level(wl: Workload, level: str, rows: Sequence[Row], hop_ms: float = 0.0
         fleet = VirtualFleet([sim_options(oracle) for _ in range(n)])
         stats = summarize(fleet.run(arrivals, router, 0.0 if oracle else hop), n, fleet.options[0])
         stats["decisions"] = dict(sorted(getattr(router, "reasons", {}).items()))
+        if hasattr(router, "figures"):  # flow control's queue
+            stats["flow"] = router.figures()
         predicted = getattr(router, "predicted_tokens", None)
         if predicted is not None and stats["prompt_tokens"]:
             # what the gateway told /admin/stats it expected, against what the engines reported
@@ -891,6 +917,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="with --precise: add `precise_projected` (kv_events.project_evictions on, experimental)",
     )
+    parser.add_argument("--flow", action="store_true",
+                        help="add `prefix+flow` (flow control as shipped in front of `prefix`) and print issue 26's "
+                        "verdict per workload and level (median over --seeds)")  # fmt: skip
+    parser.add_argument("--flow-variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="a flow-control row `prefix+NAME` with other settings (dotted keys for sections: "
+                        "saturation.queued_prefill_tokens=8192); repeatable")  # fmt: skip
     parser.add_argument("--salts", type=int, default=1, metavar="N",
                         help="run every gateway row on N ring instances (the same rules, the ring's points hashed "
                         "with salts 1..N-1 as rows ROW~1..): hit rates then come with their spread between equally "
@@ -922,7 +954,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_seed = []
             for seed in range(args.seeds):
                 wl = build(wname, size=size * bp.LEVEL_SIZE[level], seed=seed)
-                rows = rows_for(wl, variants, not args.no_peers, args.hold, args.salts, args.precise, args.project)
+                extra = {"precise": args.precise, "project": args.project, "flow": args.flow}
+                rows = rows_for(wl, variants, not args.no_peers, args.hold, args.salts, **extra,
+                                flow_variants=args.flow_variant)  # fmt: skip
                 cells = run_level(wl, level, rows, args.hop_ms)
                 per_seed.append(cells)
                 print_table(f"{wname} (seed {seed})", level, cells)
@@ -932,6 +966,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["workloads"][wname][level] = {"seeds": per_seed, "summary": summary, "ensemble": ensemble}
             if medians:
                 results["workloads"][wname][level]["precise_medians"] = medians
+            if args.flow:
+                from benchmarks.virtual_flow import print_verdict, verdict
+
+                judged = results["workloads"][wname][level]["flow_verdict"] = verdict(per_seed, level)
+                print_verdict(wname, level, judged)
             if args.seeds > 1:
                 print_summary(wname, level, summary)
                 if medians:
