@@ -26,6 +26,7 @@ from gateway.config.reload import Reloader
 from gateway.discovery.build import build_sources
 from gateway.discovery.membership import Membership
 from gateway.errors import ModelNotFound
+from gateway.flow.gate import FlowControl
 from gateway.http.capacity import Capacity
 from gateway.kv_events.metrics import KvEventsCollector
 from gateway.kv_events.service import KvEvents
@@ -53,7 +54,7 @@ from gateway.replicas.monitor import ReplicaMonitor
 from gateway.replicas.outlier import Fleet
 from gateway.replicas.pool import Replica
 from gateway.replicas.warmup import Warmer
-from gateway.routing.plan import Plan
+from gateway.routing.plan import Draft, Plan, decide
 from gateway.routing.routes import Route, RouteTable, build_route, carry_route, request_view
 from gateway.routing.shared import prefix_demands, prefix_indexes, prefix_key_caps, prefix_learners
 from gateway.state.affinity_sync import AffinitySync
@@ -161,6 +162,8 @@ class Gateway:
         self.metrics.registry.register(MembershipCollector(self.membership, lambda: self.reloads))
         self.metrics.registry.register(WarmupCollector(self.warmer))
         self.metrics.registry.register(KvEventsCollector(self.kv_events))
+        #: held requests while a route is saturated (gateway.flow); per route name, kept across reloads
+        self.flow = FlowControl(config.flow_control, self.metrics.registry)
         self.started_at = time.time()
 
     def _build_limiter(self, env: Mapping[str, str]) -> KeyLimiter:
@@ -239,6 +242,7 @@ class Gateway:
         self.kv_events.attach(routes, _deepest_window(effective))
         self.membership.refresh_pools()
         self.admin_keys, self.client_keys = admin_keys, client_keys
+        self.flow.configure(effective.flow_control)
         _redeclare_routes(self.metrics, old_routes, self.routes.routes)
         if self.state_sync is not None:
             routes = self.routes.routes
@@ -330,7 +334,7 @@ class Gateway:
             except Exception:  # never stop refreshing over one bad listing
                 log.exception("refreshing max_model_len and LoRA adapters from /v1/models failed")
 
-    def check_context(self, plan: Plan, body: Mapping[str, Any]) -> None:
+    def check_context(self, plan: Plan | Draft, body: Mapping[str, Any]) -> None:
         """400 ``context_length_exceeded`` when the prompt certainly cannot fit (see ``gateway.limits.context``)."""
         if self.context is None:
             return
@@ -361,7 +365,9 @@ class Gateway:
         *,
         dry_run: bool = False,
     ) -> Plan:
-        """Route, prepare (normalize/tokenize/hash when the policy needs keys) and decide.
+        """Route, prepare (normalize/tokenize/hash when the policy needs keys) and decide:
+        :meth:`prepare` then :meth:`decide` (the proxy calls them apart, with flow control's
+        queue in between while the route is saturated).
 
         ``body`` must have passed ``gateway.proxy.parse.parse_body``; ``headers`` have
         lower-case names.  Raises ``ModelNotFound`` (404) or ``NoHealthyReplica`` (503).
@@ -369,6 +375,18 @@ class Gateway:
         ``dry_run`` (``/admin/explain``): then nothing advances or is recorded, and the next
         real request is decided as if this plan had never been made.
         """
+        return self.decide(self.prepare(endpoint, body, headers, request_id, dry_run=dry_run), dry_run=dry_run)
+
+    def prepare(
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        request_id: str = "",
+        *,
+        dry_run: bool = False,
+    ) -> Draft:
+        """Route and prepare, deciding nothing (see :meth:`plan`)."""
         model = body["model"]
         route = self.route_for(endpoint, model, headers)
         prepared = None
@@ -376,8 +394,10 @@ class Gateway:
             route.follow_engines()  # block_size: auto — the replicas' own, as last scraped
             prepared = route.pipeline.prepare(endpoint, body, learn=not dry_run)  # type: ignore[union-attr]
         request = request_view(route.name, endpoint, body, prepared, headers.get(route.session_header), request_id)
-        decision, replica = route.runner.decide(request, dry_run=dry_run)
-        return Plan(route, endpoint, prepared, request, decision, replica)
+        return Draft(route, endpoint, prepared, request)
+
+    #: place a prepared request (see :func:`gateway.routing.plan.decide`)
+    decide = staticmethod(decide)
 
     # -- recording ---------------------------------------------------------------------
     def record(self, outcome: Outcome, plan: Plan | None = None, body: Mapping[str, Any] | None = None) -> None:
@@ -474,6 +494,7 @@ class Gateway:
             "warm_restart": self.warmer.snapshot(),
             "models": self.identities.snapshot(),  # LoRA adapters (and aliases) keyed as their base's engine cache
             "kv_events": self.kv_events.snapshot(),
+            "flow_control": {"enabled": self.flow.enabled, "routes": self.flow.snapshot()},
         }
 
     def _normalizers(self) -> list[tuple[str, Any]]:

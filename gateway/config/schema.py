@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from gateway.config.errors import ConfigError
 from gateway.discovery.settings import DiscoveryConfig
+from gateway.flow.settings import FlowControlSettings, RouteFlowSettings
 from gateway.kv_events.settings import KvEventsSettings
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 
@@ -647,6 +648,9 @@ class RouteConfig(_Strict):
     )
     normalize: NormalizeSettings = Field(default_factory=NormalizeSettings, description="volatile-span handling")
     prefix: PrefixSettings = Field(default_factory=PrefixSettings, description="prefix tokenization and keying")
+    flow_control: RouteFlowSettings = Field(
+        default_factory=RouteFlowSettings, description="this route's default priority and X-Vllm-Priority forwarding"
+    )
     warm_restart: WarmRestartSettings | None = Field(
         None, description="this route's warm-restart settings (null: the top-level warm_restart)"
     )
@@ -669,6 +673,10 @@ class GatewayConfig(_Strict):
     kv_events: KvEventsSettings = Field(
         default_factory=KvEventsSettings,
         description="precise routing from the replicas' KV cache events (vLLM --kv-events-config)",
+    )
+    flow_control: FlowControlSettings = Field(
+        default_factory=FlowControlSettings,
+        description="hold requests while a route is saturated; dispatch by priority and per-tenant fairness",
     )
     replicas: list[ReplicaConfig] = Field(
         default_factory=list, description="static replicas (at least one, unless discovery sources are set)"

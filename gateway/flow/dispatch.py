@@ -88,7 +88,7 @@ class Dispatcher:
             room = placer.with_room(now)
             if not room:
                 break
-            if wait > 0 and now - entry.enqueued_at < wait:
+            if wait > 0 and now < entry.enqueued_at + wait:  # the same sum as wake_at: no float spin
                 favourite = placer.preferred(entry)
                 if favourite is not None and favourite not in room:
                     out.wake_at = entry.enqueued_at + wait  # then it takes whoever has room

@@ -29,6 +29,7 @@ class Outcome:
     duration_s: float = 0.0
     ttft_s: float | None = None
     added_s: float | None = None  # time the gateway itself spent (before + after the upstream call)
+    queued_s: float | None = None  # time held in flow control's queue (None: not held)
 
     @property
     def status_class(self) -> str:

@@ -29,6 +29,7 @@ from gateway.errors import (
     Unauthorized,
     error_bytes,
 )
+from gateway.flow.classify import classify, vllm_priority
 from gateway.http.capacity import BodyReservation, Slot
 from gateway.limits.admission import Ticket
 from gateway.observe.outcome import Outcome
@@ -36,7 +37,7 @@ from gateway.proxy.parse import as_utf8, parse_body, read_body
 from gateway.proxy.usage import StreamRelay, Usage, sniff_json_usage
 from gateway.replicas.pool import Replica
 from gateway.routing.base import Decision
-from gateway.routing.plan import Plan
+from gateway.routing.plan import Draft, Plan
 from gateway.routing.runner import PolicyRunner
 from gateway.service import ENDPOINT_PATHS, Gateway
 from gateway.upstream.client import UpstreamResponse
@@ -151,6 +152,10 @@ class Exchange:
         self.slot: Slot | None = None  # a place among server.max_concurrency (gateway.http.capacity)
         self.reservation: BodyReservation | None = None  # body bytes against server.max_buffered_body_bytes
         self.payload = b""  # the bytes sent upstream (warm restarts may keep them to replay)
+        self._precharged: int | None = None  # flow control placed it and counted it on its replica already
+        self.queued_s = 0.0  # time held in flow control's queue (not the gateway's own latency)
+        self.flow_note = ""  # explain's line for a held request
+        self.priority: int | None = None  # flow-control priority, once known
 
     # -- driver ------------------------------------------------------------------------
     async def run(self) -> None:
@@ -227,20 +232,42 @@ class Exchange:
         body = self.body = parse_body(raw, self.endpoint)
         if gw.config.logging.log_prompts and log.isEnabledFor(logging.DEBUG):
             log.debug("request %s body: %s", self.request_id, raw[:8192].decode("utf-8", "replace"))
-        plan = self.plan = gw.plan(self.endpoint, body, self.headers, self.request_id)
+        draft = gw.prepare(self.endpoint, body, self.headers, self.request_id)
         o = self.outcome
-        o.route, o.policy, o.stream = plan.route.name, plan.route.policy, plan.request.stream
-        if plan.prepared is not None and plan.prepared.normalized:
-            o.normalize_mode, o.normalized = plan.route.normalize_mode, plan.prepared.normalized
-        gw.check_context(plan, body)
+        o.route, o.policy, o.stream = draft.route.name, draft.route.policy, draft.request.stream
+        if draft.prepared is not None and draft.prepared.normalized:
+            o.normalize_mode, o.normalized = draft.route.normalize_mode, draft.prepared.normalized
+        gw.check_context(draft, body)
+        # before a wait in flow control's queue: a client that leaves there leaves the queue at once
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
+        plan = self.plan = await self._place(draft, matched, len(raw))
         payload, strip = upstream_body(raw, body, plan, gw.config.upstream.stream_usage)
         self.payload = payload
-        self._watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
         response = await self._send_upstream(plan, payload)
         if plan.request.stream and response.status == 200 and "event-stream" in (response.content_type or ""):
             await self._relay_stream(response, strip)
         else:
             await self._relay_whole(response)
+
+    async def _place(self, draft: Draft, key_hash: str | None, size: int) -> Plan:
+        """Decide now, or — the route saturated — wait in flow control's queue to be placed
+        when a replica has room (``gateway.flow``)."""
+        gw = self.gw
+        flow = gw.flow
+        if not flow.enabled:
+            return gw.decide(draft)
+        route_flow = flow.of(draft.route.name)
+        if route_flow.clear(draft.route.runner, flow.clock()):  # the fast path: nothing queued, room left
+            return gw.decide(draft)
+        t = perf_counter()
+        placement = await route_flow.wait(draft, self.headers, key_hash, size)
+        self.queued_s = perf_counter() - t
+        if placement.charge >= 0:
+            self._precharged = placement.charge  # counted on its replica at placement (see RouteFlow.place)
+        self.outcome.queued_s = placement.waited_s
+        self.flow_note = placement.note
+        self.priority = placement.priority
+        return placement.plan
 
     async def _watch_disconnect(self, task: asyncio.Task[Any] | None) -> None:
         while True:
@@ -256,7 +283,11 @@ class Exchange:
         self.decision, self.replica = decision, replica
         # the runner owns both halves: acquire here, release in _let_go
         ahead = replica.pending_prefill_tokens + replica.peer_pending_prefill_tokens
-        self._prefill_charge = plan.route.runner.acquire(replica, plan.request, decision)
+        if self._precharged is not None:  # placed by flow control: already counted there
+            self._prefill_charge, self._precharged = self._precharged, None
+            ahead -= self._prefill_charge
+        else:
+            self._prefill_charge = plan.route.runner.acquire(replica, plan.request, decision)
         self._work_tokens = ahead + self._prefill_charge if plan.request.prompt_tokens_estimate else None
         # from now on the request has reached a replica: an abort is counted there, not as "none"
         self._note_decision()
@@ -288,12 +319,26 @@ class Exchange:
             value = client.get(name)
             if value is not None:
                 headers[name] = value
+        plan = self.plan
+        if plan is not None and plan.route.config.flow_control.forward_priority:
+            for name in [n for n in headers if n.lower() == "x-vllm-priority"]:
+                del headers[name]  # the gateway's priority, not the client's
+            headers["X-Vllm-Priority"] = vllm_priority(self._priority(plan))
         auth = self.headers.get("authorization") if self._forward_authorization() else None
         if auth:
             headers["Authorization"] = auth
         elif replica.auth_header:
             headers["Authorization"] = replica.auth_header
         return headers
+
+    def _priority(self, plan: Plan) -> int:
+        """The request's flow-control priority (known already if it was held)."""
+        if self.priority is None:
+            gw = self.gw
+            key = gw.client_keys.identify(self.headers.get("authorization")) if gw.client_keys.enabled else None
+            default = plan.route.config.flow_control.default_priority
+            self.priority = classify(gw.flow.settings, self.headers, plan.route.name, default, key).priority
+        return self.priority
 
     def _forward_authorization(self) -> bool:
         if self.gw.client_keys.enabled:
@@ -479,7 +524,7 @@ class Exchange:
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
         self.done = True
         await self.send({"type": "http.response.body", "body": data, "more_body": False})
-        self.added = (self.t_upstream - self.t0) + (perf_counter() - t_back)
+        self.added = (self.t_upstream - self.t0 - self.queued_s) + (perf_counter() - t_back)
 
     def _shape_upstream_error(self, status: int) -> bytes:
         """An OpenAI-shaped body for a replica's bare non-2xx answer (empty, HTML, a redirect).
@@ -523,7 +568,7 @@ class Exchange:
                         if first:
                             now = perf_counter()
                             self.outcome.ttft_s = now - self.t0
-                            self.added = (self.t_upstream - self.t0) + (now - t_in)
+                            self.added = (self.t_upstream - self.t0 - self.queued_s) + (now - t_in)
                             first = False
                     deadline.reschedule(loop.time() + idle_s)
         except (UpstreamError, TimeoutError) as caught:
@@ -607,3 +652,5 @@ class Exchange:
                 info["error"] = o.error_kind
             if o.status == 499:
                 info["status"] = 499
+            if o.queued_s is not None:
+                info["queued_ms"] = round(o.queued_s * 1000, 1)

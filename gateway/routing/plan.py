@@ -7,6 +7,7 @@ assembled gateway.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,26 @@ from gateway.prefix.pipeline import PreparedPrompt
 from gateway.replicas.pool import Replica
 from gateway.routing.base import Decision, RequestView
 from gateway.routing.routes import Route
+
+
+def forwarded_body(prepared: PreparedPrompt | None) -> dict[str, Any] | None:
+    """The body to forward when preparation rewrote it, else None (forward the client's bytes)."""
+    return prepared.body if prepared is not None and prepared.relocated else None
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """A request routed and prepared, not yet placed: what flow control holds while a route
+    is saturated, so the decision (``Gateway.decide``) happens when it is dispatched."""
+
+    route: Route
+    endpoint: str
+    prepared: PreparedPrompt | None
+    request: RequestView
+
+    @property
+    def body(self) -> dict[str, Any] | None:
+        return forwarded_body(self.prepared)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +50,7 @@ class Plan:
 
     @property
     def body(self) -> dict[str, Any] | None:
-        """The body to forward when preparation rewrote it, else None (forward the client's bytes)."""
-        return self.prepared.body if self.prepared is not None and self.prepared.relocated else None
+        return forwarded_body(self.prepared)
 
     @property
     def predicted_units(self) -> str | None:
@@ -41,3 +61,10 @@ class Plan:
     def predicted_cached_tokens(self) -> int | None:
         value = self.decision.detail.get("predicted_cached_tokens") if self.decision.detail else None
         return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def decide(draft: Draft, exclude: Collection[str] = (), *, dry_run: bool = False) -> Plan:
+    """Place a prepared request: the route policy's decision among the eligible replicas not
+    in ``exclude`` (flow control excludes the ones with no room; a retry the ones tried)."""
+    decision, replica = draft.route.runner.decide(draft.request, exclude, dry_run=dry_run)
+    return Plan(draft.route, draft.endpoint, draft.prepared, draft.request, decision, replica)

@@ -176,6 +176,12 @@ class PolicyRunner:
         """Every configured replica (healthy or not): what hash-based policies build rings from."""
         return [r.view() for r in self.replicas]
 
+    def eligible(self) -> list[Replica]:
+        """The replicas a first attempt may go to now (flow control's saturation check reads
+        their load; kept between health events, so no pass over the pool)."""
+        eligible = self._first_attempt().eligible
+        return eligible.stable if not eligible.slow else [*eligible.stable, *eligible.slow]
+
     def healthy_count(self) -> int:
         return sum(1 for r in self.replicas if r.healthy)
 

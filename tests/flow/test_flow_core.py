@@ -236,3 +236,17 @@ def test_settings_are_strict() -> None:
     s = FlowControlSettings(bands={5: {"max_requests": 3, "ttl_s": 2.0}})  # type: ignore[dict-item]
     assert s.band(5) == (3, s.max_bytes_per_band, 2.0)
     assert s.band(0) == (s.max_requests_per_band, s.max_bytes_per_band, s.ttl_s)
+
+
+def test_the_affinity_wait_ends_exactly_at_its_wake_time() -> None:
+    """Woken at ``wake_at`` the head must go, whatever the float rounding of now - enqueued_at."""
+    fleet = FakeFleet({"r1": 0, "r2": 10**6}, favourite="r1")
+    q = FlowQueue(limits_of(max_requests=100_000, ttl=1e9))
+    d = Dispatcher(q, affinity_wait_s=0.5)
+    for i in range(2000):
+        t = i * 0.0371 + 0.013  # enqueue times whose (t + w) - t rounds below w now and then
+        q.push("f", 0, 1, 1, now=t)
+        step = d.step(fleet, now=t)
+        assert step.dispatched == [] and step.wake_at == t + 0.5
+        step = d.step(fleet, now=step.wake_at)
+        assert len(step.dispatched) == 1

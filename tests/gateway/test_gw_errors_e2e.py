@@ -200,10 +200,10 @@ def test_lone_surrogate_in_a_rewritten_body_reaches_the_replica(gw: RunningGatew
 def test_an_unexpected_exception_becomes_an_openai_500(
     gw: RunningGateway, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken_plan(*args: object, **kwargs: object) -> None:
+    def broken_prepare(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a bug with internal detail")
 
-    monkeypatch.setattr(gw.gateway, "plan", broken_plan)
+    monkeypatch.setattr(gw.gateway, "prepare", broken_prepare)
     caplog.set_level(logging.ERROR, logger="prefix_gateway.proxy")
     response = httpx.post(
         f"{gw.url}/v1/chat/completions", json={"model": MODEL, "messages": chat("secret prompt")}, timeout=10
