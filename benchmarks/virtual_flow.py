@@ -33,26 +33,13 @@ from benchmarks.bench_virtual import Arrival, GatewayRouter, Routed
 from gateway.config.schema import ScrapeSettings
 from gateway.flow.classify import classify
 from gateway.flow.dispatch import Dispatcher, Step, admit
+from gateway.flow.gate import ReplicaSignals
 from gateway.flow.queue import Entry, FlowQueue, QueueFull
-from gateway.flow.saturation import Signals, has_room, saturated
+from gateway.flow.saturation import has_room, saturated
 from gateway.flow.settings import FlowControlSettings
 from gateway.replicas.engine import EngineStats
-from gateway.replicas.pool import Replica
 
 ROW = "prefix+flow"
-
-
-def signals(replica: Replica) -> Signals:
-    """What the gateway knows of a replica's load: its counts (with the peers') and its last scrape."""
-    engine = replica.engine
-    return Signals(
-        replica.in_flight + replica.peer_in_flight,
-        replica.pending_prefill_tokens + replica.peer_pending_prefill_tokens,
-        None if engine is None else engine.waiting,
-        None if engine is None else engine.running,
-        None if engine is None else engine.kv_cache_usage,
-        None if engine is None else engine.scraped_at,
-    )
 
 
 class FlowGatewayRouter(GatewayRouter):
@@ -88,7 +75,7 @@ class FlowGatewayRouter(GatewayRouter):
         _, req, body, headers = arrival
         self.now = now
         who = classify(self.flow, headers, self.route_.name)
-        busy = self.flow.enabled and saturated((signals(r) for r in self.pool), self.limits, now)
+        busy = self.flow.enabled and saturated((ReplicaSignals(r) for r in self.pool), self.limits, now)
         admission = admit(busy, len(self.queue), who.priority)
         if admission == "direct":
             self.counts["direct"] += 1
@@ -146,7 +133,7 @@ class FlowGatewayRouter(GatewayRouter):
 
     # -- the dispatcher's side (gateway.flow.dispatch.Placer) --------------------------------
     def with_room(self, now: float) -> Collection[str]:
-        return [r.name for r in self.pool if has_room(signals(r), self.limits, now)]
+        return [r.name for r in self.pool if has_room(ReplicaSignals(r), self.limits, now)]
 
     def preferred(self, entry: Entry) -> str | None:
         _, req, body, headers = entry.item
