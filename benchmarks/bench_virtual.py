@@ -2,6 +2,7 @@
 
     python benchmarks/bench_virtual.py [--workload W ...] [--load moderate|saturated] [--seeds N] [--salts N]
         [--variant NAME:POLICY[:key=value,...] ...] [--hop-ms MS] [--hold TOKENS ...] [--quick] [--out DIR]
+        [--flow [--flow-variant NAME:KEY=VALUE,... ...]]
 
 ``bench_policies.py`` replays each workload in real time through real processes on a 2-core
 machine, and one cell's hit rate moves by 1.5-2.5 points from run to run: more than the
@@ -31,6 +32,12 @@ gateway's precise index (:mod:`gateway.kv_events`) on the virtual clock, and
 as the simulator's llama3 engine does (events name token ids: precise matching needs the
 engine's tokens; ``prefix`` keeps the deliberate mismatch), with the approximate model only.
 The ``pred err`` column is the mean |predicted - reported cached tokens| per prompt token.
+
+``--flow`` adds ``prefix+flow``: the ``prefix`` route behind the gateway's flow control as
+shipped (:mod:`gateway.flow`: saturation, the priority/fairness queue, the late-binding
+dispatcher; ``benchmarks/virtual_flow.py``), with the engines scraped on the virtual clock, and
+prints issue 26's verdict per workload and level (medians over ``--seeds``). Workloads whose
+requests name a tenant (``tenants``) get TTFT per tenant in the table and the JSON.
 
 Left out by design: HTTP, the gateway's and the client's own latency (TTFT here is queueing
 plus prefill in simulated time), and slow-replica detection (it reacts to wall-clock time).
@@ -757,7 +764,10 @@ def describe_extras(s: dict[str, Any]) -> str:
         parts.append(f"refused {s['refused']}")
     flow = s.get("flow")
     if flow:
-        parts.append(f"flow: queued {flow['queued']}, gateway wait p90 {flow['wait_p90_ms']:.0f} ms")
+        parts.append(
+            f"flow: queued {flow['queued']}, gateway wait p90 {flow['wait_p90_ms']:.0f} ms, "
+            f"engine wait p90 {s['wait_p90_ms']:.0f} ms"
+        )
     return "; ".join(parts)
 
 
