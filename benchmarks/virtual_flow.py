@@ -258,3 +258,82 @@ def print_verdict(wname: str, level: str, result: dict[str, Any]) -> None:
     print(f"{wname} @ {level}: flow control vs off, median over samples")
     for name, c in result["checks"].items():
         print(f"  {name:<22} {c['value']:8.3f}  target {c['target']:<12} {'PASS' if c['pass'] else 'FAIL'}")
+
+
+def _median(per_seed: Sequence[dict[str, Any]], row: str, key: str, scale: float = 1.0, fmt: str = ".0f") -> str:
+    if not all(row in cells for cells in per_seed):
+        return "-"
+    return format(scale * statistics.median(cells[row][key] for cells in per_seed), fmt)
+
+
+def verdict_table(results: dict[str, Any]) -> str:
+    """A ``bench_virtual.py --flow`` result as a markdown table: per workload and level, the medians
+    over samples of the rows the verdict reads, the ratios it judges, and PASS/FAIL."""
+    lines = [
+        "| workload @ level | hit % prefix / +flow / sglang | p50 ms prefix / +flow | p90 ms prefix / +flow / sglang "
+        "| p90 x prefix | p90 x sglang | hit pts | p50 x prefix | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = ("prefix", ROW, "sglang_like")
+    for wname, levels in results["workloads"].items():
+        for level, cell in levels.items():
+            per_seed = cell["seeds"]
+            checks = verdict(per_seed, level)["checks"]
+            hit = " / ".join(_median(per_seed, r, "hit_rate", 100, ".1f") for r in rows)
+            p50 = " / ".join(_median(per_seed, r, "ttft_p50_ms") for r in rows[:2])
+            p90 = " / ".join(_median(per_seed, r, "ttft_p90_ms") for r in rows)
+            ratios = [
+                f"{checks[name]['value']:.2f}" if name in checks else "-"
+                for name in ("p90_vs_prefix", "p90_vs_sglang_like")
+            ]
+            points = 100 * statistics.median(c[ROW]["hit_rate"] - c["prefix"]["hit_rate"] for c in per_seed)
+            p50_ratio = f"{checks['p50_vs_prefix']['value']:.2f}" if "p50_vs_prefix" in checks else "-"
+            failed = [name for name, c in checks.items() if not c["pass"]]
+            ruling = "PASS" if not failed else "FAIL: " + ", ".join(failed)
+            lines.append(
+                f"| {wname} @ {level} | {hit} | {p50} | {p90} | {' | '.join(ratios)} | {points:+.2f} "
+                f"| {p50_ratio} | {ruling} |"
+            )
+    return "\n".join(lines)
+
+
+def tenant_table(results: dict[str, Any]) -> str:
+    """Per tenant TTFT p50/p90 (medians over samples) of ``prefix``, ``prefix+flow`` and ``sglang_like``."""
+    lines = ["| workload @ level | tenant | p50 / p90 ms prefix | +flow | sglang_like |", "|---|---|---|---|---|"]
+    for wname, levels in results["workloads"].items():
+        for level, cell in levels.items():
+            per_seed = cell["seeds"]
+            if "tenants" not in per_seed[0]["prefix"]:
+                continue
+            for tenant in per_seed[0]["prefix"]["tenants"]:
+                figures = []
+                for row in ("prefix", ROW, "sglang_like"):
+                    if not all(row in c for c in per_seed):
+                        figures.append("-")
+                        continue
+                    p50, p90 = (
+                        statistics.median(c[row]["tenants"][tenant][k] for c in per_seed)
+                        for k in ("ttft_p50_ms", "ttft_p90_ms")
+                    )
+                    figures.append(f"{p50:.0f} / {p90:.0f}")
+                lines.append(f"| {wname} @ {level} | {tenant} | " + " | ".join(figures) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python benchmarks/virtual_flow.py RESULT.json``: the verdict and tenant tables, in markdown."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("result", type=Path, help="a bench_virtual.json written with --flow")
+    args = parser.parse_args(argv)
+    results = json.loads(args.result.read_text())
+    print(verdict_table(results))
+    print()
+    print(tenant_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
