@@ -121,6 +121,9 @@ LOADS: dict[str, dict[str, float]] = {
     # round-robin hits ~42 % / ~49 % (the system prompt and the popular documents are everywhere)
     "rag": {"moderate": 1.05, "saturated": 2.45},
     "control": {"moderate": 0.6, "saturated": 1.25},
+    # two tenants (issue 26): each burst shares one document, so cache-blind placement still
+    # hits ~77 % (least_loaded on the virtual clock); the same multiples as agent_long
+    "tenants": {"moderate": 4.5, "saturated": 9.0},
 }
 MODERATE_RATE_RPS = 55.0  # wall-clock arrival rate of the moderate level (sets each workload's time_scale)
 ADMIN_KEY_ENV = "PREFIX_GATEWAY_ADMIN_KEY"

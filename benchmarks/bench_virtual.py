@@ -2,6 +2,7 @@
 
     python benchmarks/bench_virtual.py [--workload W ...] [--load moderate|saturated] [--seeds N] [--salts N]
         [--variant NAME:POLICY[:key=value,...] ...] [--hop-ms MS] [--hold TOKENS ...] [--quick] [--out DIR]
+        [--flow [--flow-variant NAME:KEY=VALUE,... ...]]
 
 ``bench_policies.py`` replays each workload in real time through real processes on a 2-core
 machine, and one cell's hit rate moves by 1.5-2.5 points from run to run: more than the
@@ -32,6 +33,12 @@ as the simulator's llama3 engine does (events name token ids: precise matching n
 engine's tokens; ``prefix`` keeps the deliberate mismatch), with the approximate model only.
 The ``pred err`` column is the mean |predicted - reported cached tokens| per prompt token.
 
+``--flow`` adds ``prefix+flow``: the ``prefix`` route behind the gateway's flow control as
+shipped (:mod:`gateway.flow`: saturation, the priority/fairness queue, the late-binding
+dispatcher; ``benchmarks/virtual_flow.py``), with the engines scraped on the virtual clock, and
+prints issue 26's verdict per workload and level (medians over ``--seeds``). Workloads whose
+requests name a tenant (``tenants``) get TTFT per tenant in the table and the JSON.
+
 Left out by design: HTTP, the gateway's and the client's own latency (TTFT here is queueing
 plus prefill in simulated time), and slow-replica detection (it reacts to wall-clock time).
 Verdicts stay with ``bench_policies.py``; this is for design and tuning. Results: a table on
@@ -44,11 +51,12 @@ import argparse
 import contextlib
 import heapq
 import json
+import math
 import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -64,7 +72,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import bench_policies as bp  # noqa: E402
 from benchmarks.bench_prefix_path import pct  # noqa: E402
 from benchmarks.replay import wire_body  # noqa: E402
-from benchmarks.workloads import BenchRequest, Workload, build  # noqa: E402
+from benchmarks.workloads import TENANT_HEADER, BenchRequest, Workload, build  # noqa: E402
 from gateway.config import HealthSettings, ReplicaConfig, RouteConfig  # noqa: E402
 from gateway.kv_events.decoder import decode_events  # noqa: E402
 from gateway.kv_events.index import PreciseIndex  # noqa: E402
@@ -85,7 +93,15 @@ from gateway.sim.options import SimOptions  # noqa: E402
 from gateway.sim.replica import Replica as SimReplica  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-DEFAULT_WORKLOADS = ("mooncake_synthetic", "mooncake_conversation", "rag", "agent_long", "agent", "agent_toolloop")
+DEFAULT_WORKLOADS = (
+    "mooncake_synthetic",
+    "mooncake_conversation",
+    "rag",
+    "agent_long",
+    "agent",
+    "agent_toolloop",
+    "tenants",
+)
 QUICK_SIZE = 0.5
 ALIGNED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # keyed with the simulator's own tokens (SimOptions.tokenizer)
 
@@ -213,11 +229,13 @@ class GatewayRouter:
         _, replica = self.route_.runner.decide(view, dry_run=True)
         return replica.pending_prefill_tokens > self.hold_tokens
 
-    def route(self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]) -> Routed:
+    def route(
+        self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str], exclude: Collection[str] = ()
+    ) -> Routed:
         view, sent = self._view(req, body, headers)
         self._prepared.pop(id(req), None)
         route = self.route_
-        decision, replica = route.runner.decide(view)
+        decision, replica = route.runner.decide(view, exclude)
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
         predicted = int(decision.detail.get("predicted_cached_tokens", 0))
         self.predicted_tokens += predicted
@@ -333,7 +351,36 @@ def _key_depths(prepared: Any) -> list[int]:
 
 
 # -- the fleet on the virtual clock ------------------------------------------------------------
-ARRIVE, STEP_END, ENQUEUE, FIRST_TOKEN, FINISHED = range(5)  # event kinds
+ARRIVE, STEP_END, ENQUEUE, FIRST_TOKEN, FINISHED, TIMER, SCRAPE = range(7)  # event kinds
+
+
+class Gate(Protocol):
+    """Flow control on the virtual clock (``benchmarks/virtual_flow.py``): a router that holds
+    arrivals at the gateway and places each one when it lets it go (late binding).
+
+    The fleet hands it every arrival, asks it after every event (an arrival, a first token, a
+    finish, an engine step, its own timer, a scrape) which requests leave now, and scrapes the
+    engines for it every ``scrape_interval`` simulated seconds (the gateway's metrics scrape).
+    """
+
+    scrape_interval: float
+
+    def arrive(self, i: int, arrival: Arrival, now: float) -> None:
+        """Request ``i`` reached the gateway."""
+        ...
+
+    def ready(self, now: float) -> Iterator[tuple[int, Routed | None]]:
+        """Requests leaving the gateway now, in order: placed (``Routed``) or refused (None:
+        shed, expired)."""
+        ...
+
+    def wake_at(self) -> float | None:
+        """When the gateway must look again with nothing else happening (the next TTL)."""
+        ...
+
+    def scrape(self, engines: Sequence[Any], now: float) -> None:
+        """The gateway's scrape of every engine's metrics."""
+        ...
 
 
 @dataclass
@@ -346,6 +393,8 @@ class Outcome:
     ttft: float = 0.0
     uncached: int = 0
     wait: float = 0.0  # from reaching the engine to its first scheduling (queueing, KV full)
+    tenant: str | None = None  # the request's tenant (BenchRequest.tenant)
+    refused: bool = False  # answered by the gateway without reaching an engine (shed, TTL expired)
 
 
 @dataclass
@@ -381,17 +430,19 @@ class VirtualFleet:
 
         held: deque[int] = deque()  # arrived, not yet placed (only while the router holds them)
         holds = getattr(router, "holds", None)
+        gate: Gate | None = router if hasattr(router, "ready") else None  # type: ignore[assignment]
+        timers: set[float] = set()  # the gate's wake-ups already on the clock
 
-        def dispatch(i: int, now: float) -> None:
+        def dispatch(i: int, now: float, routed: Routed | None = None) -> None:
             _, req, body, headers = arrivals[i]
-            e, sent, handle = router.route(req, body, headers)
+            e, sent, handle = routed if routed is not None else router.route(req, body, headers)
             replica = replicas[e]
             tokens = _engine_tokens(replica, req.endpoint, sent)
             (ereq,) = replica.engine_requests(tokens, req.max_tokens, "length", 1, seed, now + hop)
             ereq.waiter = _Waiter()
             ereq.stream = True
             meta[id(ereq)] = (i, handle, e)
-            outcomes[i] = Outcome(e, prompt_tokens=len(tokens))
+            outcomes[i] = Outcome(e, prompt_tokens=len(tokens), tenant=req.tenant)
             if hop:
                 later(now + hop, ENQUEUE, (e, ereq))
             else:
@@ -419,14 +470,40 @@ class VirtualFleet:
             duration = engine.step_base_s + prefill / engine.prefill_tps
             later(now + duration, STEP_END, (e, scheduled))
 
+        def let_go(now: float) -> None:
+            """The gate's requests that leave now, placed or refused; its next wake-up on the clock."""
+            assert gate is not None
+            for i, routed in gate.ready(now):
+                if routed is None:
+                    outcomes[i] = Outcome(-1, tenant=arrivals[i][1].tenant, refused=True)
+                else:
+                    dispatch(i, now, routed)
+            wake = gate.wake_at()
+            if wake is not None and wake not in timers:
+                timers.add(wake)
+                # the clock must move on: a wake-up already due is looked at one tick later
+                later(max(wake, math.nextafter(now, math.inf)), TIMER, wake)
+
+        if gate is not None:
+            gate.scrape(engines, 0.0)
+            later(gate.scrape_interval, SCRAPE, None)
         saved = sim_engine.time
         sim_engine.time = SimpleNamespace(monotonic=self.clock.monotonic)  # type: ignore[assignment]
         try:
             while events:
                 now, _, kind, payload = heapq.heappop(events)
                 self.clock.now = now
-                if kind == ARRIVE:
+                if kind == ARRIVE and gate is not None:
+                    gate.arrive(payload, arrivals[payload], now)
+                elif kind == ARRIVE:
                     held.append(payload)
+                elif kind == TIMER:
+                    timers.discard(payload)
+                elif kind == SCRAPE:
+                    assert gate is not None
+                    gate.scrape(engines, now)
+                    if events:  # scrapes go on while anything else will happen
+                        later(now + gate.scrape_interval, SCRAPE, None)
                 elif kind == ENQUEUE:
                     enqueue(*payload, now)
                 elif kind == FIRST_TOKEN:
@@ -458,6 +535,8 @@ class VirtualFleet:
                                 router.finished(handle, out.cached_tokens)
                             del meta[id(ereq)]
                     start_step(e, now)
+                if gate is not None:
+                    let_go(now)
                 # held requests leave in arrival order, each as soon as the router lets it go
                 if held:
                     waiting = list(held)
@@ -469,7 +548,7 @@ class VirtualFleet:
                             dispatch(i, now)
         finally:
             sim_engine.time = saved
-        done = [o for o in outcomes if o is not None]
+        done = [o for o in outcomes if o is not None]  # refused ones included: the gateway answered them
         if len(done) != len(arrivals) or meta:
             raise RuntimeError(f"{len(arrivals) - len(done)} requests never finished")
         return done
@@ -495,6 +574,8 @@ def arrivals_for(wl: Workload, level: str, requests: Sequence[BenchRequest] | No
     for r in reqs:
         body = wire_body(r, bp.MODEL)
         headers = {"x-session-id": r.session} if r.session else {}
+        if r.tenant:
+            headers[TENANT_HEADER] = r.tenant
         out.append(((r.t - t0) * sim_seconds_per_workload_second, r, body, headers))
     return out
 
@@ -518,7 +599,10 @@ def alone_ttft(uncached: int, options: SimOptions) -> float:
 
 
 def summarize(outcomes: Sequence[Outcome], n: int, options: SimOptions | None = None) -> dict[str, Any]:
-    """Hit rate, TTFT percentiles (simulated ms), prefill-work balance and the no-queue floor."""
+    """Hit rate, TTFT percentiles (simulated ms), prefill-work balance and the no-queue floor;
+    per tenant when requests name one; requests the gateway refused counted apart."""
+    refused = [o for o in outcomes if o.refused]
+    outcomes = [o for o in outcomes if not o.refused]
     prompt = sum(o.prompt_tokens for o in outcomes)
     cached = sum(o.cached_tokens for o in outcomes)
     ttfts = [o.ttft for o in outcomes]
@@ -540,7 +624,23 @@ def summarize(outcomes: Sequence[Outcome], n: int, options: SimOptions | None = 
         "alone_p90_ms": 1000 * pct(floor, 0.9),
         "wait_p90_ms": 1000 * pct([o.wait for o in outcomes], 0.9),
         "work_max_mean": max(work) / mean if mean else 1.0,
+        "refused": len(refused),
+        **({"tenants": tenant_figures(outcomes, refused)} if any(o.tenant for o in outcomes) else {}),
     }
+
+
+def tenant_figures(served: Sequence[Outcome], refused: Sequence[Outcome]) -> dict[str, Any]:
+    """Per tenant: requests, refused, TTFT p50/p90 (simulated ms) of those served."""
+    out: dict[str, Any] = {}
+    for name in sorted({o.tenant or "-" for o in [*served, *refused]}):
+        ttfts = [o.ttft for o in served if (o.tenant or "-") == name]
+        out[name] = {
+            "requests": len(ttfts),
+            "refused": sum((o.tenant or "-") == name for o in refused),
+            "ttft_p50_ms": 1000 * pct(ttfts, 0.5) if ttfts else 0.0,
+            "ttft_p90_ms": 1000 * pct(ttfts, 0.9) if ttfts else 0.0,
+        }
+    return out
 
 
 Row = tuple[str, Callable[[], Router], bool]  # name, router factory, oracle
@@ -557,6 +657,8 @@ def rows_for(
     salts: int = 1,
     precise: bool = False,
     project: bool = False,
+    flow: bool = False,
+    flow_variants: Sequence[str] = (),
 ) -> list[Row]:
     """The rows of one workload: ``prefix``, the variants and hold rows (each also on ``salts``
     - 1 more ring instances, see :func:`salted_ring`), the peers, the oracle."""
@@ -578,6 +680,16 @@ def rows_for(
             gateway_rows.append(
                 ("precise_projected", partial(ProjectedGatewayRouter, "prefix", wl.normalize, {}, n, **aligned))
             )
+    if flow:  # flow control as shipped in front of the `prefix` route (benchmarks/virtual_flow.py)
+        from benchmarks.virtual_flow import ROW, FlowGatewayRouter
+
+        gateway_rows.append((ROW, partial(FlowGatewayRouter, "prefix", wl.normalize, {}, n)))
+    for spec in flow_variants:  # other flow-control settings, for tuning its defaults
+        from benchmarks.virtual_flow import FlowGatewayRouter, parse_flow_variant
+
+        name, settings, proposal = parse_flow_variant(spec)
+        router = partial(FlowGatewayRouter, "prefix", wl.normalize, {}, n, flow=settings, proposal=proposal)
+        gateway_rows.append((name, router))
     for spec in hold:
         tokens, _, fleet = str(spec).partition(":")
         name = f"prefix_hold{float(tokens):g}" + (f"_fleet{float(fleet):g}" if fleet else "")
@@ -607,6 +719,8 @@ def run_level(wl: Workload, level: str, rows: Sequence[Row], hop_ms: float = 0.0
         fleet = VirtualFleet([sim_options(oracle) for _ in range(n)])
         stats = summarize(fleet.run(arrivals, router, 0.0 if oracle else hop), n, fleet.options[0])
         stats["decisions"] = dict(sorted(getattr(router, "reasons", {}).items()))
+        if hasattr(router, "figures"):  # flow control's queue
+            stats["flow"] = router.figures()
         predicted = getattr(router, "predicted_tokens", None)
         if predicted is not None and stats["prompt_tokens"]:
             # what the gateway told /admin/stats it expected, against what the engines reported
@@ -636,6 +750,25 @@ def print_table(wname: str, level: str, cells: dict[str, Any]) -> None:
             + (f" {100 * s['prediction_error']:7.2f}%" if "prediction_error" in s else f" {'-':>8}")
             + f"  {s['decisions']}"
         )
+        if "tenants" in s or s.get("refused") or "flow" in s:
+            print(f"  {'':<22} " + describe_extras(s))
+
+
+def describe_extras(s: dict[str, Any]) -> str:
+    """The second line of a row: per-tenant TTFT, refused requests, flow control's queue."""
+    parts = [
+        f"{name} p50/p90 {t['ttft_p50_ms']:.0f}/{t['ttft_p90_ms']:.0f} ms ({t['requests']} req)"
+        for name, t in s.get("tenants", {}).items()
+    ]
+    if s.get("refused"):
+        parts.append(f"refused {s['refused']}")
+    flow = s.get("flow")
+    if flow:
+        parts.append(
+            f"flow: queued {flow['queued']}, gateway wait p90 {flow['wait_p90_ms']:.0f} ms, "
+            f"engine wait p90 {s['wait_p90_ms']:.0f} ms"
+        )
+    return "; ".join(parts)
 
 
 SUMMARY_SERIES = ("hit_pct_oracle", "hit_points_vs_prefix", "p50_x_prefix", "p90_x_prefix", "p90_x_oracle",
@@ -794,6 +927,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="with --precise: add `precise_projected` (kv_events.project_evictions on, experimental)",
     )
+    parser.add_argument("--flow", action="store_true",
+                        help="add `prefix+flow` (flow control as shipped in front of `prefix`) and print issue 26's "
+                        "verdict per workload and level (median over --seeds)")  # fmt: skip
+    parser.add_argument("--flow-variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="a flow-control row `prefix+NAME` with other settings (dotted keys for sections: "
+                        "saturation.queued_prefill_tokens=8192); repeatable")  # fmt: skip
     parser.add_argument("--salts", type=int, default=1, metavar="N",
                         help="run every gateway row on N ring instances (the same rules, the ring's points hashed "
                         "with salts 1..N-1 as rows ROW~1..): hit rates then come with their spread between equally "
@@ -825,7 +964,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_seed = []
             for seed in range(args.seeds):
                 wl = build(wname, size=size * bp.LEVEL_SIZE[level], seed=seed)
-                rows = rows_for(wl, variants, not args.no_peers, args.hold, args.salts, args.precise, args.project)
+                extra = {"precise": args.precise, "project": args.project, "flow": args.flow}
+                rows = rows_for(wl, variants, not args.no_peers, args.hold, args.salts, **extra,
+                                flow_variants=args.flow_variant)  # fmt: skip
                 cells = run_level(wl, level, rows, args.hop_ms)
                 per_seed.append(cells)
                 print_table(f"{wname} (seed {seed})", level, cells)
@@ -835,6 +976,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["workloads"][wname][level] = {"seeds": per_seed, "summary": summary, "ensemble": ensemble}
             if medians:
                 results["workloads"][wname][level]["precise_medians"] = medians
+            if args.flow:
+                from benchmarks.virtual_flow import print_verdict, verdict
+
+                judged = results["workloads"][wname][level]["flow_verdict"] = verdict(per_seed, level)
+                print_verdict(wname, level, judged)
             if args.seeds > 1:
                 print_summary(wname, level, summary)
                 if medians:

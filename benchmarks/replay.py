@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from benchmarks.workloads import BenchRequest
+from benchmarks.workloads import TENANT_HEADER, BenchRequest
 
 REPLICA_HEADER = "x-prefix-gateway-replica"
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -75,6 +75,8 @@ def prepare(
         headers = {"content-type": "application/json"}
         if req.session:
             headers[session_header] = req.session
+        if req.tenant:
+            headers[TENANT_HEADER] = req.tenant
         wire.append(
             WireRequest(
                 at=(req.t - t0) * time_factor,

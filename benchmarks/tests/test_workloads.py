@@ -252,3 +252,28 @@ def test_rag_prompts_are_system_then_a_popular_document_then_a_question():
     assert 80 + 100 <= shared < min(map(len, popular))
     assert len({r.session for r in wl.requests}) == len(wl.requests)  # single-turn
     assert [r.t for r in wl.requests] == sorted(r.t for r in wl.requests)
+
+
+def test_tenants_floods_in_bursts_ten_times_the_chat_tenants_requests():
+    from benchmarks.replay import prepare
+    from benchmarks.workloads import TENANT_HEADER
+    from benchmarks.workloads.tenants import TenantsSpec, build_tenants_workload
+
+    spec = TenantsSpec(jobs=3, job_requests=20, users=3, turns=2)
+    wl = build_tenants_workload(seed=1, spec=spec)
+    assert wl.requests == build_tenants_workload(seed=1, spec=spec).requests  # deterministic
+    batch = [r for r in wl.requests if r.tenant == "batch"]
+    chat = [r for r in wl.requests if r.tenant == "chat"]
+    assert len(batch) == 10 * len(chat) == 60
+    # a job's requests arrive within one burst and share the job's document
+    for j in range(spec.jobs):
+        job = [r for r in batch if r.session == f"job{j}"]
+        assert max(r.t for r in job) - min(r.t for r in job) <= spec.burst_s
+        heads = {tuple(r.body["prompt"].split()[: spec.doc_tokens[0]]) for r in job}
+        assert len(heads) == 1
+    # a user's next turn resends the previous one
+    turns = [r for r in chat if r.session == "user0"]
+    assert turns[1].body["prompt"].startswith(turns[0].body["prompt"])
+    # the replayer names each request's tenant in the fairness header
+    wire = prepare(wl.requests, "m", 1.0)
+    assert {w.headers[TENANT_HEADER] for w in wire} == {"batch", "chat"}

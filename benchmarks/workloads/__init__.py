@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Endpoint = Literal["chat", "completions"]
+# the header a request's tenant travels in: flow control's fairness id (llm-d's name)
+TENANT_HEADER = "x-llm-d-inference-fairness-id"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,7 @@ class BenchRequest:
     prompt_tokens: int
     session: str | None = None  # sent as the x-session-id header (the `session` policy's key)
     kind: str = "request"  # free-form label for analysis: turn, oneoff, unique, trace
+    tenant: str | None = None  # sent as the fairness header (TENANT_HEADER): flow control's flow id
 
 
 @dataclass(slots=True)
@@ -92,6 +95,7 @@ def builders() -> dict[str, WorkloadBuilder]:
     from benchmarks.workloads.control import build_control_workload
     from benchmarks.workloads.mooncake import build_mooncake_conversation, build_mooncake_synthetic
     from benchmarks.workloads.rag import build_rag_workload
+    from benchmarks.workloads.tenants import build_tenants_workload
 
     return {
         "agent": build_agent_workload,
@@ -101,6 +105,7 @@ def builders() -> dict[str, WorkloadBuilder]:
         "mooncake_synthetic": build_mooncake_synthetic,
         "rag": build_rag_workload,
         "control": build_control_workload,
+        "tenants": build_tenants_workload,
     }
 
 
@@ -112,6 +117,7 @@ WORKLOAD_NAMES = (
     "mooncake_synthetic",
     "rag",
     "control",
+    "tenants",
 )
 
 
