@@ -89,9 +89,9 @@ DEFAULT_WORKLOADS = ("mooncake_synthetic", "mooncake_conversation", "rag", "agen
 QUICK_SIZE = 0.5
 ALIGNED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # keyed with the simulator's own tokens (SimOptions.tokenizer)
 # --kv: each replica's KV cache as a fraction of bench_policies' (the oracle pools the fleet's);
-# "tight" is the KV-pressure cell of issue 23: a quarter of the blocks, so a replica holds
-# ~65k tokens and the Mooncake conversation trace evicts history it will be asked for again
-KV_LEVELS = {"default": 1.0, "tight": 0.25}
+# "tight" is the KV-pressure cell of issue 23: half the blocks (a quarter stalls: one Mooncake
+# request no longer fits), so the conversation trace evicts history it is asked for again
+KV_LEVELS = {"default": 1.0, "tight": 0.5}
 KV_FRACTION = 1.0
 
 
@@ -802,7 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --precise: add `precise_projected` (kv_events.project_evictions on, experimental)",
     )
     parser.add_argument("--kv", choices=sorted(KV_LEVELS), default="default",
-                        help="per-replica KV cache size: default (bench_policies' 16,384 blocks) or tight (a quarter: "
+                        help="per-replica KV cache size: default (bench_policies' 16,384 blocks) or tight (half: "
                         "the KV-pressure cell)")  # fmt: skip
     parser.add_argument("--salts", type=int, default=1, metavar="N",
                         help="run every gateway row on N ring instances (the same rules, the ring's points hashed "
