@@ -104,6 +104,11 @@ DEFAULT_WORKLOADS = (
 )
 QUICK_SIZE = 0.5
 ALIGNED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # keyed with the simulator's own tokens (SimOptions.tokenizer)
+# --kv: each replica's KV cache as a fraction of bench_policies' (the oracle pools the fleet's);
+# "tight" is the KV-pressure cell of issue 23: half the blocks (a quarter stalls: one Mooncake
+# request no longer fits), so the conversation trace evicts history it is asked for again
+KV_LEVELS = {"default": 1.0, "tight": 0.5}
+KV_FRACTION = 1.0
 
 
 # -- the virtual clock ---------------------------------------------------------------------
@@ -587,6 +592,8 @@ def sim_options(oracle: bool) -> SimOptions:
     keys["time_scale"] = 1.0
     if oracle:
         keys.update(bp.ORACLE_SIM)
+    if KV_FRACTION != 1.0:
+        keys["num_gpu_blocks"] = max(1, int(keys["num_gpu_blocks"] * KV_FRACTION))
     return SimOptions(**keys)
 
 
@@ -933,6 +940,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--flow-variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                         help="a flow-control row `prefix+NAME` with other settings (dotted keys for sections: "
                         "saturation.queued_prefill_tokens=8192); repeatable")  # fmt: skip
+    parser.add_argument("--kv", choices=sorted(KV_LEVELS), default="default",
+                        help="per-replica KV cache size: default (bench_policies' 16,384 blocks) or tight (half: "
+                        "the KV-pressure cell)")  # fmt: skip
     parser.add_argument("--salts", type=int, default=1, metavar="N",
                         help="run every gateway row on N ring instances (the same rules, the ring's points hashed "
                         "with salts 1..N-1 as rows ROW~1..): hit rates then come with their spread between equally "
@@ -948,6 +958,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for bench_virtual.json")
     args = parser.parse_args(argv)
     size = QUICK_SIZE if args.quick else 1.0
+    global KV_FRACTION
+    KV_FRACTION = KV_LEVELS[args.kv]
     levels = args.load or list(bp.LEVELS)
     variants = [(name, policy, dict(settings)) for name, policy, settings in args.variant]
     results: dict[str, Any] = {
@@ -955,6 +967,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seeds": args.seeds,
         "hop_ms": args.hop_ms,
         "salts": args.salts,
+        "kv": args.kv,
         "variants": {n: [p, s] for n, p, s in variants},
         "workloads": {},
     }

@@ -13,7 +13,9 @@ the engine's word, per precise replica:
 - **past the token window**: requests key text chunks there, which no event can name.  A
   replica whose engine holds the request's whole token window is credited with the deeper
   text keys the affinity index recorded for it (the engine's word up to the window, the
-  model's past it).
+  model's past it), at chunk resolution: the model keeps every 4th key, so its depth is
+  extended by up to 3 more of the text keys chosen for the replica
+  (:class:`~gateway.kv_events.text_tail.TextTail`).
 
 The affinity index keeps recording every choice, so a replica whose events stop falls back
 to a warm model.  What the policy calls: :meth:`PreciseRouting.match_groups`,
@@ -28,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.kv_events.ingest import Ingestor
+from gateway.kv_events.text_tail import TextTail
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import RequestView
 from gateway.routing.policies.prefix_keys import token_blocks
@@ -258,8 +261,9 @@ class PreciseRouting:
         self.speculative = Speculative(speculative_s, clock)
         self.pinned = Pinned(_PINNED_TTL_S, clock)
         self._expected: tuple[RequestView | None, dict[str, int]] = (None, {})  # the last match's projection
+        self.text_tail = TextTail()  # every text key chosen per replica: past the window
         self.index.on_stored = self.speculative.confirm  # the engine's word ends a speculation
-        self.index.on_cleared = self.speculative.forget
+        self.index.on_cleared = self._cleared
         self._modes_at = -1.0
         self._live: frozenset[str] = frozenset()
         self._version = 0
@@ -267,6 +271,11 @@ class PreciseRouting:
         # (affinity index, its generation, live version, index generation, affinity mask) -> the
         # names and the precise index's mask
         self._eligible: dict[tuple[int, int, int, int, int], tuple[set[str], int]] = {}
+
+    def _cleared(self, name: str) -> None:
+        """``name``'s engine cleared its cache (reset, restart): what it was chosen for is gone."""
+        self.speculative.forget(name)
+        self.text_tail.forget(name)
 
     # -- modes -------------------------------------------------------------------------------
     def live(self) -> frozenset[str]:
@@ -356,7 +365,12 @@ class PreciseRouting:
         if len(keys) > blocks:
             whole = [name for name, depth in depth_of.items() if depth >= blocks]
             if whole:
-                for name, depth in affinity.match(keys, whole).items():
+                modelled = affinity.match(keys, whole)
+                most = affinity.stride - 1  # the model's resolution: its deepest stride key held
+                for name in whole:
+                    depth = max(modelled.get(name, 0), blocks)
+                    if most:
+                        depth = self.text_tail.extend(name, keys, depth, most)
                     if depth > blocks:
                         depth_of[name] = max(depth_of[name], depth)
         for name, depth in depth_of.items():
@@ -439,6 +453,8 @@ class PreciseRouting:
         if blocks and self.project:
             self.index.touch(name, keys[:blocks], -(-pending_tokens // max(1, request.block_size or 1)))
             self.pinned.pin(name, keys[:blocks])
+        if len(keys) > blocks:
+            self.text_tail.record(name, keys[blocks:])
         reach = min(blocks, self.index.max_depth_tokens // max(1, request.block_size or 1))
         confirm = keys[reach - 1] if reach > 0 else None
         if confirm is None or not self.index.holds(name, confirm):  # held already: nothing to wait for
@@ -462,4 +478,5 @@ class PreciseRouting:
         if request.block_keys:
             self.speculative.withdraw(name, request.block_keys)
             blocks = token_blocks(request)
+            self.text_tail.withdraw(name, request.block_keys[blocks:])
             self.pinned.unpin(name, request.block_keys[:blocks])

@@ -1,0 +1,76 @@
+"""Every text key past the token window, per replica: the precise match's resolution there.
+
+Past a route's token window the request's key chain goes on over its text in chunks
+(``prefix.chunk_bytes``, ~250 tokens each), which no KV event can name; a precise replica
+whose engine holds the whole window is credited there with what the affinity model recorded
+(:mod:`gateway.kv_events.routing`).  The model keeps only every ``stride``-th key (4) and
+each prompt's deepest, so past the window its match stops up to ``stride - 1`` chunks short
+of what the replica holds: ~400-500 tokens on long RAG and agent prompts, where the engine
+then reports more cached than predicted (measured: benchmarks/README.md, "Precise routing
+from KV events").  Inside the window the engine's word has block resolution; this restores
+chunk resolution past it.
+
+:class:`TextTail` records each choice's text keys on its replica (all of them: a chunk is
+~16 token blocks, so all of a prompt's text keys cost about a quarter of the model's stride
+keys over the same tokens) and answers how far past a given depth a replica's run of them
+goes.  It only *refines* the model's answer: the caller starts from the model's depth and
+looks at most ``stride - 1`` keys further, so what the model evicted (its token LRU) stays
+evicted, and the engine's word still gates it all (the window must be held).
+
+Bounded: at most ``max_keys`` (replica, key) entries, least recently recorded first out.  A
+replica's clear (``AllBlocksCleared``, a restart) retires its entries at once (an epoch per
+replica, checked on lookup).  Not thread-safe: the policy's event loop owns it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+DEFAULT_MAX_KEYS = 200_000  # (replica, key) entries: ~40 MB at most (tuple, ints, dict slot)
+
+
+class TextTail:
+    """(replica, text key) → the replica's epoch when recorded, in LRU order."""
+
+    def __init__(self, max_keys: int = DEFAULT_MAX_KEYS) -> None:
+        self.max_keys = max_keys
+        self._keys: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self._epoch: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def record(self, name: str, keys: Sequence[int]) -> None:
+        """``name`` was chosen for a prompt whose text keys (past the window) are ``keys``."""
+        if self.max_keys <= 0 or not keys:
+            return
+        epoch = self._epoch.get(name, 0)
+        table = self._keys
+        for key in keys:
+            entry = (name, key)
+            table[entry] = epoch
+            table.move_to_end(entry)
+        while len(table) > self.max_keys:
+            table.popitem(last=False)
+
+    def extend(self, name: str, keys: Sequence[int], depth: int, most: int) -> int:
+        """The deepest ``d`` in ``depth..depth + most`` such that ``name`` recorded every key of
+        ``keys[depth:d]`` (1-based depths over ``keys``); ``depth`` if it recorded none of them."""
+        table = self._keys
+        epoch = self._epoch.get(name, 0)
+        end = min(len(keys), depth + most)
+        while depth < end and table.get((name, keys[depth])) == epoch:
+            depth += 1
+        return depth
+
+    def withdraw(self, name: str, keys: Sequence[int]) -> None:
+        """The attempt with these text keys failed on ``name``: it holds none of them (another
+        request's record of the same keys there goes too: an under-credit, never an over-credit)."""
+        table = self._keys
+        for key in keys:
+            table.pop((name, key), None)
+
+    def forget(self, name: str) -> None:
+        """``name``'s cache was cleared: its entries say nothing now (they age out of the LRU)."""
+        self._epoch[name] = self._epoch.get(name, 0) + 1
