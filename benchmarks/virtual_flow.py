@@ -55,10 +55,11 @@ class FlowGatewayRouter(GatewayRouter):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.flow = flow or FlowControlSettings()
+        # the shipped settings, turned on (they ship off: this row measures what turning them on does)
+        self.flow = flow or FlowControlSettings(enabled=True)
         self.limits = self.flow.saturation
         self.queue = FlowQueue(self.flow.band)
-        self.dispatcher = Dispatcher(self.queue, self.flow.affinity_wait_s)
+        self.dispatcher = Dispatcher(self.queue, self.flow.affinity_wait_s, self.flow.lookahead)
         if proposal and "lookpast" in proposal:
             self.dispatcher = LookPastDispatcher(
                 self.queue, int(proposal["lookpast"]), proposal.get("spill_after", self.flow.ttl_s)
@@ -216,7 +217,7 @@ def parse_flow_variant(text: str) -> tuple[str, FlowControlSettings, dict[str, f
         for part in path:
             node = node.setdefault(part, {})
         node[leaf] = json.loads(value) if value.strip() not in ("",) else value
-    return f"prefix+{name}", FlowControlSettings.model_validate(data), proposal
+    return f"prefix+{name}", FlowControlSettings.model_validate({"enabled": True, **data}), proposal
 
 
 # -- the verdict -----------------------------------------------------------------------------
