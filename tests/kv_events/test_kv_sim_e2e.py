@@ -57,9 +57,12 @@ def test_default_gateway_routes_precisely_through_a_reset_and_a_restart(
     ):
         sdk = openai_client(gw.openai_base_url, api_key="unused", timeout=30)
 
+        plans: list[dict[str, Any]] = []  # each explain's answer, for the failure message
+
         def ask() -> tuple[str, int, int]:
             """(replica, predicted cached tokens as explain said just before, reported cached tokens)."""
             plan = api.post("/admin/explain", json={"model": MODEL, "messages": messages}).json()
+            plans.append({"decision": plan["decision"], "kv": _kv(api)})
             raw = sdk.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=4)
             reply = raw.parse()
             cached = reply.usage.prompt_tokens_details.cached_tokens or 0
@@ -81,7 +84,7 @@ def test_default_gateway_routes_precisely_through_a_reset_and_a_restart(
         httpx.post(f"{sims.urls[index]}/v1/completions", json=poke, timeout=10).raise_for_status()
         wait_for(lambda: _kv(api)[first]["indexed_blocks"] == 0, 10, what="AllBlocksCleared")
         where, predicted, cached = ask()
-        assert predicted == cached == 0
+        assert predicted == cached == 0, (where, plans[-1])
 
         # that replica restarts (an idle engine publishes nothing: its scrape's counters going
         # back clear it); the next prediction is what it reports, and it is precise again
