@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,7 +67,10 @@ def sim_requests(url: str) -> float:
     return metric_sum(httpx.get(f"{url}/metrics", timeout=5).text, "vllm:request_success_total")
 
 
-def test_held_while_saturated_then_placed(slow_sims: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_held_while_saturated_then_placed(
+    slow_sims: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="prefix_gateway.access")
     monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", "admin-secret")
     with flow_gateway(slow_sims[:1]) as gw, busy(gw) as long:
         done: list[Any] = []
@@ -87,6 +91,11 @@ def test_held_while_saturated_then_placed(slow_sims: list[str], monkeypatch: pyt
         text = httpx.get(f"{gw.url}/metrics", timeout=5).text
         assert metric_sum(text, "prefix_gateway_flow_requests_total", event="dispatched") == 1
         assert metric_sum(text, "prefix_gateway_flow_wait_seconds_count", route="main") == 1
+    # the access log line says why it waited and where it went (one quoted field)
+    access = [r.getMessage() for r in caplog.records if r.name == "prefix_gateway.access"]
+    held = [line for line in access if "queued_ms=" in line]
+    assert len(held) == 1
+    assert 'queued="queued ' in held[0] and "behind 0 request(s) (band 0, flow route:main); placed on r0" in held[0]
 
 
 def test_negative_priority_is_shed_first(slow_sims: list[str]) -> None:
@@ -185,7 +194,8 @@ def test_turned_off_by_a_reload_lets_held_requests_go(slow_sims: list[str], tmp_
         wait_for(lambda: gw.gateway.reloads["ok"] == 1, what="the reload")
         wait_for(lambda: queued(gw) == 0, what="the queue to empty")
         assert not gw.gateway.flow.enabled
-        assert gw.gateway.replicas["r0"].in_flight == 2  # sent next to the long one
+        # let go as a direct decision (its handler places it next): sent next to the long one
+        wait_for(lambda: gw.gateway.replicas["r0"].in_flight == 2, what="the released request sent")
         t.join(30)
         assert answer[0].status_code == 200
 
