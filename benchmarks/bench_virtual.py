@@ -694,8 +694,8 @@ def rows_for(
     for spec in flow_variants:  # other flow-control settings, for tuning its defaults
         from benchmarks.virtual_flow import FlowGatewayRouter, parse_flow_variant
 
-        name, settings, proposal = parse_flow_variant(spec)
-        router = partial(FlowGatewayRouter, "prefix", wl.normalize, {}, n, flow=settings, proposal=proposal)
+        name, settings = parse_flow_variant(spec)
+        router = partial(FlowGatewayRouter, "prefix", wl.normalize, {}, n, flow=settings)
         gateway_rows.append((name, router))
     for spec in hold:
         tokens, _, fleet = str(spec).partition(":")

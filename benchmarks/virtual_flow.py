@@ -22,7 +22,6 @@ hit rate no more than 0.5 points under ``prefix``'s; at moderate load TTFT p50 a
 
 from __future__ import annotations
 
-import heapq
 import json
 import statistics
 from collections.abc import Collection, Iterator, Sequence
@@ -32,7 +31,7 @@ from benchmarks.bench_prefix_path import pct
 from benchmarks.bench_virtual import Arrival, GatewayRouter, Routed
 from gateway.config.schema import ScrapeSettings
 from gateway.flow.classify import classify
-from gateway.flow.dispatch import Dispatcher, Step, admit
+from gateway.flow.dispatch import Dispatcher, admit
 from gateway.flow.gate import ReplicaSignals
 from gateway.flow.queue import Entry, FlowQueue, QueueFull
 from gateway.flow.saturation import has_room, saturated
@@ -51,7 +50,6 @@ class FlowGatewayRouter(GatewayRouter):
         self,
         *args: Any,
         flow: FlowControlSettings | None = None,
-        proposal: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -60,10 +58,6 @@ class FlowGatewayRouter(GatewayRouter):
         self.limits = self.flow.saturation
         self.queue = FlowQueue(self.flow.band)
         self.dispatcher = Dispatcher(self.queue, self.flow.affinity_wait_s, self.flow.lookahead)
-        if proposal and "lookpast" in proposal:
-            self.dispatcher = LookPastDispatcher(
-                self.queue, int(proposal["lookpast"]), proposal.get("spill_after", self.flow.ttl_s)
-            )
         self._out: list[tuple[int, Routed | None]] = []  # leaving at the next ready()
         self._wake: float | None = None
         self.now = 0.0
@@ -150,74 +144,19 @@ class FlowGatewayRouter(GatewayRouter):
                 "wait_p90_ms": 1000 * pct(self.waits, 0.9) if self.waits else 0.0}  # fmt: skip
 
 
-class LookPastDispatcher(Dispatcher):
-    """A PROPOSAL for the flow helper, not the shipped dispatcher (rows ``--flow-variant
-    NAME:lookpast=W[,spill_after=S]``): a replica with room takes the first of the top band's
-    ``W`` entries in fair order (SFQ tag, then arrival) whose own, unrestricted decision (the
-    policy's bounded loads included) is that replica; only when none of them wants a replica
-    with room does the head spill to one, and only after waiting ``spill_after`` seconds.
-
-    Why: the shipped step places the head among the replicas with room, so at saturation —
-    every replica near its limit, the head's holder rarely the one that just freed — each
-    request goes to whichever replica freed first: cache-blind placement. ``affinity_wait_s``
-    restores the hits but stalls the whole queue behind a head waiting for its replica.
-    """
-
-    def __init__(self, queue: FlowQueue, window: int, spill_after: float) -> None:
-        super().__init__(queue, 0.0)
-        self.window = window
-        self.spill_after = spill_after
-
-    def step(self, placer: Any, now: float) -> Step:
-        queue = self.queue
-        out = Step(expired=queue.expire(now))
-        while len(queue):
-            room = placer.with_room(now)
-            if not room:
-                break
-            top = next(b for p, b in sorted(queue.bands.items(), reverse=True) if b.count)
-            window = heapq.nsmallest(
-                self.window, (e for f in top.flows.values() for e in f.entries.values()), key=lambda e: (e.tag, e.seq)
-            )
-            pick, allowed = None, room
-            for entry in window:
-                favourite = placer.preferred(entry)
-                if favourite in room:
-                    pick, allowed = entry, [favourite]
-                    break
-            if pick is None:
-                head = window[0]
-                if now - head.enqueued_at < self.spill_after:
-                    out.wake_at = head.enqueued_at + self.spill_after
-                    break
-                pick = head
-            placement = placer.place(pick, allowed)  # before remove(): it lets go of the item
-            queue.remove(pick)
-            top.clock = max(top.clock, pick.tag)
-            (out.dispatched if placement is not None else out.unplaceable).append((pick, placement))  # type: ignore[arg-type]
-        deadline = queue.next_deadline()
-        if deadline is not None and (out.wake_at is None or deadline < out.wake_at):
-            out.wake_at = deadline
-        return out
-
-
-def parse_flow_variant(text: str) -> tuple[str, FlowControlSettings, dict[str, float]]:
+def parse_flow_variant(text: str) -> tuple[str, FlowControlSettings]:
     """``NAME:key=value,...`` -> a ``prefix+flow`` row named ``prefix+NAME`` with those settings
     (dotted keys reach into sections: ``saturation.queued_prefill_tokens=8192``)."""
     name, _, assignments = text.partition(":")
     data: dict[str, Any] = {}
-    proposal: dict[str, float] = {}
     for item in filter(None, assignments.split(",")):
         key, _, value = item.partition("=")
-        if key in ("lookpast", "spill_after"):  # LookPastDispatcher (a proposal)
-            proposal[key] = float(value)
-            continue
         *path, leaf = key.strip().split(".")
         node = data
         for part in path:
             node = node.setdefault(part, {})
         node[leaf] = json.loads(value) if value.strip() not in ("",) else value
-    return f"prefix+{name}", FlowControlSettings.model_validate({"enabled": True, **data}), proposal
+    return f"prefix+{name}", FlowControlSettings.model_validate({"enabled": True, **data})
 
 
 # -- the verdict -----------------------------------------------------------------------------

@@ -8,24 +8,21 @@ replicas have room now, and "decide among these, and count it there" (the gatewa
 fleet).  Each placement changes the gateway's own counts, so the next ``with_room`` already
 sees it: a freed replica takes as many requests as it has room for, no more.
 
-Head of line.  The queue's head is the only candidate (strict priority, then fairness): a
-dispatcher that looked past it for a request whose favourite replica has room would let
-the fairness order be overtaken by whoever happens to share a prefix with the freed
-replica.  When the head's favourite replica is full and another has room, the policy picks
-among those with room — the prefix policy's bounded loads spill exactly like that when
-the route is not saturated, so saturation does not change where prefixes live, only when
-requests leave.  ``affinity_wait_s`` (default 0) lets the head wait that long for its
-favourite first, holding the queue behind it: worth it only where a prefix hit saves more
-than the wait costs everyone behind it (long shared prompts).
+Head of line (``lookahead: 1``).  The queue's head is the only candidate (strict priority,
+then fairness).  When the head's favourite replica is full and another has room, the policy
+picks among those with room, after ``affinity_wait_s`` (the queue waits behind it).
 
 Look-past (``lookahead`` W > 1, the policy benchmark's finding): measured on the virtual
 clock, placing the head on whichever replica frees first loses the prefix hits at
 saturation (every replica sits at its limit, and the one that frees is rarely the head's
-prefix holder).  With W > 1 the dispatcher takes the first of the top band's W flow heads,
-in fair order, whose own unrestricted decision (the policy's bounded loads included, so
-it spills as it would unsaturated) is a replica with room; only when none of them is does
-the head spill to a replica with room, after ``affinity_wait_s``.  A flow is overtaken by
-at most W-1 others per dispatch, and FCFS within a flow holds (only heads are candidates).
+prefix holder).  With W > 1 the dispatcher takes the first of the top band's first W
+entries in fair order (any flow's: a route with one flow — no fairness header — is one
+FCFS line, and looking only at flow heads looked at nothing) whose own unrestricted
+decision (the policy's bounded loads included, so it spills as it would unsaturated) is a
+replica with room.  When none of them is, the head waits for its own replica up to
+``affinity_wait_s`` (the others pass it meanwhile, so the queue does not stall behind
+it), then takes whichever has room.  An entry is overtaken by at most W-1 later ones per
+dispatch; between flows the fair order still rules who is looked at first.
 
 Admission (:func:`admit`): with nothing queued and room somewhere, a request goes at once
 (the fast path: no queue touched); with the route saturated, a negative-priority request is

@@ -152,19 +152,34 @@ class Band:
             self.heap = [(f.entries[seq].tag, seq, f) for f in self.flows.values() for seq in (next(iter(f.entries)),)]
             heapq.heapify(self.heap)
 
-    def heads(self, n: int) -> list[Entry]:
-        """The first ``n`` flows' heads in fair order (least tag first): the only entries that may
-        leave next without breaking FCFS within a flow."""
-        valid = [
-            (tag, seq, flow)
-            for tag, seq, flow in self.heap
-            if flow.entries and next(iter(flow.entries)) == seq and self.flows.get(flow.name) is flow
-        ]
-        return [flow.entries[seq] for _, seq, flow in heapq.nsmallest(n, valid)]
+    def window(self, n: int) -> list[Entry]:
+        """The band's first ``n`` entries in fair order (tag, then arrival), from any flow: a
+        lazy merge of the flows' queues, whose tags grow within each flow.  The dispatcher's
+        look-past candidates (:mod:`gateway.flow.dispatch`)."""
+        merge: list[tuple[float, int, Entry, Iterator[Entry]]] = []
+        seen: set[int] = set()  # a flow's head may have more than one valid record
+        for _, seq, flow in self.heap:
+            valid = flow.entries and next(iter(flow.entries)) == seq and self.flows.get(flow.name) is flow
+            if valid and id(flow) not in seen:
+                seen.add(id(flow))
+                entries = iter(flow.entries.values())
+                head = next(entries)
+                merge.append((head.tag, head.seq, head, entries))
+        heapq.heapify(merge)  # seqs are unique: the entries and iterators are never compared
+        out: list[Entry] = []
+        while merge and len(out) < n:
+            _, _, entry, entries = merge[0]
+            out.append(entry)
+            following = next(entries, None)
+            if following is None:
+                heapq.heappop(merge)
+            else:
+                heapq.heapreplace(merge, (following.tag, following.seq, following, entries))
+        return out
 
     def take(self, entry: Entry) -> None:
-        """Dispatch ``entry``, a flow head (see :meth:`heads`); the band's clock moves to the least
-        tag queued, so overtaking the head by look-past credits no flow."""
+        """Dispatch ``entry``, any queued one (see :meth:`window`); the band's clock moves to the
+        least tag queued, so overtaking the head by look-past credits no flow."""
         head = self.peek()
         self.clock = max(self.clock, head.tag if head is not None else entry.tag)
         self._take(entry)
@@ -230,7 +245,7 @@ class FlowQueue:
         for priority in self._order:
             band = self.bands[priority]
             if band.count:
-                return band.heads(n)
+                return band.window(n)
         return []
 
     def take(self, entry: Entry) -> None:

@@ -77,6 +77,12 @@ def log_safe(text: str) -> str:
     return "".join(out)
 
 
+def _plain(value: Any) -> str:
+    """A key=value field's value: quoted (JSON) when it holds a space, so the line still splits."""
+    text = str(value)
+    return json.dumps(text) if " " in text else text
+
+
 class AccessLog:
     """Writes one line per finished request (called by the access middleware)."""
 
@@ -111,7 +117,7 @@ class AccessLog:
         }
         if info:
             fields.update(info)
-        extra = " ".join(f"{k}={v}" for k, v in (info or {}).items() if v is not None)
+        extra = " ".join(f"{k}={_plain(v)}" for k, v in (info or {}).items() if v is not None)
         self._log.info(
             '%s "%s %s" %d %.1fms rid=%s%s',
             client,

@@ -30,6 +30,7 @@ class Outcome:
     ttft_s: float | None = None
     added_s: float | None = None  # time the gateway itself spent (before + after the upstream call)
     queued_s: float | None = None  # time held in flow control's queue (None: not held)
+    queued_note: str | None = None  # flow control's line for a held request (gateway.flow.gate.Placement)
 
     def take_usage(self, prompt_tokens: int | None, completion_tokens: int | None, cached_tokens: int | None) -> None:
         """The replica's reported usage; a prediction is capped at the prompt (past the token

@@ -132,6 +132,8 @@ def log_fields(o: Outcome) -> dict[str, Any]:
         info["status"] = 499
     if o.queued_s is not None:
         info["queued_ms"] = round(o.queued_s * 1000, 1)  # held by flow control (gateway.flow)
+    if o.queued_note:
+        info["queued"] = o.queued_note  # behind how many, which band and flow, placed where and why
     return info
 
 
@@ -196,7 +198,6 @@ class Exchange:
         self.payload = b""  # the bytes sent upstream (warm restarts may keep them to replay)
         self._precharged: int | None = None  # flow control placed it and counted it on its replica already
         self.queued_s = 0.0  # time held in flow control's queue (not the gateway's own latency)
-        self.flow_note = ""  # explain's line for a held request
         self.priority: int | None = None  # flow-control priority, once known
 
     # -- driver ------------------------------------------------------------------------
@@ -307,7 +308,7 @@ class Exchange:
         if placement.charge >= 0:
             self._precharged = placement.charge  # counted on its replica at placement (see RouteFlow.place)
         self.outcome.queued_s = placement.waited_s
-        self.flow_note = placement.note
+        self.outcome.queued_note = placement.note
         self.priority = placement.priority
         return placement.plan
 

@@ -76,6 +76,20 @@ def test_fair_share_of_prompt_work_between_flows() -> None:
     assert picks["short"] == 20 and picks["long"] == 5
 
 
+def test_the_look_past_window_is_the_pop_order() -> None:
+    """``candidates(n)`` lists, over every flow's entries, what ``n`` pops would take."""
+    q = FlowQueue(limits_of())
+    for _ in range(30):
+        q.push("long", 0, 400, 1, now=0.0)
+        q.push("short", 0, 100, 1, now=0.0)
+    q.push("high", 5, 100, 1, now=0.0)
+    assert [e.flow for e in q.candidates(3)] == ["high"]  # the most important band only
+    q.pop()
+    window = q.candidates(12)
+    assert window == [q.pop() for _ in range(12)]  # type: ignore[comparison-overlap]
+    assert Counter(e.flow for e in window) == {"short": 9, "long": 3}
+
+
 def test_an_idle_flow_banks_no_credit_and_waits_behind_no_backlog() -> None:
     q = FlowQueue(limits_of())
     for _ in range(50):
@@ -264,17 +278,27 @@ class PrefixFleet(FakeFleet):
         return name
 
 
-def test_look_past_sends_the_flow_head_whose_prefix_replica_has_room() -> None:
+def test_look_past_sends_the_first_entry_whose_prefix_replica_has_room() -> None:
     q = FlowQueue(limits_of())
     head = q.push("a", 0, 10, 1, now=0.0, item="r1")  # r1 is full
-    q.push("a", 0, 10, 1, now=0.0, item="r2")  # not a flow head: never overtakes its own flow
+    same = q.push("a", 0, 10, 1, now=0.0, item="r2")  # behind the head in its own flow
     other = q.push("b", 0, 10, 1, now=0.1, item="r2")
     fleet = PrefixFleet({"r1": 0, "r2": 1})
     step = Dispatcher(q, lookahead=16).step(fleet, now=1.0)
-    assert step.dispatched == [(other, "r2")]  # placed where its prefix is, not the head spilled
+    assert step.dispatched == [(other, "r2")]  # the fair order decides who is looked at first
+    assert q.peek() is head
+    fleet.free["r2"] = 1  # one flow alone (a route without fairness headers) is looked past too
+    assert Dispatcher(q, lookahead=16).step(fleet, now=1.05).dispatched == [(same, "r2")]
     assert q.peek() is head
     fleet.free["r1"] = 1
     assert Dispatcher(q, lookahead=16).step(fleet, now=1.1).dispatched == [(head, "r1")]
+    # the window is the first `lookahead` entries in fair order: one further is not seen
+    q3 = FlowQueue(limits_of())
+    for _ in range(3):
+        q3.push("a", 0, 10, 1, now=0.0, item="r1")
+    far = q3.push("a", 0, 10, 1, now=0.0, item="r2")
+    assert Dispatcher(q3, lookahead=3).step(PrefixFleet({"r1": 0, "r2": 1}), now=0.0).dispatched[0][0] is not far
+    assert Dispatcher(q3, lookahead=4).step(PrefixFleet({"r1": 0, "r2": 1}), now=0.0).dispatched == [(far, "r2")]
     # nobody's favourite has room: the head spills (after affinity_wait_s, here 0)
     q2 = FlowQueue(limits_of())
     lone = q2.push("a", 0, 10, 1, now=0.0, item="r1")
