@@ -42,6 +42,8 @@ from gateway.errors import (
     Unauthorized,
     error_bytes,
 )
+from gateway.flow.classify import classify, vllm_priority
+from gateway.flow.gate import Placement
 from gateway.http.capacity import BodyReservation, Slot
 from gateway.limits.admission import Ticket
 from gateway.observe.outcome import Outcome
@@ -100,9 +102,9 @@ class PickerStream:
             if kind == "request_headers":
                 return await self._request_headers(message)
             if kind == "request_body":
-                return self._request_body(message.request_body)
+                return await self._request_body(message.request_body)
             if kind == "request_trailers":
-                return self._request_trailers()
+                return await self._request_trailers()
             if kind == "response_headers":
                 return self._response_headers(message)
             if kind == "response_body":
@@ -194,7 +196,7 @@ class PickerStream:
         if subset is not None:
             self.subset = subset
 
-    def _request_body(self, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
+    async def _request_body(self, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
         self._expect("body")
         if self.endpoint is None:
             return m.request_body(body.body, body.end_of_stream)
@@ -208,15 +210,15 @@ class PickerStream:
             self._chunks.append(body.body)
         if not body.end_of_stream:
             return []
-        return self._pick()
+        return await self._pick()
 
-    def _request_trailers(self) -> list[ep.ProcessingResponse]:
+    async def _request_trailers(self) -> list[ep.ProcessingResponse]:
         self._expect("body", "response")
-        out = self._pick() if self.phase == "body" and self.endpoint is not None else []
+        out = await self._pick() if self.phase == "body" and self.endpoint is not None else []
         out.append(m.request_trailers())
         return out
 
-    def _pick(self) -> list[ep.ProcessingResponse]:
+    async def _pick(self) -> list[ep.ProcessingResponse]:
         t_pick = perf_counter()
         gw = self.gw
         chunks = self._chunks
@@ -229,36 +231,49 @@ class PickerStream:
         body = self.body = parse_body(raw, self.endpoint)
         if gw.config.logging.log_prompts and log.isEnabledFor(logging.DEBUG):
             log.debug("request %s body: %s", self.request_id, raw[:8192].decode("utf-8", "replace"))
-        plan = gw.plan(self.endpoint, body, self.headers, self.request_id)
+        draft = gw.prepare(self.endpoint, body, self.headers, self.request_id)
         o = self.outcome
-        o.route, o.policy, o.stream = plan.route.name, plan.route.policy, plan.request.stream
-        exclude = self._outside_subset(plan)
+        o.route, o.policy, o.stream = draft.route.name, draft.route.policy, draft.request.stream
+        if draft.prepared is not None and draft.prepared.normalized:
+            o.normalize_mode, o.normalized = draft.route.normalize_mode, draft.prepared.normalized
+        gw.check_context(draft, body)
+        t_held = perf_counter()
+        # the route saturated: held in flow control's queue, placed when a replica has room (Envoy
+        # waits for the headers' answer meantime; a stream it resets leaves the queue at once)
+        placement = await gw.flow.hold(draft, self.headers, self._matched_key, len(raw))
+        charged: int | None = None
+        if placement is None:
+            plan = gw.decide(draft)
+        else:
+            plan = placement.plan
+            charged = placement.charge if placement.charge >= 0 else None  # counted there already
+            o.queued_s, o.queued_note = placement.waited_s, placement.note
+            t_pick += perf_counter() - t_held  # the wait is not the picker's own time
+        exclude = self._outside_subset(plan, charged)
         if exclude and plan.replica.name in exclude:
-            plan = self._repick(plan, exclude)
+            plan, charged = self._repick(plan, exclude, charged), None
         self.plan = plan
-        if plan.prepared is not None and plan.prepared.normalized:
-            o.normalize_mode, o.normalized = plan.route.normalize_mode, plan.prepared.normalized
-        gw.check_context(plan, body)
         payload, self.strip = upstream_body(raw, body, plan, gw.config.upstream.stream_usage)
         self.payload = payload
-        self.attempt = Attempt(plan, plan.decision, plan.replica)
+        self.attempt = Attempt(plan, plan.decision, plan.replica, charged)
         o.reason, o.replica = plan.decision.reason, plan.decision.replica
         o.predicted_cached_tokens, o.predicted_units = plan.predicted_cached_tokens, plan.predicted_units
         endpoints = [endpoint_of(plan.replica.url), *self._fallbacks(plan, exclude)]
         self.phase = "response"
-        out = [m.pick_headers(",".join(endpoints), len(payload), self._auth_headers(plan), self._auth_removed(plan))]
+        extra = [*self._auth_headers(plan), *self._priority_header(plan, placement)]
+        out = [m.pick_headers(",".join(endpoints), len(payload), extra, self._auth_removed(plan))]
         out.extend(m.request_body(payload, True))
         self.t_sent = perf_counter()
         o.added_s = self.t_sent - t_pick
         return out
 
-    def _outside_subset(self, plan: Plan) -> list[str]:
+    def _outside_subset(self, plan: Plan, charged: int | None = None) -> list[str]:
         if self.subset is None:
             return []
         names = outside(plan.route.runner.replicas, self.subset)
         if len(names) == len(plan.route.runner.replicas):
             # the protocol: nothing eligible in the hint (or an empty hint) → 503
-            self._take_back(plan)
+            self._take_back(plan, charged)
             error = NoHealthyReplica(
                 f"none of the endpoints the data plane allows ({', '.join(self.subset) or 'none'}) "
                 f"is a replica of route {plan.route.name!r}"
@@ -267,13 +282,14 @@ class PickerStream:
             raise error
         return names
 
-    def _take_back(self, plan: Plan) -> None:
-        """Undo what deciding ``plan`` recorded (an attempt that never served)."""
-        Attempt(plan, plan.decision, plan.replica).release(None, completed=False, served=False)
+    def _take_back(self, plan: Plan, charged: int | None = None) -> None:
+        """Undo what deciding ``plan`` recorded (an attempt that never served); ``charged``: flow
+        control acquired its replica already, with that prefill charge."""
+        Attempt(plan, plan.decision, plan.replica, charged).release(None, completed=False, served=False)
 
-    def _repick(self, plan: Plan, exclude: list[str]) -> Plan:
+    def _repick(self, plan: Plan, exclude: list[str], charged: int | None = None) -> Plan:
         """The plan's pick is outside the subset hint: taken back, and picked again inside it."""
-        self._take_back(plan)
+        self._take_back(plan, charged)
         decision, replica = plan.route.runner.decide(plan.request, exclude=exclude)  # 503 when none is healthy
         return dataclasses.replace(plan, decision=decision, replica=replica)
 
@@ -290,6 +306,18 @@ class PickerStream:
         others = [r for r in plan.route.runner.replicas if r.healthy and r.name not in skip]
         others.sort(key=lambda r: (r.in_flight, r.pending_prefill_tokens))
         return [endpoint_of(r.url) for r in others[:count]]
+
+    def _priority_header(self, plan: Plan, placement: Placement | None) -> list[tuple[str, bytes]]:
+        """``X-Vllm-Priority`` for a route that forwards flow control's priority (set: what the
+        client sent is replaced, as in proxy mode)."""
+        if not plan.route.config.flow_control.forward_priority:
+            return []
+        if placement is not None:
+            priority = placement.priority
+        else:
+            gw, default = self.gw, plan.route.config.flow_control.default_priority
+            priority = classify(gw.flow.settings, self.headers, plan.route.name, default, self._matched_key).priority
+        return [("x-vllm-priority", vllm_priority(priority).encode())]
 
     def _auth_headers(self, plan: Plan) -> list[tuple[str, bytes]]:
         if forward_authorization(self.gw, plan):

@@ -376,6 +376,18 @@ class FlowControl:
             flow = self.routes[route] = RouteFlow(route, self)
         return flow
 
+    async def hold(self, draft: Draft, headers: Mapping[str, str], key_hash: str | None, size: int) -> Placement | None:
+        """None: decide ``draft`` now (flow control off, or its route has room and nothing
+        queued: the fast path); else it waits in the route's queue and comes back placed
+        (or raises the error to answer: shed, queue full, TTL).  Both data paths call this —
+        the proxy and the endpoint picker — so a saturated route holds requests the same way."""
+        if not self.enabled:
+            return None
+        flow = self.of(draft.route.name)
+        if flow.clear(draft.route.runner, self.clock()):
+            return None
+        return await flow.wait(draft, headers, key_hash, size)
+
     def configure(self, settings: FlowControlSettings) -> None:
         """A reload: new bounds and TTLs apply to new requests (held ones keep their deadline);
         turned off, whatever is held goes now."""

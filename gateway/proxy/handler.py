@@ -295,15 +295,10 @@ class Exchange:
     async def _place(self, draft: Draft, key_hash: str | None, size: int) -> Plan:
         """Decide now, or — the route saturated — wait in flow control's queue to be placed
         when a replica has room (``gateway.flow``)."""
-        gw = self.gw
-        flow = gw.flow
-        if not flow.enabled:
-            return gw.decide(draft)
-        route_flow = flow.of(draft.route.name)
-        if route_flow.clear(draft.route.runner, flow.clock()):  # the fast path: nothing queued, room left
-            return gw.decide(draft)
         t = perf_counter()
-        placement = await route_flow.wait(draft, self.headers, key_hash, size)
+        placement = await self.gw.flow.hold(draft, self.headers, key_hash, size)
+        if placement is None:
+            return self.gw.decide(draft)
         self.queued_s = perf_counter() - t
         if placement.charge >= 0:
             self._precharged = placement.charge  # counted on its replica at placement (see RouteFlow.place)

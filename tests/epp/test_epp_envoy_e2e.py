@@ -261,3 +261,43 @@ def test_a_dead_pick_is_retried_on_a_fallback_and_routing_learns_who_served(
         stats = pk.gateway.stats.by_route_replica
         assert ("main", "r0") not in stats or stats[("main", "r0")].requests == 0
         assert sum(t.requests for (route, _), t in stats.items() if route == "main") == 24
+
+
+def test_a_saturated_route_holds_the_pick_through_envoy(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Flow control in picker mode: Envoy waits for the held pick, which goes once the replica frees."""
+    from tests.replica_fleet import shared_group
+
+    one_per_replica = {"in_flight": 1, "queued_prefill_tokens": 0, "waiting": 0, "kv_cache_usage": 0}
+    options = {"time_scale": 1.0, "decode_ms_per_token": 10.0, "max_output_tokens": 200}
+    with shared_group(tmp_path_factory, "epp-slow-sim", 1, **options) as group:
+        config = picker_config(group.urls, flow_control={"enabled": True, "saturation": one_per_replica})
+        with picker(config) as pk, envoy(group.urls, pk.grpc_port, tmp_path) as ev:
+            client = ev.client()
+            done: list[tuple[str, Any]] = []
+
+            def ask(name: str, max_tokens: int) -> None:
+                messages = [{"role": "user", "content": f"{name} request"}]
+                reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens)
+                done.append((name, reply))
+
+            replica = pk.gateway.replicas["r0"]
+            long = threading.Thread(target=ask, args=("long", 100))
+            long.start()
+            wait_for(lambda: replica.in_flight == 1, what="the long request on the replica")
+            held = threading.Thread(target=ask, args=("held", 2))
+            held.start()
+            flows = pk.gateway.flow.routes
+            wait_for(lambda: sum(f.queue.count for f in flows.values()) == 1, what="the pick held at the picker")
+            assert replica.in_flight == 1  # Envoy holds the request: nothing reached the replica
+            long.join(30)
+            held.join(30)
+            assert [name for name, _ in done] == ["long", "held"]  # placed once the long one ended
+            assert all(reply.choices[0].message.content is not None for _, reply in done)
+            stats = httpx.get(
+                metrics_url(pk) + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
+            ).json()
+            main = stats["flow_control"]["routes"]["main"]
+            assert main["queued"] == 1 and main["dispatched"] == 1 and main["held"] == 0
+            assert replica.in_flight == 0

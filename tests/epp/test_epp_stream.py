@@ -9,6 +9,7 @@ import pytest
 
 from gateway.config import parse_config, quick_config
 from gateway.epp import messages as m
+from gateway.epp.endpoints import endpoint_of
 from gateway.epp.stream import PickerStream
 from gateway.service import Gateway
 from tests.epp import envoy_messages as em
@@ -263,3 +264,104 @@ async def test_each_request_gets_one_access_log_line_without_prompt_text(
     lines = [r.getMessage() for r in caplog.records if r.name == "prefix_gateway.access"]
     assert len(lines) == 1 and '"POST /v1/chat/completions" 200' in lines[0] and "rid=rid-7" in lines[0]
     assert "cached_tokens=32" in lines[0] and "secret" not in lines[0]
+
+
+# -- flow control in the picker (gateway.flow: the same queue as proxy mode) -------------------
+#: saturated at one request in flight per replica; nothing scraped counts (never scraped here)
+ONE_PER_REPLICA = {"in_flight": 1, "queued_prefill_tokens": 0, "waiting": 0, "kv_cache_usage": 0}
+
+
+def _flow_gateway(**route_flow: Any) -> Gateway:
+    data = quick_config(URLS).model_dump(exclude_unset=True)
+    data["flow_control"] = {"enabled": True, "saturation": ONE_PER_REPLICA}
+    if route_flow:
+        data["routes"][0]["flow_control"] = route_flow
+    return Gateway(parse_config(data, "test"))
+
+
+def _held(gw: Gateway) -> int:
+    return sum(flow.queue.count for flow in gw.flow.routes.values())
+
+
+async def _until(check: Any, what: str) -> None:
+    """Poll ``check`` on the running loop with a deadline (the held pick runs as a task)."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + 5
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_saturated_route_holds_the_pick_until_a_replica_has_room() -> None:
+    import asyncio
+
+    gw = _flow_gateway()
+    busy = [(await run(gw, em.request_headers(), em.request_body(em.chat(f"busy {i}"))))[0] for i in range(4)]
+    assert in_flight(gw) == [1, 1, 1, 1]  # every replica at its limit: the route is saturated
+    held = PickerStream(gw)
+    assert await held.handle(em.request_headers()) == []
+    pick = asyncio.ensure_future(held.handle(em.request_body(em.chat("held one"))))
+    await _until(lambda: _held(gw) == 1, "the pick held in the queue")
+    assert not pick.done() and sum(in_flight(gw)) == 4  # Envoy waits: nothing sent yet
+    freed = busy[2]
+    assert freed.attempt is not None
+    endpoint = endpoint_of(freed.attempt.replica.url)
+    await freed.handle(em.response_headers())
+    await freed.handle(em.response_body(em.completion_reply(40, 0)))
+    freed.close()  # its replica has room again: the held pick goes there
+    out = await asyncio.wait_for(pick, 5)
+    header, _ = em.picked(out)
+    assert header.split(",")[0] == endpoint
+    assert sum(in_flight(gw)) == 4 and _held(gw) == 0
+    assert held.outcome.queued_s is not None and "placed on" in (held.outcome.queued_note or "")
+    for stream in (*busy[:2], busy[3], held):
+        stream.close()
+    assert sum(in_flight(gw)) == 0  # flow control's charge is released once, with the attempt
+    stats = gw.flow.snapshot()["default"]
+    assert stats["queued"] == 1 and stats["dispatched"] == 1
+
+
+async def test_a_held_pick_whose_stream_envoy_resets_leaves_the_queue() -> None:
+    import asyncio
+
+    gw = _flow_gateway()
+    busy = [(await run(gw, em.request_headers(), em.request_body(em.chat(f"busy {i}"))))[0] for i in range(4)]
+    held = PickerStream(gw)
+    await held.handle(em.request_headers())
+    pick = asyncio.ensure_future(held.handle(em.request_body(em.chat("held one"))))
+    await _until(lambda: _held(gw) == 1, "the pick held in the queue")
+    pick.cancel()  # grpc.aio cancels the servicer when Envoy resets the stream
+    with pytest.raises(asyncio.CancelledError):
+        await pick
+    held.close()
+    assert _held(gw) == 0
+    for stream in busy:
+        stream.close()
+    assert sum(in_flight(gw)) == 0  # the cancelled pick never reached a replica
+
+
+async def test_the_picker_forwards_the_flow_priority_where_the_route_says_so() -> None:
+    gw = _flow_gateway(forward_priority=True)
+    data = gw.config.model_dump()
+    assert data["routes"][0]["flow_control"]["forward_priority"]
+    _, (_, picked) = await run(gw, em.request_headers(**{"x-vllm-priority": "-99"}), em.request_body(em.chat("urgent")))
+    sets = {h.header.key: h.header.raw_value for h in picked[0].request_headers.response.header_mutation.set_headers}
+    assert sets["x-vllm-priority"] == b"0"  # the gateway's priority (0 here), not what the client sent
+
+
+async def test_a_held_pick_past_its_ttl_is_an_openai_shaped_503_with_retry_after() -> None:
+    data = quick_config(URLS).model_dump(exclude_unset=True)
+    data["flow_control"] = {"enabled": True, "saturation": ONE_PER_REPLICA, "ttl_s": 0.2}
+    gw = Gateway(parse_config(data, "test"))
+    busy = [(await run(gw, em.request_headers(), em.request_body(em.chat(f"busy {i}"))))[0] for i in range(4)]
+    held, (_, out) = await run(gw, em.request_headers(), em.request_body(em.chat("held one")))
+    status, body = em.immediate(out)
+    assert status == 503 and body["error"]["code"] == "flow_control_expired"
+    headers = {h.header.key: h.header.raw_value for h in out[0].immediate_response.headers.set_headers}
+    assert float(headers["retry-after"]) > 0
+    held.close()
+    for stream in busy:
+        stream.close()
+    assert sum(in_flight(gw)) == 0 and _held(gw) == 0
