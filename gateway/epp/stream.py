@@ -253,9 +253,9 @@ class PickerStream:
         if exclude and plan.replica.name in exclude:
             plan, charged = self._repick(plan, exclude, charged), None
         self.plan = plan
+        self.attempt = Attempt(plan, plan.decision, plan.replica, charged)  # released by close(), whatever follows
         payload, self.strip = upstream_body(raw, body, plan, gw.config.upstream.stream_usage)
         self.payload = payload
-        self.attempt = Attempt(plan, plan.decision, plan.replica, charged)
         o.reason, o.replica = plan.decision.reason, plan.decision.replica
         o.predicted_cached_tokens, o.predicted_units = plan.predicted_cached_tokens, plan.predicted_units
         endpoints = [endpoint_of(plan.replica.url), *self._fallbacks(plan, exclude)]

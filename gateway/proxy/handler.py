@@ -233,7 +233,16 @@ class Exchange:
         finally:
             if self._watcher is not None:
                 self._watcher.cancel()
+            self._release_unsent()
             self._finish()
+
+    def _release_unsent(self) -> None:
+        """Flow control placed the request (counted on its replica at dispatch) but it never
+        reached :meth:`_hold` — the client left, or an error came first: give the room back."""
+        charged, self._precharged = self._precharged, None
+        plan = self.plan
+        if charged is not None and plan is not None:
+            Attempt(plan, plan.decision, plan.replica, charged).release(None, completed=False, served=False)
 
     def _client_went_away(self) -> None:
         relay = self._relay

@@ -219,3 +219,36 @@ def test_explain_says_what_flow_control_would_do(slow_sims: list[str], monkeypat
             shed = explain(**{"x-llm-d-inference-objective": "batch", "x-llm-d-inference-fairness-id": "t9"})
             assert shed["would"] == "shed" and shed["priority"] == -1 and shed["flow"] == "id:t9"
             assert shed["replicas_full"] == {"r0": "in_flight"}
+
+
+def test_a_placed_request_that_fails_before_its_send_gives_its_room_back(
+    slow_sims: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Flow control counts a held request on its replica when it places it; a failure between
+    that and the upstream call (here an error building the body) must not keep the slot."""
+    import gateway.proxy.handler as handler
+    from gateway.errors import BadRequest
+
+    real = handler.upstream_body
+
+    def failing(raw: bytes, *args: Any) -> Any:
+        if b"doomed" in raw:
+            raise BadRequest("made to fail after placement")
+        return real(raw, *args)
+
+    monkeypatch.setattr(handler, "upstream_body", failing)
+    with flow_gateway(slow_sims[:1]) as gw:
+        replica = gw.gateway.replicas["r0"]
+        with busy(gw):
+            answer: list[httpx.Response] = []
+            body = {"model": MODEL, "messages": chat("doomed one"), "max_tokens": 1}
+            t = threading.Thread(
+                target=lambda: answer.append(httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30))
+            )
+            t.start()
+            wait_for(lambda: queued(gw) == 1, what="the request held")
+        t.join(30)
+        assert answer[0].status_code == 400
+        wait_for(lambda: replica.in_flight == 0, what="its slot given back")
+        assert replica.pending_prefill_tokens == 0
+        assert post(gw).status_code == 200  # the route has room again: nothing waits
