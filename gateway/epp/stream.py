@@ -42,7 +42,7 @@ from gateway.errors import (
     Unauthorized,
     error_bytes,
 )
-from gateway.flow.classify import classify, vllm_priority
+from gateway.flow.classify import vllm_priority
 from gateway.flow.gate import Placement
 from gateway.http.capacity import BodyReservation, Slot
 from gateway.limits.admission import Ticket
@@ -315,8 +315,7 @@ class PickerStream:
         if placement is not None:
             priority = placement.priority
         else:
-            gw, default = self.gw, plan.route.config.flow_control.default_priority
-            priority = classify(gw.flow.settings, self.headers, plan.route.name, default, self._matched_key).priority
+            priority = self.gw.flow.priority_of(plan.route, self.headers, self._matched_key)
         return [("x-vllm-priority", vllm_priority(priority).encode())]
 
     def _auth_headers(self, plan: Plan) -> list[tuple[str, bytes]]:

@@ -388,6 +388,13 @@ class FlowControl:
             return None
         return await flow.wait(draft, headers, key_hash, size)
 
+    def priority_of(self, route: Route, headers: Mapping[str, str], key_hash: str | None) -> int:
+        """A request's priority on ``route`` (objective header, key, route default), for
+        ``X-Vllm-Priority`` where the route forwards it but the request was never held."""
+        return classify(
+            self.settings, headers, route.name, route.config.flow_control.default_priority, key_hash
+        ).priority
+
     def configure(self, settings: FlowControlSettings) -> None:
         """A reload: new bounds and TTLs apply to new requests (held ones keep their deadline);
         turned off, whatever is held goes now."""

@@ -29,7 +29,7 @@ from gateway.errors import (
     Unauthorized,
     error_bytes,
 )
-from gateway.flow.classify import classify, vllm_priority
+from gateway.flow.classify import vllm_priority
 from gateway.http.capacity import BodyReservation, Slot
 from gateway.limits.admission import Ticket
 from gateway.observe.outcome import Outcome
@@ -374,8 +374,7 @@ class Exchange:
         if self.priority is None:
             gw = self.gw
             key = gw.client_keys.identify(self.headers.get("authorization")) if gw.client_keys.enabled else None
-            default = plan.route.config.flow_control.default_priority
-            self.priority = classify(gw.flow.settings, self.headers, plan.route.name, default, key).priority
+            self.priority = gw.flow.priority_of(plan.route, self.headers, key)
         return self.priority
 
     def _forward_authorization(self) -> bool:

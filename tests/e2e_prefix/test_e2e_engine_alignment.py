@@ -253,3 +253,23 @@ def test_salt_lora_session_and_priority_pass_through_unchanged_and_key_like_the_
         assert cached("sql-lora", "tenant-a") == lora_a["decision"]["predicted_cached_tokens"]
         assert cached("sql-lora", "tenant-b") == 0
         assert cached(LLAMA, "tenant-a") == 0
+
+
+def test_a_route_that_forwards_priority_replaces_the_clients_x_vllm_priority() -> None:
+    """``flow_control.forward_priority``: the replica gets the gateway's priority, negated (vLLM
+    runs lower first), from the objective header's mapping — not the value the client sent."""
+    route = {**ROUTE, "flow_control": {"forward_priority": True}}
+    flow = {"objectives": {"interactive": 10}}
+    with recording_sim(block_size=16) as (url, recorder), gateway([url], routes=[route], flow_control=flow) as gw:
+        sdk = client(gw)
+        messages = [{"role": "user", "content": "Which ledger?"}]
+        sdk.chat.completions.create(
+            model=LLAMA,
+            messages=messages,
+            max_tokens=2,
+            extra_headers={"X-Vllm-Priority": "7", "x-llm-d-inference-objective": "interactive"},
+        )
+        assert recorder.seen[-1]["headers"]["x-vllm-priority"] == "-10"
+        plain = {"X-Vllm-Priority": "7"}
+        sdk.chat.completions.create(model=LLAMA, messages=messages, max_tokens=2, extra_headers=plain)
+        assert recorder.seen[-1]["headers"]["x-vllm-priority"] == "0"  # no objective: the default, 0
