@@ -117,7 +117,8 @@ class Gateway:
         self.kv_events.attach(self.routes.routes, _deepest_window(config))
         # warm restarts (off unless warm_restart.enabled): hot prefixes in, replays out
         self.warmer = Warmer(lambda: self.config, lambda: self.routes.routes, lambda: self.replicas)
-        self.fleet.on_cold = self.warmer.on_cold
+        self.fleet.on_cold = self._on_cold
+        self.kv_events.routing.on_lost = self._cache_lost
         self.metrics = GatewayMetrics()
         self.capacity = Capacity()  # process-wide caps on the proxied path (server.max_concurrency, ...)
         self.metrics.registry.register(CapacityCollector(self.capacity, lambda: self.config.server))
@@ -165,6 +166,22 @@ class Gateway:
         #: held requests while a route is saturated (gateway.flow); per route name, kept across reloads
         self.flow = FlowControl(config.flow_control, self.metrics.registry)
         self.started_at = time.time()
+
+    def _on_cold(self, replica: Replica, cause: str) -> None:
+        """``Fleet.on_cold``: a replica whose engine counters went back restarted with an empty
+        cache (the routes' models forget it); warm restarts replay its hot prefixes."""
+        if cause == "counters_reset":
+            self._cache_lost(replica.name)
+        self.warmer.on_cold(replica, cause)
+
+    def _cache_lost(self, name: str) -> None:
+        """``name``'s engine lost its prefix cache (a restart its scrape showed; its KV events'
+        reset, restart or disconnect): every route's affinity model drops what it believed
+        ``name`` holds.  Otherwise a replica routed by the model (no events, or its feed gone
+        stale) is credited, and chosen, for prefixes its engine no longer has."""
+        dropped = sum(index.clear(name) for index in prefix_indexes(self.routes.routes).values())
+        if dropped:
+            log.info("replica %s lost its prefix cache: its modelled cache is cleared (%d keys)", name, dropped)
 
     def _build_limiter(self, env: Mapping[str, str]) -> KeyLimiter:
         """Per-key limits; shared through the state Redis when ``state.backend: redis``."""

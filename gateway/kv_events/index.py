@@ -90,7 +90,9 @@ class PreciseIndex:
         # hears (replica, our keys) of every BlockStored indexed: the router's speculative
         # choices end when the engine confirms them
         self.on_stored: Callable[[str, list[int]], None] | None = None
-        self.on_cleared: Callable[[str], None] | None = None  # ... and of every clear
+        # ... and of every clear: (replica, lost) — lost: the engine's cache is gone (AllBlocksCleared,
+        # a restart, another model), not only the index's record of it (a gap, a replica leaving)
+        self.on_cleared: Callable[[str, bool], None] | None = None
 
     # -- membership ------------------------------------------------------------------------
     def add(self, name: str, base_model: str | None = None) -> None:
@@ -115,13 +117,14 @@ class PreciseIndex:
         """``name`` left: drop it and its slot."""
         if name not in self._replicas:
             return
-        self.clear(name)
+        self.clear(name, lost=False)
         replica = self._replicas.pop(name)
         del self._names[replica.slot]
         self.generation += 1
 
-    def clear(self, name: str) -> None:
-        """Everything ``name`` held is gone (``AllBlocksCleared``, a restart, an unreplayed gap)."""
+    def clear(self, name: str, lost: bool = True) -> None:
+        """Everything ``name`` held is gone (``AllBlocksCleared``, a restart, an unreplayed gap);
+        ``lost=False``: the engine may still hold it, the index lost track (a gap, a replica leaving)."""
         replica = self._replicas.get(name)
         if replica is None:
             return
@@ -138,7 +141,7 @@ class PreciseIndex:
         replica.refs = {}
         replica.stamp = {}
         if self.on_cleared is not None:
-            self.on_cleared(name)
+            self.on_cleared(name, lost)
 
     def knows(self, name: str) -> bool:
         return name in self._replicas

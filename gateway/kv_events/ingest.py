@@ -58,7 +58,7 @@ class Ingestor:
             if on_gap == "report":
                 return verdict
             feed.gaps += 1
-            self._clear(feed)
+            self._clear(feed, lost=False)
         elif verdict == "restart":
             feed.restarts += 1
             feed.fresh_since = time.monotonic()  # real time: compared with scrape times
@@ -70,7 +70,7 @@ class Ingestor:
         """A gap that could not be replayed: drop the replica's entries, apply this batch."""
         feed = self.feed(name)
         feed.gaps += 1
-        self._clear(feed)
+        self._clear(feed, lost=False)
         self._apply(feed, dp_rank, seq, events, now)
 
     def _apply(self, feed: Feed, dp_rank: int, seq: int, events: Sequence[Event], now: float | None) -> None:
@@ -79,9 +79,9 @@ class Ingestor:
         feed.clears += sum(1 for event in events if isinstance(event, AllBlocksCleared))
         feed.heard_at(dp_rank, seq, self.clock() if now is None else now)
 
-    def _clear(self, feed: Feed) -> None:
+    def _clear(self, feed: Feed, lost: bool = True) -> None:
         feed.clears += 1
-        self.index.clear(feed.name)
+        self.index.clear(feed.name, lost)
 
     def new_stream(self, name: str) -> None:
         """``name``'s engine ended or restarted (its publisher disconnected, its counters went

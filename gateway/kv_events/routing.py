@@ -264,6 +264,9 @@ class PreciseRouting:
         self.text_tail = TextTail()  # every text key chosen per replica: past the window
         self.index.on_stored = self.speculative.confirm  # the engine's word ends a speculation
         self.index.on_cleared = self._cleared
+        # hears of each replica whose engine lost its cache (the gateway clears the routes'
+        # models of it: a replica that falls back to the model must not find the old belief)
+        self.on_lost: Callable[[str], None] | None = None
         self._modes_at = -1.0
         self._live: frozenset[str] = frozenset()
         self._version = 0
@@ -272,10 +275,14 @@ class PreciseRouting:
         # names and the precise index's mask
         self._eligible: dict[tuple[int, int, int, int, int], tuple[set[str], int]] = {}
 
-    def _cleared(self, name: str) -> None:
-        """``name``'s engine cleared its cache (reset, restart): what it was chosen for is gone."""
+    def _cleared(self, name: str, lost: bool = True) -> None:
+        """``name``'s entries were dropped: what it was chosen for says nothing now.  ``lost``:
+        its engine cleared its cache (reset, restart), which the routes' models are told too."""
         self.speculative.forget(name)
         self.text_tail.forget(name)
+        self._modes_at = -1.0  # a clear often comes with a new stream: the modes are looked at again
+        if lost and self.on_lost is not None:
+            self.on_lost(name)
 
     # -- modes -------------------------------------------------------------------------------
     def live(self) -> frozenset[str]:

@@ -141,6 +141,14 @@ class AffinityIndex:
         del self._names[slot]
         self.generation += 1
 
+    def clear(self, name: str) -> int:
+        """``name``'s engine lost its prefix cache (reset, restart): drop what the model
+        believes it holds, keep it a member.  A replica that falls back to the model later
+        (its KV events stop) must not find the belief its engine contradicted.  Returns the
+        keys dropped.  Peers are not told: each gateway hears of the loss itself."""
+        lru = self._lru.get(name)
+        return len(self.withdraw(name, list(lru))) if lru else 0
+
     def _forget_key(self, key: int) -> None:
         """No replica holds ``key`` any more: forget what followed it."""
         self._child.pop(key, None)

@@ -8,8 +8,11 @@ from typing import Any
 from gateway.kv_events.service import KvEvents
 from gateway.kv_events.settings import KvEventsSettings
 from gateway.prefix.blocks import chain_block_keys, engine_seed
+from gateway.replicas.engine import EngineStats
 from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings
+from gateway.service import Gateway
+from tests.configs import gateway_config
 from tests.kv_events.frames import cleared, hashes_for, removed, stored
 from tests.kv_events.test_kv_index import _events
 
@@ -148,3 +151,69 @@ def test_the_engines_word_ends_a_speculative_choice_so_its_evictions_count_at_on
     events.ingestor.ingest(first.replica, 0, 2, _events(*(removed([h]) for h in reversed(hashes[2:]))))
     clock.now += 1  # well within speculative_s: only the engine's word counts now
     assert policy.peek(_request(tokens), _views()).detail["predicted_cached_tokens"] == 2 * BS
+
+
+def _gateway_over(names: list[str]) -> tuple[Gateway, Clock]:
+    """A gateway (built, not started) over replicas nobody serves: its route's policy and
+    its KV-event subsystem, fed by hand on a test clock, each replica precise."""
+    gw = Gateway(
+        gateway_config(
+            [f"http://127.0.0.1:{9 + i}" for i in range(len(names))], routes=[{"name": "main", "policy": "prefix"}]
+        )
+    )
+    clock = Clock()
+    gw.kv_events.routing.clock = gw.kv_events.ingestor.clock = clock
+    for name in names:
+        gw.kv_events.index.add(name, MODEL)
+        gw.kv_events.ingestor.feed(name).subscribed = True
+        gw.kv_events.ingestor.ingest(name, 0, 0, [])
+    return gw, clock
+
+
+def test_an_engine_that_lost_its_cache_is_not_credited_with_it_when_it_falls_back_to_the_model() -> None:
+    gw, clock = _gateway_over(["r0", "r1"])
+    policy = gw.routes.routes[0].runner.policy
+    assert isinstance(policy, PrefixPolicy)
+    tokens = _tokens(7, 6)
+    views = [ReplicaView("r0")]
+    policy.choose(_request(tokens), views)  # the model records the choice; the engine stores it
+    _engine_holds(gw.kv_events, "r0", tokens, 1)
+    assert policy.peek(_request(tokens), views).detail["predicted_cached_tokens"] == 6 * BS
+
+    # a gap nobody could replay: the index lost track, the engine did not — the model's belief stays
+    gw.kv_events.ingestor.resync("r0", 0, 5, [])
+    gw.kv_events.ingestor.feed("r0").resubscribed()  # ... and its feed falls back to the model
+    clock.now += 1  # the modes are looked at again
+    fallback = policy.peek(_request(tokens), views)
+    assert fallback.detail["kv_mode"] == "approximate" and fallback.detail["predicted_cached_tokens"] == 6 * BS
+
+    # the engine's cache reset (AllBlocksCleared): once its feed falls back, the model has forgotten too
+    gw.kv_events.ingestor.ingest("r0", 0, 0, [])
+    gw.kv_events.ingestor.ingest("r0", 0, 1, _events(cleared()))
+    assert policy.peek(_request(tokens), views).detail["predicted_cached_tokens"] == 0
+    gw.kv_events.ingestor.feed("r0").resubscribed()
+    clock.now += 1
+    after = policy.peek(_request(tokens), views)
+    assert after.detail["kv_mode"] == "approximate" and after.detail["predicted_cached_tokens"] == 0
+    assert policy.index.knows("r0")  # still a member, relearning from the next choice
+
+
+def test_a_restart_seen_in_the_engines_counters_clears_the_model_without_events() -> None:
+    gw = Gateway(
+        gateway_config(
+            ["http://127.0.0.1:9", "http://127.0.0.1:10"],
+            routes=[{"name": "main", "policy": "prefix"}],
+            kv_events={"enabled": False},
+        )
+    )
+    policy = gw.routes.routes[0].runner.policy
+    assert isinstance(policy, PrefixPolicy)
+    tokens = _tokens(8, 6)
+    views = [ReplicaView("r1")]
+    policy.choose(_request(tokens), views)
+    assert policy.peek(_request(tokens), views).detail["predicted_cached_tokens"] == 6 * BS
+    replica = gw.replicas["r1"]
+    replica.set_engine(EngineStats(0.0, prefix_cache_queries=500, prompt_tokens=500, generation_tokens=50))
+    replica.set_engine(EngineStats(0.0, prefix_cache_queries=20, prompt_tokens=20, generation_tokens=2))  # it restarted
+    assert replica.restarts_detected["counters_reset"] == 1
+    assert policy.peek(_request(tokens), views).detail["predicted_cached_tokens"] == 0
