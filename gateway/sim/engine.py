@@ -418,6 +418,7 @@ class Engine:
                 break  # req was the last running request
             if need > 0:
                 req.blocks.extend(cache.allocate(need))
+            self._cache_scheduled(req, n)
             scheduled.append((req, n))
             budget -= n
             if remaining > 1:
@@ -440,6 +441,7 @@ class Engine:
                 req.blocks = hit + cache.allocate(need)
                 req.num_computed = computed
                 req.num_committed = len(hit)
+                self._cache_scheduled(req, n)
                 if req.cached_tokens < 0:
                     req.scheduled_at = now
                     self._record_admission(req, num_tokens, computed)
@@ -449,6 +451,20 @@ class Engine:
                 if num_tokens - computed > 1:
                     prefill_tokens += n
         return scheduled, prefill_tokens
+
+    def _cache_scheduled(self, req: EngineRequest, n: int) -> None:
+        """``req``'s blocks that are full once this step's ``n`` tokens are in are cached now,
+        at scheduling, as vLLM v1 caches them when it allocates the step's slots — not once
+        computed: a request admitted later in the same pass hits them (on vLLM 0.32 CPU, a
+        burst of one prompt queued behind a busy engine ran in one step, and every request
+        but the first reported the prompt's full blocks as cached).  Their ``BlockStored``
+        goes out with the step's batch, as vLLM's does."""
+        full = (req.num_computed + n) // self.block_size
+        if full > req.num_committed:
+            self.cache.commit(req.blocks, req.keys, req.num_committed, full)
+            if self.kv_events.active:
+                self._stored(req, req.num_committed, full)
+            req.num_committed = full
 
     def _preempt(self, req: EngineRequest) -> None:
         """vLLM's recompute preemption: drop the KV, requeue at the head, keep the output so far."""
@@ -462,7 +478,6 @@ class Engine:
     def _apply(self, scheduled: list[tuple[EngineRequest, int]]) -> None:
         now = time.monotonic()
         cache = self.cache
-        bs = self.block_size
         m = self.metrics
         generated = 0
         prompt_tokens = 0
@@ -471,12 +486,6 @@ class Engine:
             if req.finished or not req.blocks:  # aborted or preempted during the step
                 continue
             req.num_computed += n
-            full = req.num_computed // bs
-            if full > req.num_committed:
-                cache.commit(req.blocks, req.keys, req.num_committed, full)
-                if self.kv_events.active:
-                    self._stored(req, req.num_committed, full)
-                req.num_committed = full
             if req.num_computed < req.num_prompt + req.num_output:
                 continue  # a prefill chunk: no token sampled yet
             req.num_output += 1

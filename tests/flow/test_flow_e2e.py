@@ -194,10 +194,11 @@ def test_turned_off_by_a_reload_lets_held_requests_go(slow_sims: list[str], tmp_
         wait_for(lambda: gw.gateway.reloads["ok"] == 1, what="the reload")
         wait_for(lambda: queued(gw) == 0, what="the queue to empty")
         assert not gw.gateway.flow.enabled
-        # let go as a direct decision (its handler places it next): sent next to the long one
-        wait_for(lambda: gw.gateway.replicas["r0"].in_flight == 2, what="the released request sent")
+        # let go as a direct decision (its handler places it next) and served; not "sent next
+        # to the long one" (in flight 2): on a loaded box the long one may have ended by then
         t.join(30)
-        assert answer[0].status_code == 200
+        assert answer and answer[0].status_code == 200, answer
+        assert answer[0].headers["x-prefix-gateway-replica"] == "r0"
 
 
 def test_explain_says_what_flow_control_would_do(slow_sims: list[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,8 @@ does on a busy fleet) and then asks for the next prediction.
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -81,3 +83,30 @@ def test_after_evictions_in_a_small_cache_the_prediction_is_what_vllm_reports(re
         f"after evictions: predicted {after.predicted}, vLLM {after.cached_tokens} on {after.replica}; "
         f"events: {real_front.kv_row(where)}"
     )
+
+
+def test_a_burst_behind_a_busy_engine_hits_the_blocks_its_first_request_computes(real_front: Front) -> None:
+    """The simulator's model of it (gateway/sim/engine.py ``_cache_scheduled``): vLLM v1 caches a
+    block when it allocates the step's slots, so requests admitted in the same step as the
+    first of a burst of one prompt (measured: all of them finish with it, in one step) already
+    find that prompt's full blocks cached — a gateway predicting the burst's followers a hit
+    on their leader's prefix is right even before the leader ran."""
+    replica = next(iter(real_front.replicas.values()))
+    blocker = {"model": workload.MODEL, "prompt": workload.text(4500, 7301), "max_tokens": 16}
+    burst = {"model": workload.MODEL, "prompt": workload.text(450, 7302), "max_tokens": 1}
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(base_url=replica.url, timeout=300) as client:
+
+            async def send(body: dict, delay: float) -> dict:
+                await asyncio.sleep(delay)  # the burst arrives while the blocker's prefill runs
+                response = await client.post("/v1/completions", json=body)
+                response.raise_for_status()
+                return response.json()["usage"]
+
+            return await asyncio.gather(send(blocker, 0.0), *(send(burst, 0.05) for _ in range(4)))
+
+    _, *usages = asyncio.run(run())
+    full = usages[0]["prompt_tokens"] // BLOCK * BLOCK
+    cached = sorted((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in usages)
+    assert full >= BLOCK and cached == [0, full, full, full], (full, usages)

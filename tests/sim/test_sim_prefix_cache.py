@@ -12,6 +12,8 @@ from sim_helpers import SIM_PROMPTS, SIM_TOKENIZER, client
 from gateway.sim import DEFAULT_MODEL
 from gateway.sim.hashing import block_hashes, block_seed
 from gateway.sim.kvcache import PrefixCache, hit_block_limit
+from gateway.sim.options import SimOptions
+from gateway.sim.replica import Replica as SimReplica
 
 BLOCK = 16
 
@@ -206,3 +208,24 @@ def test_pool_pinned_blocks_are_never_evicted() -> None:
     with pytest.raises(RuntimeError):
         cache.touch(cache.lookup(keys, 13))
         cache.reset()
+
+
+def test_a_request_admitted_in_its_leaders_step_hits_the_blocks_that_step_computes() -> None:
+    # As vLLM v1 (it caches a block when it allocates the step's slots): a burst of one
+    # prompt queued behind a busy engine runs in one step, and every request but the first
+    # finds the prompt's full blocks cached — measured on vLLM 0.32 CPU, and recorded in
+    # tests/real_vllm/test_lane_2_cache_changes.py.
+    replica = SimReplica(SimOptions(time_scale=1.0, block_size=BLOCK, max_num_batched_tokens=2048))
+    engine = replica.engine
+    prompt = list(range(1000, 1000 + 10 * BLOCK + 3))
+    seed = replica.block_seed(None, None)
+    leader, follower = (replica.engine_requests(prompt, 2, "length", 1, seed, 0.0)[0] for _ in range(2))
+    engine.waiting.extend([leader, follower])
+    scheduled, _ = engine._schedule()
+    assert [req for req, _ in scheduled] == [leader, follower]  # one step, both admitted
+    assert (leader.cached_tokens, follower.cached_tokens) == (0, 10 * BLOCK)
+    engine._apply(scheduled)
+    again = replica.engine_requests(prompt, 2, "length", 1, seed, 0.0)[0]
+    engine.waiting.append(again)
+    engine._schedule()
+    assert again.cached_tokens == 10 * BLOCK  # and they stay cached once computed
