@@ -153,14 +153,15 @@ def test_the_engines_word_ends_a_speculative_choice_so_its_evictions_count_at_on
     assert policy.peek(_request(tokens), _views()).detail["predicted_cached_tokens"] == 2 * BS
 
 
+def _gateway(n: int, **overrides: Any) -> Gateway:
+    """A gateway (built, not started) with one prefix route over ``n`` replicas nobody serves."""
+    urls = [f"http://127.0.0.1:{9 + i}" for i in range(n)]
+    return Gateway(gateway_config(urls, routes=[{"name": "main", "policy": "prefix"}], **overrides))
+
+
 def _gateway_over(names: list[str]) -> tuple[Gateway, Clock]:
-    """A gateway (built, not started) over replicas nobody serves: its route's policy and
-    its KV-event subsystem, fed by hand on a test clock, each replica precise."""
-    gw = Gateway(
-        gateway_config(
-            [f"http://127.0.0.1:{9 + i}" for i in range(len(names))], routes=[{"name": "main", "policy": "prefix"}]
-        )
-    )
+    """:func:`_gateway` with its KV-event subsystem fed by hand on a test clock, each replica precise."""
+    gw = _gateway(len(names))
     clock = Clock()
     gw.kv_events.routing.clock = gw.kv_events.ingestor.clock = clock
     for name in names:
@@ -199,13 +200,7 @@ def test_an_engine_that_lost_its_cache_is_not_credited_with_it_when_it_falls_bac
 
 
 def test_a_restart_seen_in_the_engines_counters_clears_the_model_without_events() -> None:
-    gw = Gateway(
-        gateway_config(
-            ["http://127.0.0.1:9", "http://127.0.0.1:10"],
-            routes=[{"name": "main", "policy": "prefix"}],
-            kv_events={"enabled": False},
-        )
-    )
+    gw = _gateway(2, kv_events={"enabled": False})
     policy = gw.routes.routes[0].runner.policy
     assert isinstance(policy, PrefixPolicy)
     tokens = _tokens(8, 6)
