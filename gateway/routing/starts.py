@@ -109,11 +109,17 @@ class HeadDemand(DecayedCounts):
         return self._total / unit, [(head, count / unit) for head, count in heads]
 
     def merge(self, total: float, heads: Iterable[tuple[int, float]]) -> None:
-        """Add a peer's ``export`` to this process's counts (a process that has just joined)."""
+        """Take a peer's ``export`` as this process's counts (a process that has just joined).
+
+        The larger of the two, per head and in total, not their sum: the peer counts the
+        fleet's starts, and those include every start this process has heard since it
+        subscribed (peers' starts arriving live before the snapshot, its own first ones),
+        which a sum would count twice.
+        """
         unit = self._increment
-        self._total += max(0.0, total) * unit
+        self._total = max(self._total, max(0.0, total) * unit)
         for head, count in heads:
-            self._counts[head] = self._counts.pop(head, 0.0) + max(0.0, count) * unit
+            self._counts[head] = max(self._counts.pop(head, 0.0), max(0.0, count) * unit)
         self._bound()
 
     def snapshot(self, top: int = 8) -> dict[str, object]:

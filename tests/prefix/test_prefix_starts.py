@@ -152,3 +152,15 @@ def test_a_failed_start_is_taken_back() -> None:
     p.forget_attempt(request, d)
     assert p.demand.recent_starts() == 0
     assert p.snapshot()["starts"]["recent_starts"] == 0
+
+
+def test_a_joining_process_takes_its_peers_counts_without_counting_twice_what_it_heard_live() -> None:
+    peer, newcomer = HeadDemand(256), HeadDemand(256)
+    for head in [1] * 12 + [2] * 4:
+        peer.record(head)
+    for head in [1] * 3:  # the last of those reached the newcomer live before the snapshot did
+        newcomer.record_peer(head)
+    newcomer.merge(*peer.export(8))
+    assert math.isclose(newcomer.recent_starts(), peer.recent_starts(), rel_tol=1e-9)
+    assert math.isclose(newcomer.share(1, prior=1), peer.share(1, prior=1), rel_tol=1e-9)
+    assert math.isclose(newcomer.share(2, prior=1), peer.share(2, prior=1), rel_tol=1e-9)
