@@ -607,6 +607,23 @@ class AffinityIndex:
         """
         return key in self._forks
 
+    def forks_at(self, keys: Sequence[int], depth: int) -> bool:
+        """Whether the first ``depth`` of ``keys`` are a shared prefix, as far as the index knows:
+        :meth:`is_fork` of the deepest key it stores at or below ``depth`` (at most ``stride - 1``
+        below).
+
+        A match the index did not make can end between its stored keys: the precise index's
+        (engine blocks, and text keys at chunk resolution) ends where the prompt first differs,
+        which behind a shared head is the head's exact end, not a stride key.  Asking only the
+        key at that depth (never stored, so never a fork) made every new conversation behind
+        the head look like its holder's own history: no start was counted for that head.
+        """
+        holders = self._holders
+        for i in range(depth - 1, max(-1, depth - 1 - self.stride), -1):
+            if keys[i] in holders:
+                return keys[i] in self._forks
+        return False
+
     # -- introspection -----------------------------------------------------------------
     def __len__(self) -> int:
         """Distinct keys indexed."""

@@ -212,3 +212,24 @@ def test_a_restart_seen_in_the_engines_counters_clears_the_model_without_events(
     replica.set_engine(EngineStats(0.0, prefix_cache_queries=20, prompt_tokens=20, generation_tokens=2))  # it restarted
     assert replica.restarts_detected["counters_reset"] == 1
     assert policy.peek(_request(tokens), views).detail["predicted_cached_tokens"] == 0
+
+
+def test_a_new_conversation_matched_to_a_shared_heads_exact_end_is_a_start_not_its_holders_history() -> None:
+    """The engine's word ends where prompts first differ: behind a shared head that is the
+    head's exact end, which the model stores no key for (only every stride-th block).  It must
+    still be judged a shared head (a new conversation behind it), not the holder's own history."""
+    policy, events, _clock = _setup(speculative_s=0)
+    head = _tokens(5, 13)  # 13 blocks: no stride key (every 4th) at its end
+    holder = None
+    for seq, tail in enumerate((6, 7), start=1):
+        tokens = head + _tokens(tail, 6)
+        decision = policy.choose(_request(tokens, rid=f"c{tail}"), _views())
+        holder = holder or decision.replica
+        _engine_holds(events, holder, tokens, seq)
+    newcomer = _request(head + _tokens(8, 5), rid="new")
+    explained = policy.peek(newcomer, _views())
+    assert explained.detail["best_matched_blocks"] == 13  # the engine holds the head, exactly
+    assert explained.detail["branch"] != "home"
+    starts = policy.demand.recent_starts()
+    policy.choose(newcomer, _views())
+    assert policy.demand.recent_starts() > starts  # counted behind the head

@@ -277,3 +277,20 @@ def test_stored_weights_are_the_tokens_between_stored_keys(stride: int) -> None:
         # past the first `special` keys every weight is the standard one (recorded without a call)
         assert all(w == 16 * stride for w in weights[linear.special :])
         index.default_weight = stride
+
+
+def test_a_match_between_stored_keys_is_judged_by_the_deepest_stored_key_below_it() -> None:
+    index = AffinityIndex(10_000, stride=4)
+    head = chain(13, 11)  # a shared head whose end (13) is no stride key
+    for seed in (12, 13):  # two conversations went on from it differently
+        index.record("A", head + chain(9, seed))
+    assert index.is_fork(head[11])  # block 12, the stride key both share
+    assert not index.is_fork(head[12])  # the head's exact end was never stored: it says nothing
+    # A match ending at the head's exact end (as the engine's word does) is a shared head ...
+    assert index.forks_at(head, 13)
+    # ... and a conversation's own history is not, even where the match runs a block past
+    # its deepest stored key (the engine cached a block of the reply).
+    own = chain(21, 14)
+    index.record("A", own)
+    assert not index.forks_at(own + chain(3, 15), 22)
+    assert not index.forks_at(chain(5, 16), 5)  # nothing stored: no fork

@@ -243,7 +243,7 @@ class PrefixPolicy:
         # starts: the head gets as many holders as its share of recent starts needs (see
         # gateway.routing.starts); while it has fewer and every holder is busy, start elsewhere.
         # the deepest match is a prefix other prompts went on from differently (a shared head)
-        forked = bool(best_any) and self.index.is_fork(keys[best_any - 1])
+        forked = bool(best_any) and self.index.forks_at(keys, best_any)
         factor = settings.head_load_factor
         start: int | None = None  # the shared head behind a new conversation
         balance: str | None = None  # where it starts instead, for prefill-work balance
@@ -462,10 +462,10 @@ class PrefixPolicy:
     def _home(self, keys: Sequence[int], fleet: DecisionFleet, under: list[Group]) -> str | None:
         """The under-bound replica with the deepest match among them, if that match is this
         request's own history (no other prompt went on differently after it: see
-        :meth:`AffinityIndex.is_fork`) and no other under-bound replica holds as much (then
+        :meth:`AffinityIndex.forks_at`) and no other under-bound replica holds as much (then
         moving would cost nothing: load may decide).  ``under``: groups, most held first."""
         best = [group for group in under if group.tokens == under[0].tokens]
-        if any(self.index.is_fork(keys[group.depth - 1]) for group in best):
+        if any(self.index.forks_at(keys, group.depth) for group in best):
             return None
         homes: list[int] = []
         for group in best:
