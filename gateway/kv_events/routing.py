@@ -261,6 +261,7 @@ class PreciseRouting:
         self.speculative = Speculative(speculative_s, clock)
         self.pinned = Pinned(_PINNED_TTL_S, clock)
         self._expected: tuple[RequestView | None, dict[str, int]] = (None, {})  # the last match's projection
+        self._shallow: tuple[RequestView | None, dict[str, int]] = (None, {})  # the last match's, below the floor
         self.text_tail = TextTail()  # every text key chosen per replica: past the window
         self.index.on_stored = self.speculative.confirm  # the engine's word ends a speculation
         self.index.on_cleared = self._cleared
@@ -380,11 +381,29 @@ class PreciseRouting:
                         depth = self.text_tail.extend(name, keys, depth, most)
                     if depth > blocks:
                         depth_of[name] = max(depth_of[name], depth)
+        # A match shorter than the model's resolution (``stride`` blocks), unless it is the whole
+        # request, routes as none: it is what nearly every prompt shares (the chat template's
+        # preamble, a date line), which the model never sees.  Ranked as a match, 48 tokens pulled
+        # new conversations to busy replicas and made every start look like one behind a shared
+        # head (the start and work-balance rules then copied real heads: agent_toolloop lost
+        # 0.6 points).  The prediction still counts it (:meth:`shallow_depth`).
+        floor = min(affinity.stride, len(keys))
+        shallow: dict[str, int] = {}
         for name, depth in depth_of.items():
-            if depth > 0:
+            if depth >= floor:
                 bit = 1 << affinity.slot_of(name)  # type: ignore[operator]  # in pmask: a member
                 by_depth[depth] = by_depth.get(depth, 0) | bit
+            elif depth > 0:
+                shallow[name] = depth
+        self._shallow = (request, shallow)
         return sorted(by_depth.items(), key=lambda group: -group[0])
+
+    def shallow_depth(self, name: str, request: RequestView) -> int:
+        """The depth (in keys) of ``request`` that ``name``'s engine holds below the floor
+        :meth:`match_groups` routes by (0 if none): what a replica chosen as holding none of it
+        will still find cached."""
+        matched, shallow = self._shallow
+        return shallow.get(name, 0) if matched is request else 0
 
     def _projected(
         self,

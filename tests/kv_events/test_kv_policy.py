@@ -233,3 +233,22 @@ def test_a_new_conversation_matched_to_a_shared_heads_exact_end_is_a_start_not_i
     starts = policy.demand.recent_starts()
     policy.choose(newcomer, _views())
     assert policy.demand.recent_starts() > starts  # counted behind the head
+
+
+def test_a_preamble_every_prompt_shares_is_predicted_but_not_routed_on() -> None:
+    """Engines report the chat template's first blocks for nearly every prompt; the model, at
+    its stride, never sees them.  Routed on, they pulled new conversations to busy replicas
+    and counted each as a start behind a shared head."""
+    policy, events, _clock = _setup(speculative_s=0)
+    preamble = _tokens(9, 2)  # 2 blocks: below the stride (4)
+    for seq, name in enumerate(NAMES, start=1):
+        _engine_holds(events, name, preamble, seq)
+    request = _request(preamble + _tokens(10, 6), rid="new")
+    explained = policy.peek(request, _views())
+    assert explained.detail["branch"] == "ring" and explained.detail["matched_blocks"] == 0
+    assert explained.detail["predicted_cached_tokens"] == 2 * BS  # still what the engine will hit
+    starts = policy.demand.recent_starts()
+    assert policy.choose(request, _views()).detail["predicted_cached_tokens"] == 2 * BS
+    assert policy.demand.recent_starts() == starts  # no start behind a "head" of 32 tokens
+    # a request that is only the short prefix is matched by it (the whole request)
+    assert policy.peek(_request(preamble, rid="short"), _views()).detail["matched_blocks"] == 2

@@ -325,6 +325,8 @@ class PrefixPolicy:
             expected = precise.expected_depth(pick, request, picked.depth)
             if expected < picked.depth:  # queued work there evicts some of it first
                 predicted = depth_tokens(request, expected)
+        elif precise is not None:  # what its engine holds below the match floor is still a hit
+            predicted = depth_tokens(request, precise.shallow_depth(pick, request))
         prompt_tokens = request.prompt_tokens_estimate or request.prompt_tokens
         if prompt_tokens:
             # vLLM always recomputes a prompt's last token, so a full hit stops one block short.
