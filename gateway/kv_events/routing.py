@@ -260,8 +260,8 @@ class PreciseRouting:
         self.index.track_lru = project or self.index.track_lru
         self.speculative = Speculative(speculative_s, clock)
         self.pinned = Pinned(_PINNED_TTL_S, clock)
-        self._expected: tuple[RequestView | None, dict[str, int]] = (None, {})  # the last match's projection
-        self._shallow: tuple[RequestView | None, dict[str, int]] = (None, {})  # the last match's, below the floor
+        # the last match: its request, the projection's depths, and the engines' depths below the floor
+        self._last: tuple[RequestView | None, dict[str, int], dict[str, int]] = (None, {}, {})
         self.text_tail = TextTail()  # every text key chosen per replica: past the window
         self.index.on_stored = self.speculative.confirm  # the engine's word ends a speculation
         self.index.on_cleared = self._cleared
@@ -364,9 +364,9 @@ class PreciseRouting:
         names, index_mask = eligible
         blocks = token_blocks(request)
         depth_of = self.index.leading(keys[:blocks], mask=index_mask) if blocks else {}
-        self._expected = (request, {})
+        expected: dict[str, int] = {}
         if self.project and pending is not None and depth_of:
-            self._expected = (request, self._projected(affinity, keys, depth_of, pending, request.block_size or 1))
+            expected = self._projected(affinity, keys, depth_of, pending, request.block_size or 1)
         for name, depth in self.speculative.depths(keys, names).items():
             if depth > depth_of.get(name, 0):
                 depth_of[name] = depth
@@ -386,7 +386,7 @@ class PreciseRouting:
         # preamble, a date line), which the model never sees.  Ranked as a match, 48 tokens pulled
         # new conversations to busy replicas and made every start look like one behind a shared
         # head (the start and work-balance rules then copied real heads: agent_toolloop lost
-        # 0.6 points).  The prediction still counts it (:meth:`shallow_depth`).
+        # 0.6 points).  The prediction still counts it (:meth:`expected_depth` of depth 0).
         floor = min(affinity.stride, len(keys))
         shallow: dict[str, int] = {}
         for name, depth in depth_of.items():
@@ -395,15 +395,8 @@ class PreciseRouting:
                 by_depth[depth] = by_depth.get(depth, 0) | bit
             elif depth > 0:
                 shallow[name] = depth
-        self._shallow = (request, shallow)
+        self._last = (request, expected, shallow)
         return sorted(by_depth.items(), key=lambda group: -group[0])
-
-    def shallow_depth(self, name: str, request: RequestView) -> int:
-        """The depth (in keys) of ``request`` that ``name``'s engine holds below the floor
-        :meth:`match_groups` routes by (0 if none): what a replica chosen as holding none of it
-        will still find cached."""
-        matched, shallow = self._shallow
-        return shallow.get(name, 0) if matched is request else 0
 
     def _projected(
         self,
@@ -460,10 +453,14 @@ class PreciseRouting:
     def expected_depth(self, name: str, request: RequestView, depth: int) -> int:
         """The depth (in keys) of ``request`` that ``name`` will still hold when it runs there,
         ``depth`` being what :meth:`match_groups` matched (the engine's word now, and past the
-        window the model's); less only where the projection expects evictions first."""
-        matched, expected = self._expected
+        window the model's); less only where the projection expects evictions first.  A
+        replica matched as holding none of it (``depth`` 0) still has what its engine holds
+        below the floor :meth:`match_groups` routes by."""
+        matched, expected, shallow = self._last
         if matched is not request:
             return depth
+        if depth == 0:
+            return shallow.get(name, 0)
         left = expected.get(name)
         return depth if left is None else min(depth, left)
 

@@ -33,7 +33,8 @@ class PreciseMatcher(Protocol):
 
     def expected_depth(self, name: str, request: RequestView, depth: int) -> int:
         """Of the ``depth`` keys of ``request`` matched on ``name`` (by the last
-        :meth:`match_groups`), how many it will still hold when the request runs there."""
+        :meth:`match_groups`), how many it will still hold when the request runs there
+        (``depth`` 0: what it holds below the depth a match must reach to be routed on)."""
 
     def chose(self, name: str, request: RequestView, pending_tokens: int = 0) -> None:
         """``name`` was chosen for ``request`` (a committed decision), with ``pending_tokens``

@@ -321,12 +321,12 @@ class PrefixPolicy:
             if start is not None:
                 started = self.demand.record(start)
         predicted = picked.tokens
-        if precise is not None and picked.depth:
+        if precise is not None:
+            # less where queued work there evicts some of it first; with no match, what its
+            # engine holds below the match floor (still a hit)
             expected = precise.expected_depth(pick, request, picked.depth)
-            if expected < picked.depth:  # queued work there evicts some of it first
+            if expected != picked.depth:
                 predicted = depth_tokens(request, expected)
-        elif precise is not None:  # what its engine holds below the match floor is still a hit
-            predicted = depth_tokens(request, precise.shallow_depth(pick, request))
         prompt_tokens = request.prompt_tokens_estimate or request.prompt_tokens
         if prompt_tokens:
             # vLLM always recomputes a prompt's last token, so a full hit stops one block short.
