@@ -141,7 +141,9 @@ class Router(Protocol):
 
     def first_token(self, handle: Any) -> None: ...
 
-    def finished(self, handle: Any, cached_tokens: int) -> None: ...
+    def finished(self, handle: Any, cached_tokens: int, prompt_tokens: int) -> None:
+        """The request ended; ``prompt_tokens`` is what the engine's usage reports (as a reply's)."""
+        ...
 
 
 @contextlib.contextmanager
@@ -251,10 +253,11 @@ class GatewayRouter:
         PolicyRunner.prefill_done(handle.replica, handle.charge)
         handle.charge = 0
 
-    def finished(self, handle: _Held, cached_tokens: int) -> None:
+    def finished(self, handle: _Held, cached_tokens: int, prompt_tokens: int) -> None:
         self.first_token(handle)
         self.prediction_error += abs(handle.predicted - cached_tokens)
         self.route_.runner.release(handle.replica, handle.view, handle.decision, cached_tokens, True)
+        self.route_.learn_prompt_tokens(handle.view, prompt_tokens)  # as the gateway's Attempt.release
 
 
 class PreciseGatewayRouter(GatewayRouter):
@@ -345,7 +348,7 @@ class SglangLikeRouter:
     def first_token(self, handle: int) -> None:
         pass
 
-    def finished(self, handle: int, cached_tokens: int) -> None:
+    def finished(self, handle: int, cached_tokens: int, prompt_tokens: int) -> None:
         self.load[handle] -= 1
 
 
@@ -535,9 +538,9 @@ class VirtualFleet:
                                 router.first_token(handle)
                         if ereq.finished:
                             if hop:
-                                later(now + hop, FINISHED, (handle, out.cached_tokens))
+                                later(now + hop, FINISHED, (handle, out.cached_tokens, out.prompt_tokens))
                             else:
-                                router.finished(handle, out.cached_tokens)
+                                router.finished(handle, out.cached_tokens, out.prompt_tokens)
                             del meta[id(ereq)]
                     start_step(e, now)
                 if gate is not None:

@@ -472,8 +472,11 @@ class PickerStream:
         self.ticket = None
         completed = self.finished and o.status == 200 and o.error_kind is None
         if self.attempt is not None:
-            cached = self.usage.cached_tokens if self.usage is not None else None
-            self.attempt.release(cached, completed, self.served)
+            usage = self.usage
+            if usage is None:
+                self.attempt.release(None, completed, self.served)
+            else:
+                self.attempt.release(usage.cached_tokens, completed, self.served, usage.prompt_tokens)
         if self.endpoint is None:
             return  # not an inference request: not counted (as the proxy does not count them)
         if o.status == 0:

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.prefix.anchors import PromptAnchors
 from gateway.prefix.block_size import BlockSizeChoice, choose
 from gateway.prefix.blocks import chain_block_keys, chain_id_keys, chain_text_keys, engine_seed
 from gateway.prefix.exactness import units_label
@@ -89,10 +90,11 @@ class PrefixPipeline:
         *,
         normalizer: Normalizer | None = None,
         tokens: ModelWindows | None = None,
+        anchors: PromptAnchors | None = None,
     ) -> None:
         """``identities``: the gateway's LoRA adapter table, shared by every route's pipeline;
-        ``normalizer``, ``tokens``: parts of a pipeline with the same ``normalize`` (resp.
-        ``prefix``) settings to keep, with what they learned (see :meth:`reconfigured`)."""
+        ``normalizer``, ``tokens``, ``anchors``: parts of a pipeline with the same ``normalize``
+        (resp. ``prefix``) settings to keep, with what they learned (see :meth:`reconfigured`)."""
         self.normalize_settings = normalize
         self.settings = prefix
         self.normalizer = normalizer if normalizer is not None else Normalizer(normalize)
@@ -100,6 +102,8 @@ class PrefixPipeline:
         if tokens is None:
             tokens = ModelWindows(prefix.tokenizer, prefix.window_tokens, prefix.token_cache_tokens)
         self.tokens = tokens
+        # exact prompt lengths from replies, by the prompt's last text key (see gateway.prefix.anchors)
+        self.anchors = anchors if anchors is not None else PromptAnchors(prefix.prompt_anchors)
 
         # which names are LoRA adapters of which base model (learned from the replicas' /v1/models)
         self.identities = identities if identities is not None else ModelIdentities()
@@ -128,6 +132,7 @@ class PrefixPipeline:
             self.identities,
             normalizer=self.normalizer if same_normalize else None,
             tokens=self.tokens if same_prefix else None,
+            anchors=self.anchors if same_prefix else None,
         )
         if same_prefix:  # the engines' block size still holds: no flip to 16 until the next re-read
             pipeline.block = self.block
@@ -267,8 +272,9 @@ class PrefixPipeline:
         first ``window`` bytes are not keyed (at least one byte per token: the window's
         ``window`` tokens cover them).  Token estimates count ``bytes_per_token`` — the
         window's own ratio, measured as it was tokenized (:meth:`WindowTokenizer.measured`) —
-        or ~4 without one: a key's is its end, never less than the window, never more than
-        the prompt's; the prompt's is all the text read.
+        or ~4 without one, and exact at keys where earlier replies measured the prompt
+        (:class:`~gateway.prefix.anchors.PromptAnchors`): a key's is its end, never less than
+        the window, never more than the prompt's; the prompt's is all the text read.
         """
         if endpoint == "completions":
             prompt = body.get("prompt")
@@ -290,10 +296,13 @@ class PrefixPipeline:
             estimate = self._estimate_total(endpoint, body, window)
             if ends and not estimate:
                 estimate = max(window, int(ends[-1] / per_token))
+        tokens = [max(window, int(end / per_token)) for end in ends]
+        anchored = self.anchors.estimate(keys, ends, tokens, window)  # exact where replies measured the text
+        if anchored is not None:
+            estimate = max(window, anchored)
         # Each key's estimate is its end, never less than the window nor more than the prompt;
         # ends grow, so only the first and last few can need clamping.
         floor = min(window, estimate)
-        tokens = [int(end / per_token) for end in ends]
         i, last = 0, len(tokens) - 1
         while i <= last and tokens[i] < floor:
             tokens[i] = floor

@@ -202,6 +202,14 @@ class PrefixSettings(BaseModel):
         ge=0,
         description="bound of the per-route LRU of segment text -> token ids (about 4 bytes per token); 0 disables",
     )
+    prompt_anchors: int = Field(
+        100_000,
+        ge=0,
+        description="past the token window, token counts are estimated from text bytes; each reply's exact "
+        "usage.prompt_tokens is kept (per route, this many at most, ~100 bytes each; 0 disables) under the "
+        "prompt's last key, so the next turn of a conversation counts the tokens before its new messages "
+        "exactly (predicted cached tokens, prefill work)",
+    )
 
     @field_validator("block_size", mode="before")
     @classmethod

@@ -345,7 +345,11 @@ class Exchange:
         if attempt is None or self.replica is None:
             return
         self.replica = None
-        attempt.release(self.usage.cached_tokens if self.usage is not None else None, completed, served)
+        usage = self.usage
+        if usage is None:
+            attempt.release(None, completed, served)
+        else:
+            attempt.release(usage.cached_tokens, completed, served, usage.prompt_tokens)
 
     def _upstream_headers(self, replica: Replica) -> dict[str, str]:
         """The client's Authorization goes upstream only where a route (or upstream) says so;

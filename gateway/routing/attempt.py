@@ -39,12 +39,18 @@ class Attempt:
             PolicyRunner.prefill_done(self.replica, self._charge)
         self._charge = 0
 
-    def release(self, cached_tokens: int | None, completed: bool, served: bool) -> None:
+    def release(
+        self, cached_tokens: int | None, completed: bool, served: bool, prompt_tokens: int | None = None
+    ) -> None:
         """Release once; ``served=False``: the replica did not serve the prompt, so what routing
-        recorded at decision time is taken back (see :meth:`PolicyRunner.release`)."""
+        recorded at decision time is taken back (see :meth:`PolicyRunner.release`).
+        ``prompt_tokens``: the reply's ``usage.prompt_tokens``, which a served request's route
+        learns from (:meth:`~gateway.routing.routes.Route.learn_prompt_tokens`)."""
         if self.released:
             return
         self.released = True
         self.answered()
         plan = self.plan
         plan.route.runner.release(self.replica, plan.request, self.decision, cached_tokens, completed, served)
+        if completed and served and prompt_tokens:
+            plan.route.learn_prompt_tokens(plan.request, prompt_tokens)

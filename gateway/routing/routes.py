@@ -55,6 +55,18 @@ class Route:
         pipeline.engine_stamp = (Replica.block_size_epoch, replicas)
         pipeline.follow_engines(engine_block_sizes(replicas))
 
+    def learn_prompt_tokens(self, request: RequestView, prompt_tokens: int | None) -> None:
+        """A served request's reply counted its prompt: past the token window, where the
+        gateway only estimated it, the count anchors the next turn's keys (see
+        :mod:`gateway.prefix.anchors`)."""
+        pipeline = self.pipeline
+        texts = request.key_tokens
+        if pipeline is None or not prompt_tokens or not texts:
+            return
+        keys = request.block_keys[len(request.block_keys) - len(texts) :]
+        window = request.prompt_tokens or 0
+        pipeline.anchors.learn(keys, texts, prompt_tokens, request.prompt_tokens_estimate or 0, window)
+
 
 def engine_block_sizes(replicas: Sequence[Replica]) -> dict[str, int]:
     """replica -> the block size its engine published (replicas not scraped yet are left out)."""

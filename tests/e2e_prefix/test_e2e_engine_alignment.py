@@ -108,6 +108,44 @@ def test_the_route_follows_the_engines_block_size_and_labels_exactness() -> None
         assert view["predicted_exact"] is False
 
 
+def predicted_and_reported(gw: RunningGateway, messages: list[dict[str, str]]) -> tuple[int, int, int]:
+    """One request: (predicted cached tokens, reported cached tokens, reported prompt tokens)."""
+    tally = gw.gateway.stats
+    before = tally.by_route.get("main")
+    n, predicted0 = (before.predicted_requests, before.predicted_cached_tokens) if before else (0, 0)
+    reply = client(gw).chat.completions.create(model=LLAMA, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+    after = wait_for(
+        lambda: (t := tally.by_route.get("main")) is not None and t.predicted_requests > n and t,
+        what="the request recorded",
+    )
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    cached = reply.usage.prompt_tokens_details.cached_tokens or 0
+    return after.predicted_cached_tokens - predicted0, cached, reply.usage.prompt_tokens
+
+
+def test_past_the_window_the_next_turn_is_predicted_from_the_last_replys_prompt_tokens() -> None:
+    """Past the token window the gateway only estimates tokens from text bytes, at the window's
+    ratio; digits run at another.  The reply's usage.prompt_tokens is exact: the next turn,
+    which holds the last prompt's final key, is predicted to the token the engine reports."""
+    digits = ",".join(str(i * 7919 % 1000) for i in range(2500))  # ~2 bytes per token, the window ~5
+    first = [{"role": "system", "content": system_prompt("tides", 400)}, {"role": "user", "content": digits}]
+    second = [*first, {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Sum them."}]
+    seen = {}
+    with sims(16, 16) as urls:
+        for anchors in (100_000, 0):  # the default, and turned off
+            route = {**ROUTE, "prefix": {"window_tokens": 256, "prompt_anchors": anchors}}
+            with gateway(urls, routes=[route]) as gw:  # each run its own conversation (a new head)
+                _, cached, prompt = predicted_and_reported(gw, [{"role": "system", "content": str(anchors)}, *first])
+                assert cached < 64 and prompt > 2000  # at most the template's preamble
+                predicted, cached, _ = predicted_and_reported(
+                    gw, [{"role": "system", "content": str(anchors)}, *second]
+                )
+                assert cached == prompt // 16 * 16  # the engine holds the whole first prompt
+                seen[anchors] = predicted, cached
+    assert seen[100_000][0] == seen[100_000][1]  # the gateway knows how many tokens that is
+    assert seen[0][0] < seen[0][1] - 500  # without the reply's count: the window's ratio, far short
+
+
 def test_replicas_that_disagree_are_named_in_stats_explain_and_doctor() -> None:
     with sims(128, 16, 128) as urls, gateway(urls, routes=[ROUTE]) as gw:
         block = route_stats(gw)["block_size"]

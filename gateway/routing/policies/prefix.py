@@ -327,6 +327,9 @@ class PrefixPolicy:
             expected = precise.expected_depth(pick, request, picked.depth)
             if expected != picked.depth:
                 predicted = depth_tokens(request, expected)
+        # An engine caches whole blocks only: a depth past the window (a text key's token
+        # estimate) ends inside a block, whose tokens are computed again.
+        predicted -= predicted % block_size
         prompt_tokens = request.prompt_tokens_estimate or request.prompt_tokens
         if prompt_tokens:
             # vLLM always recomputes a prompt's last token, so a full hit stops one block short.
