@@ -206,8 +206,8 @@ class PrefixSettings(BaseModel):
         100_000,
         ge=0,
         description="past the token window, token counts are estimated from text bytes; each reply's exact "
-        "usage.prompt_tokens is kept (per route, this many at most, ~100 bytes each; 0 disables) under the "
-        "prompt's last key, so the next turn of a conversation counts the tokens before its new messages "
+        "usage.prompt_tokens is kept under the prompt's last keys (per route, this many keys at most, ~150 bytes "
+        "each; 0 disables), so the next turn of a conversation counts the tokens before its new messages "
         "exactly (predicted cached tokens, prefill work)",
     )
 
