@@ -52,5 +52,13 @@ class Attempt:
         self.answered()
         plan = self.plan
         plan.route.runner.release(self.replica, plan.request, self.decision, cached_tokens, completed, served)
-        if completed and served and prompt_tokens:
+        if completed and served and prompt_tokens and not _batch(plan):
             plan.route.learn_prompt_tokens(plan.request, prompt_tokens)
+
+
+def _batch(plan: Plan) -> bool:
+    """A completions request with several prompts: its usage counts them all, its keys the first."""
+    if plan.endpoint != "completions" or plan.prepared is None:
+        return False
+    prompt = plan.prepared.body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)

@@ -142,3 +142,43 @@ def test_a_reload_with_the_same_prefix_settings_keeps_what_was_learned() -> None
     assert kept.anchors is p.anchors and len(kept.anchors) > 0
     other = p.reconfigured(p.normalize_settings, PrefixSettings(window_tokens=512))
     assert len(other.anchors) == 0
+
+
+class _Recorder:
+    """A route that records what its attempt's release teaches it."""
+
+    def __init__(self) -> None:
+        self.learned: list[int] = []
+        self.runner = self
+
+    def release(self, *args: Any) -> None:
+        pass
+
+    def learn_prompt_tokens(self, request: Any, prompt_tokens: int | None) -> None:
+        self.learned.append(prompt_tokens or 0)
+
+
+def test_a_batch_of_prompts_teaches_nothing_its_usage_counts_them_all() -> None:
+    from types import SimpleNamespace
+
+    from gateway.routing.attempt import Attempt
+
+    def release(endpoint: str, body: dict[str, Any], completed: bool = True, served: bool = True) -> list[int]:
+        route = _Recorder()
+        plan = SimpleNamespace(
+            route=route,
+            endpoint=endpoint,
+            prepared=SimpleNamespace(body=body),
+            request=SimpleNamespace(prompt_tokens_estimate=0),
+        )
+        replica = SimpleNamespace(pending_prefill_tokens=0, peer_pending_prefill_tokens=0)
+        Attempt(plan, None, replica, charged=0).release(0, completed, served, 5000)  # type: ignore[arg-type]
+        return route.learned
+
+    assert release("completions", {"prompt": "one long prompt"}) == [5000]
+    assert release("chat", {"messages": []}) == [5000]
+    assert release("completions", {"prompt": ["first", "second"]}) == []
+    assert release("completions", {"prompt": [[1, 2], [3, 4]]}) == []
+    assert release("completions", {"prompt": [1, 2, 3]}) == [5000]  # one prompt of token ids
+    assert release("chat", {"messages": []}, served=False) == []  # the replica did not serve it
+    assert release("chat", {"messages": []}, completed=False) == []
