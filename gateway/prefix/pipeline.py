@@ -296,17 +296,14 @@ class PrefixPipeline:
             estimate = self._estimate_total(endpoint, body, window)
             if ends and not estimate:
                 estimate = max(window, int(ends[-1] / per_token))
+        # Each key's estimate is its end, never less than the window nor more than the prompt
+        # (the estimate is never under the window); ends grow, so only the last few can need
+        # clamping down.
         tokens = [max(window, int(end / per_token)) for end in ends]
         anchored = self.anchors.estimate(keys, ends, tokens, window)  # exact where replies measured the text
         if anchored is not None:
             estimate = max(window, anchored)
-        # Each key's estimate is its end, never less than the window nor more than the prompt;
-        # ends grow, so only the first and last few can need clamping.
-        floor = min(window, estimate)
-        i, last = 0, len(tokens) - 1
-        while i <= last and tokens[i] < floor:
-            tokens[i] = floor
-            i += 1
+        last = len(tokens) - 1
         while last >= 0 and tokens[last] > estimate:
             tokens[last] = estimate
             last -= 1
