@@ -23,6 +23,9 @@ class Ingestor:
         self.index = index
         self.feeds: dict[str, Feed] = {}
         self.clock = clock
+        # bumped when a feed is first heard or starts a new connection: a mode may have changed
+        # before its staleness would say so, and the live set is looked at again (PreciseRouting.live)
+        self.modes_epoch = 0
 
     def feed(self, name: str) -> Feed:
         """``name``'s feed, created (and its index slot added) on first use."""
@@ -74,6 +77,8 @@ class Ingestor:
         self._apply(feed, dp_rank, seq, events, now)
 
     def _apply(self, feed: Feed, dp_rank: int, seq: int, events: Sequence[Event], now: float | None) -> None:
+        if not feed.heard:
+            self.modes_epoch += 1
         self.index.apply(feed.name, events)
         feed.events += len(events)
         feed.clears += sum(1 for event in events if isinstance(event, AllBlocksCleared))

@@ -269,6 +269,7 @@ class PreciseRouting:
         # models of it: a replica that falls back to the model must not find the old belief)
         self.on_lost: Callable[[str], None] | None = None
         self._modes_at = -1.0
+        self._modes_epoch = -1  # the ingestor's modes_epoch when the live set was last computed
         self._live: frozenset[str] = frozenset()
         self._version = 0
         self._masks: dict[tuple[int, int, int, int], tuple[int, dict[int, str]]] = {}
@@ -287,9 +288,12 @@ class PreciseRouting:
 
     # -- modes -------------------------------------------------------------------------------
     def live(self) -> frozenset[str]:
-        """Replicas whose feed is live now (recomputed every ``_MODES_EVERY_S``)."""
+        """Replicas whose feed is live now (recomputed every ``_MODES_EVERY_S``, and at once
+        after a feed was first heard or resubscribed)."""
         now = self.clock()
-        if now - self._modes_at >= _MODES_EVERY_S:
+        epoch = self.ingestor.modes_epoch
+        if now - self._modes_at >= _MODES_EVERY_S or epoch != self._modes_epoch:
+            self._modes_epoch = epoch
             live = frozenset(
                 name for name, feed in self.ingestor.feeds.items() if feed.mode(now, self.stale_s)[0] == "precise"
             )

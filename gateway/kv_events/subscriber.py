@@ -95,6 +95,7 @@ class Subscription:
                 sock.connect(source.endpoint)
             feed.subscribed = True
             feed.resubscribed()
+            self.ingestor.modes_epoch += 1
             feed.endpoints = [s.endpoint for s in sources]
             feed.replay_endpoints = [s.replay_endpoint for s in sources if s.replay_endpoint]
             log.info("kv events: %s subscribed to %s", self.name, ", ".join(feed.endpoints))
