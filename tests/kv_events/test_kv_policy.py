@@ -252,3 +252,16 @@ def test_a_preamble_every_prompt_shares_is_predicted_but_not_routed_on() -> None
     assert policy.demand.recent_starts() == starts  # no start behind a "head" of 32 tokens
     # a request that is only the short prefix is matched by it (the whole request)
     assert policy.peek(_request(preamble, rid="short"), _views()).detail["matched_blocks"] == 2
+
+
+def test_a_replica_is_precise_as_soon_as_its_first_events_arrive() -> None:
+    """The live set is cached for 0.1 s; a feed heard for the first time (or resubscribed)
+    is looked at again at once, so the request right after its first events is matched
+    precisely (and gets the text prints only precise matching reads)."""
+    policy, events, clock = _setup(precise=["r0"])
+    assert events.routing.live() == frozenset({"r0"})
+    feed = events.ingestor.feed("r1")
+    feed.subscribed = True
+    clock.now += 0.01  # well within the live set's 0.1 s
+    events.ingestor.ingest("r1", 0, 0, [])
+    assert events.routing.live() == frozenset({"r0", "r1"})
