@@ -291,7 +291,7 @@ class PreciseGatewayRouter(GatewayRouter):
                 self.ingestor.ingest(name, batch.data_parallel_rank, batch.seq, decode_events(batch.events))
 
             engine.kv_events.subscribe(on_batch)
-        self.route_.runner.policy.attach_precise(routing)  # type: ignore[attr-defined]
+        self.route_.attach_precise(routing)
 
 
 class ProjectedGatewayRouter(PreciseGatewayRouter):

@@ -505,6 +505,8 @@ class Gateway:
                 ),
                 # the block size the route hashes with and each replica's own (disagreements named)
                 "block_size": route.pipeline.block.as_dict() if route.pipeline is not None else None,
+                # keys whose prompt tokens replies measured (past the window; gateway.prefix.anchors)
+                "prompt_anchors": len(route.pipeline.anchors) if route.pipeline is not None else None,
                 # held requests while saturated (gateway.flow); the doctor names a saturated route from it
                 "flow_control": flows.get(route.name),
             }

@@ -468,6 +468,21 @@ class PreciseRouting:
         left = expected.get(name)
         return depth if left is None else min(depth, left)
 
+    def fork_tokens(self, name: str, request: RequestView, depth: int) -> int:
+        """Prompt tokens ``name`` holds of ``request`` past its first ``depth`` keys' end: where
+        the match stops at a text chunk (past the window, the engine holding all of it), the
+        prompt may still share the start of the next chunk with the one recorded after the
+        last key held there (:meth:`TextTail.fork`).  0 where none is known (no prints, not a
+        precise replica, a match inside the window, whose blocks the engine names itself)."""
+        forks = request.key_forks
+        if forks is None or depth <= 0 or name not in self.live():
+            return 0
+        index = depth - token_blocks(request)  # the text key whose chunk the match stopped before
+        if index < 0 or index >= len(forks.prints):
+            return 0
+        pieces = self.text_tail.fork(name, request.block_keys[depth - 1], forks.prints[index])
+        return forks.tokens_at(index, pieces, request.key_tokens) if pieces else 0
+
     def chose(self, name: str, request: RequestView, pending_tokens: int = 0) -> None:
         """``name`` was chosen for ``request``: held speculatively, and events should follow
         if it stores a block its engine does not hold (see ``stale_s``).  The blocks of it the
@@ -481,7 +496,9 @@ class PreciseRouting:
             self.index.touch(name, keys[:blocks], -(-pending_tokens // max(1, request.block_size or 1)))
             self.pinned.pin(name, keys[:blocks])
         if len(keys) > blocks:
-            self.text_tail.record(name, keys[blocks:])
+            forks = request.key_forks
+            after = keys[blocks - 1] if blocks else None
+            self.text_tail.record(name, keys[blocks:], forks.prints if forks is not None else (), after)
         reach = min(blocks, self.index.max_depth_tokens // max(1, request.block_size or 1))
         confirm = keys[reach - 1] if reach > 0 else None
         if confirm is None or not self.index.holds(name, confirm):  # held already: nothing to wait for
@@ -505,5 +522,6 @@ class PreciseRouting:
         if request.block_keys:
             self.speculative.withdraw(name, request.block_keys)
             blocks = token_blocks(request)
-            self.text_tail.withdraw(name, request.block_keys[blocks:])
+            after = request.block_keys[blocks - 1] if blocks else None
+            self.text_tail.withdraw(name, request.block_keys[blocks:], after)
             self.pinned.unpin(name, request.block_keys[:blocks])

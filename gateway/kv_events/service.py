@@ -62,9 +62,7 @@ class KvEvents:
         if max_depth_tokens and not self.settings.max_depth_tokens:
             self.index.max_depth_tokens = max_depth_tokens
         for route in routes:
-            attach = getattr(route.runner.policy, "attach_precise", None)
-            if callable(attach):
-                attach(self.routing if self.enabled else None)
+            route.attach_precise(self.routing if self.enabled else None)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -196,6 +194,8 @@ class KvEvents:
                 "skipped": {k: v for k, v in self.index.skipped.items() if v},
             },
             "speculative_entries": len(self.routing.speculative),
+            # past the window: (replica, text key) entries, and those keeping the next chunk's prints
+            "text_tail": {"keys": len(self.routing.text_tail), "prints": self.routing.text_tail.prints},
             "collector": None
             if self._collector is None
             else {"bound": self._collector.bound, "unknown_topic": self._collector.unknown_topic},

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
@@ -76,7 +78,37 @@ def chain_block_keys(
 
 # A continuation key's separator between messages: bytes that never start a UTF-8 character,
 # so a message boundary can never hash like text inside a message.
-_MESSAGE_MARK = b"\xff\xfe"
+MESSAGE_MARK = b"\xff\xfe"
+
+
+class TextChain(NamedTuple):
+    """What :func:`chain_text_keys` returns (see there)."""
+
+    keys: list[int]
+    ends: list[int]  # per key: bytes of text up to its chunk's end
+    prints: list[bytes]  # per key: its chunk's piece prints (b"" for none)
+    first_start: int  # bytes of text before the first key's chunk
+
+
+@dataclass(frozen=True, slots=True)
+class TextForks:
+    """Where inside a text chunk a prompt parts from one held before: what a request carries
+    for it (see :func:`chain_text_keys`'s prints), one entry per text key."""
+
+    prints: tuple[bytes, ...]  # per text key: its chunk's piece prints
+    ends: tuple[int, ...]  # per text key: bytes of text up to its chunk's end
+    piece_bytes: int  # bytes per print piece
+    first_start: tuple[int, int]  # where the first text key's chunk starts: (bytes, tokens estimated)
+
+    def tokens_at(self, index: int, pieces: int, key_tokens: Sequence[int]) -> int:
+        """Prompt tokens up to ``pieces`` pieces into text key ``index``'s chunk: interpolated
+        by bytes between the chunk's two ends (``key_tokens``, the estimates the keys carry)."""
+        start_bytes, start = (self.ends[index - 1], key_tokens[index - 1]) if index else self.first_start
+        end_bytes, end = self.ends[index], key_tokens[index]
+        size = end_bytes - start_bytes
+        if size <= 0:
+            return start
+        return start + (end - start) * min(size, pieces * self.piece_bytes) // size
 
 
 def chain_text_keys(
@@ -84,7 +116,9 @@ def chain_text_keys(
     parent: int,
     chunk_bytes: int,
     skip_bytes: int = 0,
-) -> tuple[list[int], list[int]]:
+    print_bytes: int = 0,
+    print_tail: int = 0,
+) -> TextChain:
     """Continue a key chain over text, message by message, in chunks of ``chunk_bytes``.
 
     Token blocks stop at the window (tokenizing is what costs); past it, prompts still differ
@@ -100,18 +134,34 @@ def chain_text_keys(
     chunk ends within the first ``skip_bytes`` bytes are not returned: that text lies inside
     the token window, which already tells prompts apart there.
 
-    Returns the keys and, for each, the bytes of text up to its end (for a token estimate).
+    With ``print_bytes`` (a divisor of ``chunk_bytes``), each returned chunk also gets its
+    *prints*: the xxh32 of each ``print_bytes`` piece of it but the last, packed as uint32.
+    Two chunks that follow the same key agree on their first *j* pieces exactly when their
+    first *j* prints agree, so where two prompts part inside a chunk the prints tell how far
+    into it they still share text (:meth:`gateway.kv_events.text_tail.TextTail.fork`).
+    They cost one xxh32 call per piece (~0.2 µs), so the pipeline asks for them only where a
+    precise replica can use them, and with ``print_tail`` only for the chunks that end in the
+    text's last ``print_tail`` bytes (where a conversation's next turn, a tool loop's next
+    step or another question on the same document part from it); the others get ``b""``.
+
+    Returns the keys, for each the bytes of text up to its end (for a token estimate) and its
+    prints (``b""`` each without ``print_bytes``), and where the first key's chunk starts.
     Never recurses, never raises on odd text (lone surrogates are hashed as is).  Cost: one
     encode per message and one xxh3 call per chunk over a memoryview (no copies).
     """
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
+    if print_bytes < 0 or (print_bytes and chunk_bytes % print_bytes):
+        raise ValueError("print_bytes must divide chunk_bytes")
     hasher = xxhash.xxh3_64_intdigest
+    printer = xxhash.xxh32_intdigest
     keys: list[int] = []
     ends: list[int] = []
+    spans: list[tuple[memoryview, int, int]] = []  # per key: its message's bytes and the chunk in them
+    first_start = 0
     offset = 0
     for pieces in messages:
-        data = memoryview(_MESSAGE_MARK + "\x1f".join(pieces).encode("utf-8", "surrogatepass"))
+        data = memoryview(MESSAGE_MARK + "\x1f".join(pieces).encode("utf-8", "surrogatepass"))
         n = len(data)
         start = 0
         while start < n:
@@ -119,11 +169,26 @@ def chain_text_keys(
             parent = hasher(data[start:stop], seed=parent)
             end = offset + min(stop, n)
             if end > skip_bytes:
+                if not keys:
+                    first_start = offset + start
                 keys.append(parent)
                 ends.append(end)
+                if print_bytes:
+                    spans.append((data, start, min(stop, n)))
             start = stop
         offset += n
-    return keys, ends
+    prints = [b""] * len(keys)
+    if print_bytes:
+        since = offset - print_tail if print_tail > 0 else 0
+        for i in range(len(keys) - 1, -1, -1):
+            if ends[i] <= since:
+                break
+            data, start, stop = spans[i]
+            # the last piece is the key's own business: it agrees only where the whole chunk does
+            marks = [printer(data[o : o + print_bytes]) for o in range(start, stop - print_bytes, print_bytes)]
+            if marks:
+                prints[i] = array("I", marks).tobytes()
+    return TextChain(keys, ends, prints, first_start)
 
 
 def chain_id_keys(ids: Sequence[int], parent: int, chunk_tokens: int) -> list[int]:

@@ -17,17 +17,18 @@ from __future__ import annotations
 import json
 import logging
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.prefix.anchors import PromptAnchors
 from gateway.prefix.block_size import BlockSizeChoice, choose
-from gateway.prefix.blocks import chain_block_keys, chain_id_keys, chain_text_keys, engine_seed
+from gateway.prefix.blocks import MESSAGE_MARK, TextForks, chain_block_keys, chain_id_keys, chain_text_keys, engine_seed
 from gateway.prefix.exactness import units_label
 from gateway.prefix.identity import ModelIdentities
 from gateway.prefix.normalize import Kept, Normalizer, NormalizeResult, Relocation
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
+from gateway.prefix.volatile import BLOCK_OPEN, our_blocks
 from gateway.tokens.window import ModelWindows
 
 log = logging.getLogger("prefix_gateway")
@@ -46,6 +47,10 @@ def _clamp_bytes_per_token(measured: float | None) -> float | None:
 
 
 _ID_CHUNK = 256  # token-id prompts past the window: ids per continuation key
+# Our values block is looked for in the prompt's last few messages (the normalizer places it at
+# the end) and counted in tokens up to this size (a block of a few dozen values).
+_BLOCK_SEARCH = 3
+_BLOCK_MAX_BYTES = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +73,8 @@ class PreparedPrompt:
     # prompt tokens up to its end (estimated from characters for text).
     text_keys: tuple[int, ...] = ()
     text_key_tokens: tuple[int, ...] = ()
+    # per text key its chunk's prints, where a precise replica can use them (PrefixPipeline.fork_gate)
+    text_forks: TextForks | None = None
     # what the tokens are counted in: "exact (llama3)", "approximate (llama3): block size 16 vs engine 128"
     units: str | None = None
     tokens_exact: bool = False  # the window is counted in the served model's own tokenizer and template
@@ -112,6 +119,9 @@ class PrefixPipeline:
         self._labels: dict[str, str] = {}  # alignment key -> units label under the current block choice
         # (engine view version, replica list) when the block choice was last re-read (Route.follow_engines)
         self.engine_stamp: tuple[int, object] | None = None
+        # whether text chunks get fork prints now (set by Route.attach_precise: while a replica
+        # publishes KV events; None: never, they cost ~1 µs per KB and only precise matching reads them)
+        self.fork_gate: Callable[[], bool] | None = None
 
     def reconfigured(self, normalize: NormalizeSettings, prefix: PrefixSettings) -> PrefixPipeline:
         """The pipeline for a reloaded route with these settings, keeping what is still valid.
@@ -226,11 +236,12 @@ class PrefixPipeline:
         keys = chain_block_keys(tokens, block_size, seed)
         text_keys: list[int] = []
         text_tokens: list[int] = []
+        forks: TextForks | None = None
         if not window_ok or len(tokens) >= self.tokens.window:
             parent = keys[-1] if keys else seed
             keyed = len(keys) * block_size  # ids continue right after the last full block
-            text_keys, text_tokens, estimate = self._continue(
-                endpoint, body, parent, len(tokens), keyed, bytes_per_token
+            text_keys, text_tokens, estimate, forks = self._continue(
+                endpoint, body, parent, len(tokens), keyed, bytes_per_token, base
             )
         else:
             estimate = self._estimate_total(endpoint, body, len(tokens))
@@ -250,6 +261,7 @@ class PrefixPipeline:
             lora=lora,
             text_keys=tuple(text_keys),
             text_key_tokens=tuple(text_tokens),
+            text_forks=forks,
             units=units,
             tokens_exact=tokens_exact,
             base_model=base,
@@ -263,8 +275,10 @@ class PrefixPipeline:
         window: int,
         keyed: int,
         bytes_per_token: float | None = None,
-    ) -> tuple[list[int], list[int], int]:
-        """Keys past the window, their token estimates, and the whole prompt's estimate.
+        model: str = "",
+    ) -> tuple[list[int], list[int], int, TextForks | None]:
+        """Keys past the window, their token estimates, the whole prompt's estimate, and the
+        chunks' fork prints (while :attr:`fork_gate` says a precise replica can use them).
 
         Text is read without the chat template (the template decides token boundaries, not
         where two prompts differ): per message its role, name, text content, non-text parts'
@@ -283,11 +297,20 @@ class PrefixPipeline:
             if isinstance(prompt, list):  # token ids: exact continuation
                 keys = chain_id_keys(prompt[keyed:], parent, _ID_CHUNK)
                 tokens = [min(len(prompt), keyed + (i + 1) * _ID_CHUNK) for i in range(len(keys))]
-                return keys, tokens, max(window, len(prompt))
+                return keys, tokens, max(window, len(prompt)), None
             messages: list[Sequence[str]] = [(prompt,)] if isinstance(prompt, str) else []
         else:
             messages = _message_texts(body.get("messages"), body.get("tools"))
-        keys, ends = chain_text_keys(messages, parent, self.settings.chunk_bytes, skip_bytes=window)
+        gate = self.fork_gate
+        print_bytes = self.settings.print_bytes if gate is not None and gate() else 0
+        keys, ends, prints, first_start = chain_text_keys(
+            messages,
+            parent,
+            self.settings.chunk_bytes,
+            skip_bytes=window,
+            print_bytes=print_bytes,
+            print_tail=self.settings.fork_tail_bytes,
+        )
         measured = _clamp_bytes_per_token(bytes_per_token)
         per_token = measured or _CHARS_PER_TOKEN
         if ends and measured is not None:  # the whole text read, at the window's own ratio
@@ -300,6 +323,8 @@ class PrefixPipeline:
         # (the estimate is never under the window); ends grow, so only the last few can need
         # clamping down.
         tokens = [max(window, int(end / per_token)) for end in ends]
+        if ends and endpoint == "chat":
+            estimate += self._count_values_block(messages, ends, tokens, per_token, model)
         anchored = self.anchors.estimate(keys, ends, tokens, window)  # exact where replies measured the text
         if anchored is not None:
             estimate = max(window, anchored)
@@ -307,7 +332,46 @@ class PrefixPipeline:
         while last >= 0 and tokens[last] > estimate:
             tokens[last] = estimate
             last -= 1
-        return keys, tokens, estimate
+        forks = None
+        if print_bytes and keys:
+            # the first chunk's start, counted back from its (corrected) end at the window's ratio
+            start = max(0, tokens[0] - int((ends[0] - first_start) / per_token))
+            forks = TextForks(tuple(prints), tuple(ends), print_bytes, (first_start, start))
+        return keys, tokens, estimate, forks
+
+    def _count_values_block(
+        self, messages: Sequence[Sequence[str]], ends: Sequence[int], tokens: list[int], per_token: float, model: str
+    ) -> int:
+        """Count our values block (relocation's, at the end of the prompt) in tokens, not bytes.
+
+        Its ids and timestamps tokenize ~2.5 times denser than prose, and it sits at the prompt's
+        end: estimated at the window's ratio it under-counts the prompt's last tokens, and a
+        reply's exact count carried back across it (the anchors) over-counts everything
+        before — the depth the next turn shares (measured: benchmarks/README.md, "Forks
+        inside a chunk").  It is short, so it is tokenized; the keys past its start get the
+        difference (in place), which is returned for the prompt's estimate."""
+        later: list[str] = []  # the messages after the one searched
+        for i in range(len(messages) - 1, max(-1, len(messages) - 1 - _BLOCK_SEARCH), -1):
+            text = "\x1f".join(messages[i])
+            tail = max(0, len(text) - _BLOCK_MAX_BYTES - len(BLOCK_OPEN))  # appended: only its end is read
+            spans = our_blocks(text[tail:]) if BLOCK_OPEN in text[tail:] else []
+            if not spans:
+                later.append(text)
+                continue
+            start, end = (tail + at for at in spans[-1])
+            size = len(text[start:end].encode("utf-8", "surrogatepass"))
+            after = len(text[start:].encode("utf-8", "surrogatepass"))
+            after += sum(len(MESSAGE_MARK) + len(t.encode("utf-8", "surrogatepass")) for t in later)
+            begin = ends[-1] - after
+            if begin < 0 or not 0 < size <= _BLOCK_MAX_BYTES:
+                return 0
+            delta = len(self.tokens.for_model(model).tokenizer.encode(text[start:end])) - int(size / per_token)
+            for j in range(len(ends) - 1, -1, -1):
+                if ends[j] <= begin:
+                    break
+                tokens[j] += delta * min(size, ends[j] - begin) // size
+            return delta
+        return 0
 
     def _estimate_total(self, endpoint: str, body: dict[str, Any], window_tokens: int) -> int:
         """Tokens of the whole prompt, for the load signal (uncached prefill work queued).

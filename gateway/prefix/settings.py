@@ -197,6 +197,21 @@ class PrefixSettings(BaseModel):
         description="past the token window the key chain continues over the prompt's UTF-8 text in chunks of "
         "this many bytes (each message ends its own chunk): prompts are told apart however deep they differ",
     )
+    fork_bytes: int = Field(
+        128,
+        ge=0,
+        description="where a replica whose KV events show it holds the whole window matches past it, the prompts "
+        "may part inside a text chunk: each chunk then also carries a print of every this many bytes (a divisor "
+        "of chunk_bytes; computed only while a replica publishes events, ~1 µs per KB of prompt past the window), "
+        "so predicted cached tokens stop where they part, not at the chunk before (0: chunk resolution)",
+    )
+    fork_tail_bytes: int = Field(
+        16384,
+        ge=0,
+        description="with fork_bytes: only the chunks ending in the prompt's last this many bytes get prints "
+        "(where the next turn, a tool loop's next step or another question on the same document parts; their "
+        "cost then stays ~30 µs per prompt however long it is); 0: every chunk past the window",
+    )
     token_cache_tokens: int = Field(
         2_000_000,
         ge=0,
@@ -210,6 +225,22 @@ class PrefixSettings(BaseModel):
         "each; 0 disables), so the next turn of a conversation counts the tokens before its new messages "
         "exactly (predicted cached tokens, prefill work)",
     )
+
+    @model_validator(mode="after")
+    def _fork_bytes_divide_chunks(self) -> PrefixSettings:
+        if "fork_bytes" in self.model_fields_set and self.fork_bytes and self.chunk_bytes % self.fork_bytes:
+            raise ValueError(
+                f"fork_bytes ({self.fork_bytes}) must divide chunk_bytes ({self.chunk_bytes}), "
+                "or be 0 to turn prints off"
+            )
+        return self
+
+    @property
+    def print_bytes(self) -> int:
+        """The fork print piece in effect: ``fork_bytes`` where it divides ``chunk_bytes`` and is
+        smaller (the default 128 with a ``chunk_bytes`` it does not divide: none)."""
+        size = self.fork_bytes
+        return size if 0 < size < self.chunk_bytes and self.chunk_bytes % size == 0 else 0
 
     @field_validator("block_size", mode="before")
     @classmethod

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from gateway.prefix.blocks import TextForks
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,7 @@ class RequestView:
     stream: bool = False
     token_blocks: int | None = None  # leading keys that are token blocks (None: all of them)
     key_tokens: tuple[int, ...] = ()  # per key past the token blocks: prompt tokens up to its end (estimated)
+    key_forks: TextForks | None = None  # per key past the token blocks: its chunk's prints (where one can part)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,13 @@ class PreciseMatcher(Protocol):
         :meth:`match_groups`), how many it will still hold when the request runs there
         (``depth`` 0: what it holds below the depth a match must reach to be routed on)."""
 
+    def fork_tokens(self, name: str, request: RequestView, depth: int) -> int:
+        """Prompt tokens ``name`` holds of ``request`` past its first ``depth`` keys' end, where
+        the request parts inside the next text chunk from one held there (0: none known)."""
+
+    def live(self) -> frozenset[str]:
+        """The replicas matched from their engines' events now."""
+
     def chose(self, name: str, request: RequestView, pending_tokens: int = 0) -> None:
         """``name`` was chosen for ``request`` (a committed decision), with ``pending_tokens``
         uncached prompt tokens queued ahead of it there."""

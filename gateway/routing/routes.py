@@ -18,6 +18,7 @@ from gateway.prefix.pipeline import PrefixPipeline, PreparedPrompt
 from gateway.replicas.pool import Replica
 from gateway.routing import registry
 from gateway.routing.base import RequestView
+from gateway.routing.precise import PreciseMatcher
 from gateway.routing.runner import PolicyRunner
 
 
@@ -40,6 +41,16 @@ class Route:
 
     def needs_keys(self, endpoint: str) -> bool:
         return self.pipeline is not None and endpoint in ("chat", "completions")
+
+    def attach_precise(self, matcher: PreciseMatcher | None) -> None:
+        """Match precise replicas through ``matcher`` from now on (None: the model only); text
+        chunks get fork prints while one of them publishes events (only it reads them)."""
+        attach = getattr(self.runner.policy, "attach_precise", None)
+        if not callable(attach):
+            return
+        attach(matcher)
+        if self.pipeline is not None:
+            self.pipeline.fork_gate = None if matcher is None else (lambda: bool(matcher.live()))
 
     def follow_engines(self) -> None:
         """Let the pipeline re-choose its block size from the replicas' scraped ones
@@ -99,6 +110,7 @@ def request_view(
         stream=body.get("stream") is True,
         token_blocks=len(prepared.block_keys) if prepared else None,
         key_tokens=prepared.text_key_tokens if prepared else (),
+        key_forks=prepared.text_forks if prepared else None,
     )
 
 

@@ -115,3 +115,71 @@ def test_default_gateway_routes_precisely_through_a_reset_and_a_restart(
         assert _kv(api)[replica]["mode"] == "precise"
         _, predicted, cached = ask()
         assert predicted == cached > 0
+
+
+def _document(topic: str, question_at: int) -> str:
+    """A long user document (past a 256-token window) whose end falls ``question_at`` bytes into
+    a 1,024-byte text chunk of its message (the role and a 2-byte mark come first)."""
+    words: list[str] = []
+    size = 0
+    while size < 9000:
+        word = f"{topic}{len(words) % 89} "
+        words.append(word)
+        size += len(word)
+    text = "".join(words)
+    head = len("user") + 3  # the message mark, the role, the separator
+    cut = 9 * 1024 + question_at - head
+    return (text * 2)[:cut]
+
+
+def _fork_gap(sims: ReplicaGroup, fork_bytes: int, topic: str) -> int:
+    """Two questions on one document past a 256-token window, through a gateway with this
+    ``fork_bytes``: the engine's cached tokens for the second less the gateway's prediction."""
+    route = {"name": "main", "policy": "prefix", "prefix": {"window_tokens": 256, "fork_bytes": fork_bytes}}
+    document = _document(topic, 900)
+    with (
+        serve_in_thread(gateway_config(sims.urls, routes=[route])) as gw,
+        httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30) as api,
+    ):
+        sdk = openai_client(gw.openai_base_url, api_key="unused", timeout=30)
+        wait_for(lambda: all(row.get("endpoints") for row in _kv(api).values()), 15, what="publishers discovered")
+
+        def asked(question: str) -> tuple[str, int, int]:
+            """(replica, predicted cached tokens as explain said just before, reported cached tokens)."""
+            messages = [{"role": "user", "content": document + question}]
+            plan = api.post("/admin/explain", json={"model": MODEL, "messages": messages}).json()
+            raw = sdk.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+            usage = raw.parse().usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            cached = usage.prompt_tokens_details.cached_tokens or 0
+            return raw.headers["x-prefix-gateway-replica"], plan["decision"]["predicted_cached_tokens"], cached
+
+        question = " Which ships moored here in the first winter, and why?"
+        first, _, _ = asked(question)
+        wait_for(lambda: _kv(api)[first]["mode"] == "precise" and _kv(api)[first]["indexed_blocks"] > 0, 10,
+                 what="the engine's BlockStored")  # fmt: skip
+        # prints are computed only while a replica publishes events: the first question once
+        # more, now that its replica does, is what a later question parts from
+        assert asked(question)[0] == first
+        where, predicted, cached = asked(" Who kept the lamp?")
+        assert where == first and cached > 1500, (where, predicted, cached)
+        stats = api.get("/admin/stats").json()
+        assert (stats["kv_events"]["text_tail"]["prints"] > 0) == (fork_bytes > 0)  # shown to operators
+        assert stats["kv_events"]["text_tail"]["keys"] > 0
+        assert stats["routes"]["main"]["prompt_anchors"] > 0  # the replies measured the prompts
+        return cached - predicted
+
+
+def test_two_questions_on_one_document_are_predicted_to_where_they_part_inside_a_chunk(
+    sims: ReplicaGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the token window the key chain runs in 1 KB text chunks: two questions on one
+    document part inside the chunk where the document ends, so with chunk resolution the
+    prediction stops at the chunk before (~900 bytes, ~200 tokens short).  Each chunk's prints
+    (``prefix.fork_bytes``) resolve it to within a piece: the prediction is what the engine
+    reports, give or take one piece and a block."""
+    monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
+    printed = _fork_gap(sims, 128, "harbor")  # the default
+    chunked = _fork_gap(sims, 0, "quarry")  # chunk resolution
+    assert abs(printed) <= 48, (printed, chunked)  # within a piece (~32 tokens) and a block of where they part
+    assert chunked >= 150, (printed, chunked)  # chunk resolution: the chunk before

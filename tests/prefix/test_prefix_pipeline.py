@@ -340,3 +340,27 @@ def test_deeply_nested_and_non_text_parts_never_raise() -> None:
         "messages": [{"role": "user", "content": nested(5_000)}, {"role": "user", "content": HEAD_30K}],
     }
     assert p.prepare("chat", mixed).keys
+
+
+def test_our_values_block_past_the_window_is_counted_in_tokens_not_bytes() -> None:
+    """Relocation appends its values block at the prompt's end; its ids tokenize far denser
+    than prose, so it is tokenized (it is short): the estimate grows by its exact tokens, and
+    the keys before it keep theirs.  A look-alike without our checksum is text like any other."""
+    from gateway.prefix.volatile import placeholder, values_block
+
+    p = pipeline(window_tokens=64)
+    head = words(3000, 7)
+    block = values_block([f"{placeholder('hex_id', i)} = {i:032x}{'5267298e6f3142' * 2}" for i in range(1, 6)])
+    fake = block.replace('check="', 'check="0')  # a wrong checksum: not ours
+
+    def prepared(content: str) -> Any:
+        return p.prepare("chat", {"model": "m", "messages": [{"role": "user", "content": content}]})
+
+    plain, ours, other = prepared(head), prepared(f"{head}\n\n{block}"), prepared(f"{head}\n\n{fake}")
+    exact = len(p.tokens.for_model("m").tokenizer.encode(block))
+    ratio = (len(block) + 2) / (ours.prompt_tokens_estimate - plain.prompt_tokens_estimate)
+    assert exact > (len(block) + 2) / 3.0  # denser than prose: the bytes would under-count it
+    assert abs(ours.prompt_tokens_estimate - plain.prompt_tokens_estimate - exact) <= 2, ratio
+    assert other.prompt_tokens_estimate - plain.prompt_tokens_estimate < exact - 10  # counted at bytes
+    shared = common_prefix(plain.text_keys, ours.text_keys)
+    assert ours.text_key_tokens[:shared] == plain.text_key_tokens[:shared]  # before it: unchanged

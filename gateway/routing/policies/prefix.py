@@ -312,6 +312,9 @@ class PrefixPolicy:
             home_pick = self.ring.owner(ring_key) if everyone else self._first_eligible(ring_key, load)
             reason = "ring" if pick == home_pick else "spill"
 
+        # where the match stops at a text chunk, how far into the next one the prompt still
+        # shares text held there (asked before this request's own record below)
+        forked = precise.fork_tokens(pick, request, picked.depth) if precise is not None and picked.depth else 0
         added: list[int] = []
         started: Token | None = None
         if commit:
@@ -325,8 +328,7 @@ class PrefixPolicy:
             # less where queued work there evicts some of it first; with no match, what its
             # engine holds below the match floor (still a hit)
             expected = precise.expected_depth(pick, request, picked.depth)
-            if expected != picked.depth:
-                predicted = depth_tokens(request, expected)
+            predicted = depth_tokens(request, expected) if expected != picked.depth else max(predicted, forked)
         # An engine caches whole blocks only: a depth past the window (a text key's token
         # estimate) ends inside a block, whose tokens are computed again.
         predicted -= predicted % block_size
