@@ -49,7 +49,8 @@ def test_with_a_tail_only_the_chunks_ending_in_the_texts_last_bytes_are_printed(
     tail = chain_text_keys([(text,)], 7, 1024, print_bytes=128, print_tail=3000)
     total = len(text) + MARK
     assert [bool(p) for p in tail.prints] == [end > total - 3000 for end in every.ends]
-    assert [p for p in tail.prints if p] == [p for p, end in zip(every.prints, every.ends) if end > total - 3000]
+    kept = [p for p, end in zip(every.prints, every.ends, strict=True) if end > total - 3000]
+    assert [p for p in tail.prints if p] == kept
 
 
 def test_two_texts_that_part_inside_a_chunk_share_the_prints_before_the_piece_they_part_in() -> None:

@@ -258,7 +258,7 @@ def test_a_replica_is_precise_as_soon_as_its_first_events_arrive() -> None:
     """The live set is cached for 0.1 s; a feed heard for the first time (or resubscribed)
     is looked at again at once, so the request right after its first events is matched
     precisely (and gets the text prints only precise matching reads)."""
-    policy, events, clock = _setup(precise=["r0"])
+    _policy, events, clock = _setup(precise=["r0"])
     assert events.routing.live() == frozenset({"r0"})
     feed = events.ingestor.feed("r1")
     feed.subscribed = True
