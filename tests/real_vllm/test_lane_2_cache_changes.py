@@ -110,3 +110,40 @@ def test_a_burst_behind_a_busy_engine_hits_the_blocks_its_first_request_computes
     full = usages[0]["prompt_tokens"] // BLOCK * BLOCK
     cached = sorted((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in usages)
     assert full >= BLOCK and cached == [0, full, full, full], (full, usages)
+
+
+def _document_parting_mid_block(seed: int) -> str:
+    """A document past the gateway's 4,096-token window whose end (where two questions on it
+    part) lies late in one of the gateway's 1 KB text chunks — so the chunk before it ends
+    more than a 128-token block earlier — and in the middle of one of vLLM's blocks: the
+    gateway's resolution there (a 128-byte print, ~32 tokens) then decides the block."""
+    from gateway.tokens.window import ModelWindows
+
+    windows = ModelWindows("auto", 1 << 16, 0).for_model(workload.MODEL)
+    for words in range(5000, 5600):
+        document = workload.text(words, seed)
+        into_chunk = (2 + len(document.encode())) % 1024  # a 2-byte mark starts the prompt's text
+        if 850 <= into_chunk <= 1000 and 56 <= len(windows.text(document)) % BLOCK <= 100:
+            return document
+    raise AssertionError("no document length parts late in a chunk and mid-block")
+
+
+def test_two_questions_on_one_document_past_the_window_are_predicted_as_vllm_reports(real_front: Front) -> None:
+    """Past the window the gateway keys text in 1 KB chunks; a second question on a held
+    document parts from the first inside a chunk.  With the engine's events (the whole window
+    held) and the chunk prints, the prediction is what vLLM reports, not the chunk before."""
+    document = _document_parting_mid_block(7401)
+    body = {"model": workload.MODEL, "max_tokens": 4, "temperature": 0}
+    first = {**body, "prompt": document + " Which of these came first, and why?"}
+    front = real_front
+    front.send("fork-first", "completions", first)
+    again = front.send("fork-again", "completions", first)  # recorded with its prints, its replica precise
+    assert again.cached_tokens and again.agrees, (again.predicted, again.cached_tokens)
+    front.settle_events(again.replica)
+    second = front.send("fork-second", "completions", {**body, "prompt": document + " Who wrote it?"})
+    assert second.replica == again.replica and second.cached_tokens is not None
+    assert second.cached_tokens > 4096 + BLOCK, "vLLM holds the document past the gateway's window"
+    assert second.predicted == second.cached_tokens, (
+        f"predicted {second.predicted}, vLLM {second.cached_tokens} of {second.prompt_tokens}; "
+        f"text tail: {front.stats()['kv_events']['text_tail']}"
+    )
