@@ -272,7 +272,13 @@ def fleet(n: int) -> list[Replica]:
 
 
 def run_scenario(
-    name: str, n: int, window: int, seed: int, replicas: int = 4, hf_dir: Path | None = None
+    name: str,
+    n: int,
+    window: int,
+    seed: int,
+    replicas: int = 4,
+    hf_dir: Path | None = None,
+    fork_prints: bool = False,
 ) -> dict[str, Any]:
     text = Text(seed)
     workload = agent_transcript if name in HF_ROWS else WORKLOADS[name]
@@ -280,6 +286,8 @@ def run_scenario(
     tokenizer_setting = f"hf:{hf_dir}" if name in HF_ROWS else "auto"
     settings = PrefixSettings(window_tokens=window, tokenizer=tokenizer_setting)
     pipeline = PrefixPipeline(NormalizeSettings(mode="relocate"), settings)
+    if fork_prints:  # as while a replica publishes KV events: text chunks get their fork prints
+        pipeline.fork_gate = lambda: True
     prefixes = getattr(pipeline.tokens.for_model("m").template, "prefixes", None)
     served = checked = 0
     if name in HF_ROWS:  # (the loaded template is shared by the rows: switched per row)
@@ -328,6 +336,7 @@ def run_scenario(
         wall.append(w1 - w0)
     return {
         "scenario": name,
+        "fork_prints": fork_prints,
         "replicas": replicas,
         "requests": len(wall),
         "prompt_tokens": round(statistics.fmean(prompt_tokens)),
@@ -382,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         "--repeat", type=int, default=1, help="runs per scenario, interleaved; every statistic is their median"
     )
     parser.add_argument("--no-hf", action="store_true", help="skip the hf:DIR rows (rendering cost)")
+    parser.add_argument(
+        "--fork-prints",
+        action="store_true",
+        help="text chunks carry their fork prints (prefix.fork_bytes), as while a replica publishes KV events",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     n = 100 if args.quick else args.n
@@ -393,7 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir = None if args.no_hf else hf_model_dir(args.seed)
     runs: list[list[dict[str, Any]]] = []
     for _ in range(repeat):  # interleaved: a busy moment hits one run of every scenario
-        this = [run_scenario(name, n, args.window, args.seed, size) for size in fleets for name in scenarios]
+        this = [
+            run_scenario(name, n, args.window, args.seed, size, fork_prints=args.fork_prints)
+            for size in fleets
+            for name in scenarios
+        ]
         if not args.scenario:
             this.append(run_uncached_baseline(n, args.window, args.seed))
         if hf_dir is not None:
