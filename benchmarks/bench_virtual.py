@@ -269,7 +269,7 @@ class PreciseGatewayRouter(GatewayRouter):
     matching (:class:`~gateway.kv_events.routing.PreciseRouting`) run as in production.
     """
 
-    project = False  # kv_events.project_evictions (the `precise_projected` row)
+    project = False  # kv_events.project_evictions: off here (the engine's word as is); on: `precise_projected`
 
     def attach_engines(self, engines: Sequence[Any], clock: VirtualClock) -> None:
         settings = KvEventsSettings(project_evictions=self.project)
@@ -295,7 +295,7 @@ class PreciseGatewayRouter(GatewayRouter):
 
 
 class ProjectedGatewayRouter(PreciseGatewayRouter):
-    """The ``precise`` row with ``kv_events.project_evictions`` on (experimental)."""
+    """The ``precise`` row with ``kv_events.project_evictions`` on: the shipped default since 2026-12-03."""
 
     project = True
 
@@ -935,7 +935,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--project",
         action="store_true",
-        help="with --precise: add `precise_projected` (kv_events.project_evictions on, experimental)",
+        help="with --precise: add `precise_projected` (kv_events.project_evictions on, the shipped default; "
+        "`precise` has it off)",
     )
     parser.add_argument("--flow", action="store_true",
                         help="add `prefix+flow` (flow control as shipped in front of `prefix`) and print issue 26's "

@@ -86,12 +86,13 @@ class KvEventsSettings(BaseModel):
         "a new prefix, a conversation's quick next turn); 0: only what the engine reported",
     )
     project_evictions: bool = Field(
-        False,
-        description="experimental: predicted cached tokens leave out the blocks the prefill queued ahead of the "
-        "request on that replica will evict first (the engine's LRU projected from its events and the gateway's "
-        "own choices), where the affinity model agrees; routing still ranks by the engine's word. Off by default: "
-        "on the policy benchmark it lowers the prediction error under KV pressure, moves hit rates within noise "
-        "and adds 10-90 us per decision (benchmarks/README.md)",
+        True,
+        description="predicted cached tokens leave out the blocks the prefill queued ahead of the request on that "
+        "replica will evict first (the engine's LRU projected from its events and the gateway's own choices), "
+        "where the affinity model agrees; routing still ranks by the engine's word. On the policy benchmark it is "
+        "at or above plain precise on every cell (Mooncake conversation saturated: error 1.38 -> 0.52 %, hit +1.09 "
+        "points over the approximate model against +0.44) for 10-90 us per decision and ~100 bytes per indexed "
+        "block (benchmarks/README.md); false: the engine's word as it is now",
     )
     max_bytes: int = Field(
         128 * 1024 * 1024,
