@@ -402,6 +402,10 @@ class PreciseRouting:
         self._last = (request, expected, shallow)
         return sorted(by_depth.items(), key=lambda group: -group[0])
 
+        for name, depth in self.speculative.depths(keys, names).items():
+            if depth > depth_of.get(name, 0):
+                depth_of[name] = depth
+
     def _projected(
         self,
         affinity: AffinityIndex,
@@ -418,7 +422,8 @@ class PreciseRouting:
         first: at saturation, seconds of prefill.  Read as is, its word over-predicts.  So
         its state is projected forward on its own LRU order (:meth:`PreciseIndex.surviving`,
         with the age at which it evicts now, or the replica's cache size before it evicted
-        anything), and what a request in flight there pins survives (:class:`Pinned`).
+        anything), and what a request in flight there pins survives (:class:`Pinned`) unless
+        more than the whole cache is queued ahead.
 
         The two forward views converge instead of one replacing the other: a block counts as
         gone only where the projection *and* the affinity model (which recorded the queued
@@ -444,7 +449,11 @@ class PreciseRouting:
             if capacity is None or ahead <= 0 or depth <= 0:
                 continue
             left = index.surviving(name, keys, depth, -(-ahead // block_size), capacity // block_size)
-            if left < depth:  # what a request in flight there pins stays
+            # What a request in flight there pins stays — unless more work than the whole cache is
+            # queued ahead: the pinning request finishes long before this one runs, and the queue
+            # cycles the cache after it (tight KV, seed 0: the pins kept 14 of 36 predictions whole
+            # that the engine had evicted)
+            if left < depth and ahead < capacity:
                 left = self.pinned.depth(name, keys, left, depth)
             if left < depth:  # ... and what the model, which ran the queued work already, still holds
                 slot = affinity.slot_of(name)

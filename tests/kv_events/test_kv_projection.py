@@ -139,3 +139,21 @@ def test_a_request_in_flight_pins_the_prefix_and_the_model_vetoes_a_discount() -
     _engine_holds(events, name, _tokens(3, 60), 3)  # 60 blocks later, 20 more queued: gone first
     decision = policy.choose(_request(tokens, rid="e"), _views({name: 20 * BS}, 48 * BS))
     assert (decision.replica, decision.detail["predicted_cached_tokens"]) == (name, 0)
+
+
+def test_a_pin_does_not_outlast_a_queue_longer_than_the_whole_cache() -> None:
+    """The request pinning a prefix finishes long before one queued behind more prefill than
+    the cache holds runs, and that queue cycles the cache after it: no pin saves the prefix."""
+    tokens = _tokens(1, 6)
+    request = _request(tokens)
+    policy, events = _policy(True)
+    name = policy.choose(_request(tokens, rid="a"), _views({}, 48 * BS)).replica  # pinned there
+    _engine_holds(events, name, tokens, 1)
+    _engine_holds(events, name, _tokens(2, 40), 2)
+    policy.index.withdraw(name, list(request.block_keys))  # the model agrees it goes
+    # 40 blocks old: 20 queued ahead evict it, but the request in flight pins it
+    short = policy.peek(_request(tokens, rid="b"), _views({name: 20 * BS}, 48 * BS))
+    assert (short.replica, short.detail["predicted_cached_tokens"]) == (name, 6 * BS)
+    # 60 queued ahead, more than the 48 the cache holds: the pinning request ends long before
+    cycled = policy.peek(_request(tokens, rid="c"), _views({name: 60 * BS}, 48 * BS))
+    assert (cycled.replica, cycled.detail["predicted_cached_tokens"]) == (name, 0)
