@@ -490,7 +490,9 @@ class PreciseRouting:
         if index < 0 or index >= len(forks.prints):
             return 0
         pieces = self.text_tail.fork(name, request.block_keys[depth - 1], forks.prints[index])
-        return forks.tokens_at(index, pieces, request.key_tokens) if pieces else 0
+        # ``pieces`` agree and the next does not: the prompts part inside that one, halfway on
+        # average (the lower bound would under-count every fork by half a piece, ~16 tokens)
+        return forks.tokens_at(index, pieces + 0.5, request.key_tokens) if pieces else 0
 
     def chose(self, name: str, request: RequestView, pending_tokens: int = 0) -> None:
         """``name`` was chosen for ``request``: held speculatively, and events should follow

@@ -100,7 +100,7 @@ class TextForks:
     piece_bytes: int  # bytes per print piece
     first_start: tuple[int, int]  # where the first text key's chunk starts: (bytes, tokens estimated)
 
-    def tokens_at(self, index: int, pieces: int, key_tokens: Sequence[int]) -> int:
+    def tokens_at(self, index: int, pieces: float, key_tokens: Sequence[int]) -> int:
         """Prompt tokens up to ``pieces`` pieces into text key ``index``'s chunk: interpolated
         by bytes between the chunk's two ends (``key_tokens``, the estimates the keys carry)."""
         start_bytes, start = (self.ends[index - 1], key_tokens[index - 1]) if index else self.first_start
@@ -108,7 +108,7 @@ class TextForks:
         size = end_bytes - start_bytes
         if size <= 0:
             return start
-        return start + (end - start) * min(size, pieces * self.piece_bytes) // size
+        return start + int((end - start) * min(size, pieces * self.piece_bytes) / size)
 
 
 def chain_text_keys(

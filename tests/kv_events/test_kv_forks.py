@@ -137,8 +137,9 @@ def test_a_question_on_a_held_document_is_predicted_to_where_it_parts_inside_a_c
             assert forks_of is not None and len(forks_of.prints) == len(second.key_tokens)
             # where the document ends, at the estimate's own count (the chunk's ends interpolated)
             index = next(i for i, end in enumerate(forks_of.ends) if end > len(document) + MARK)
-            parted = forks_of.tokens_at(index, 900 // 128, second.key_tokens)
-            assert parted - 2 * BS <= predicted[forks] <= parted
+            parted = forks_of.tokens_at(index, 900 / 128, second.key_tokens)  # the document's end
+            # 7 pieces agree, the 8th holds the end: its middle, floored to a block
+            assert parted - 2 * BS <= predicted[forks] <= parted + BS
             assert policy.peek(view(document + first_q), _views()).detail["predicted_cached_tokens"] > parted
             events.ingestor.ingest(first.replica, 0, 2, _events(cleared()))  # the engine lost it all
             assert policy.peek(second, _views()).detail["predicted_cached_tokens"] == 0
