@@ -125,5 +125,12 @@ class TextTail:
             follows.pop(entry, None)
 
     def forget(self, name: str) -> None:
-        """``name``'s cache was cleared: its entries say nothing now (they age out of the LRU)."""
+        """``name``'s cache was cleared: its entries say nothing now (they age out of the LRU).
+
+        Its prints go at once: an entry recorded again after the clear by a prompt that ends
+        there (no chunk after it) would otherwise find the old chunk's prints under it, and
+        credit a later prompt with text the engine no longer holds.  A clear is rare (a reset,
+        a restart), so one pass over the prints is fine."""
         self._epoch[name] = self._epoch.get(name, 0) + 1
+        if any(entry[0] == name for entry in self._next):
+            self._next = {entry: mark for entry, mark in self._next.items() if entry[0] != name}

@@ -92,6 +92,17 @@ def test_text_tail_counts_the_pieces_a_chunk_shares_with_the_one_that_followed_o
     assert tail.fork("r0", 10, _prints(3, 4, 5)) == 0
 
 
+def test_a_cleared_replica_keeps_no_prints_for_a_key_recorded_again_without_a_successor() -> None:
+    tail = TextTail()
+    tail.record("r0", [10, 11], [_prints(1), _prints(2, 3)], after=9)
+    tail.record("r1", [10, 11], [_prints(1), _prints(2, 3)], after=9)
+    tail.forget("r0")  # its engine reset its cache
+    tail.record("r0", [10], [_prints(1)], after=9)  # a prompt that ends at key 10
+    assert tail.fork("r0", 10, _prints(2, 3)) == 0  # what followed 10 before the reset is gone
+    assert tail.fork("r0", 9, _prints(1)) == 1
+    assert tail.fork("r1", 10, _prints(2, 3)) == 2  # another replica keeps its own
+
+
 def test_text_tail_withdraw_and_its_bound_take_the_prints_too() -> None:
     tail = TextTail(max_keys=4)
     tail.record("r0", [10, 11], [_prints(1), _prints(2)], after=9)
