@@ -473,10 +473,8 @@ class PickerStream:
         completed = self.finished and o.status == 200 and o.error_kind is None
         if self.attempt is not None:
             usage = self.usage
-            if usage is None:
-                self.attempt.release(None, completed, self.served)
-            else:
-                self.attempt.release(usage.cached_tokens, completed, self.served, usage.prompt_tokens)
+            cached, prompt = (usage.cached_tokens, usage.prompt_tokens) if usage is not None else (None, None)
+            self.attempt.release(cached, completed, self.served, prompt)
         if self.endpoint is None:
             return  # not an inference request: not counted (as the proxy does not count them)
         if o.status == 0:

@@ -402,10 +402,6 @@ class PreciseRouting:
         self._last = (request, expected, shallow)
         return sorted(by_depth.items(), key=lambda group: -group[0])
 
-        for name, depth in self.speculative.depths(keys, names).items():
-            if depth > depth_of.get(name, 0):
-                depth_of[name] = depth
-
     def _projected(
         self,
         affinity: AffinityIndex,

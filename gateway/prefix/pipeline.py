@@ -354,7 +354,8 @@ class PrefixPipeline:
         for i in range(len(messages) - 1, max(-1, len(messages) - 1 - _BLOCK_SEARCH), -1):
             text = "\x1f".join(messages[i])
             tail = max(0, len(text) - _BLOCK_MAX_BYTES - len(BLOCK_OPEN))  # appended: only its end is read
-            spans = our_blocks(text[tail:]) if BLOCK_OPEN in text[tail:] else []
+            end_text = text[tail:]
+            spans = our_blocks(end_text) if BLOCK_OPEN in end_text else []
             if not spans:
                 later.append(text)
                 continue

@@ -346,10 +346,8 @@ class Exchange:
             return
         self.replica = None
         usage = self.usage
-        if usage is None:
-            attempt.release(None, completed, served)
-        else:
-            attempt.release(usage.cached_tokens, completed, served, usage.prompt_tokens)
+        cached, prompt = (usage.cached_tokens, usage.prompt_tokens) if usage is not None else (None, None)
+        attempt.release(cached, completed, served, prompt)
 
     def _upstream_headers(self, replica: Replica) -> dict[str, str]:
         """The client's Authorization goes upstream only where a route (or upstream) says so;

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import math
 
+from gateway.prefix.blocks import MESSAGE_MARK
 from gateway.state.wire import MAX_KEYS_PER_RECORD
 
 _ID_CHUNK = 256  # gateway.prefix.pipeline._ID_CHUNK: token ids per continuation key
 _MIN_MESSAGE_BYTES = 3  # "{},"
 _MAX_EXPANSION = 4.5  # hashed bytes per body byte, at most (see the module docstring)
-_MARK_BYTES = 2  # gateway.prefix.blocks.MESSAGE_MARK
+_MARK_BYTES = len(MESSAGE_MARK)
 # "{{volatile:" + a 32-character rule name + ":" + up to 6 digits + "}}" = 52, in place and in
 # the block, plus " = " and a newline
 _RELOCATED_BYTES_PER_CHAR = 2 * 52 + 4
