@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 from gateway.routing.starts import HeadDemand
 from gateway.routing.work import RecentWork
@@ -79,17 +80,22 @@ def test_recent_work_decays_undoes_and_forgets_departed_replicas() -> None:
     assert math.isclose(w.total(), 1 / (1 - math.exp(-1 / 10)), rel_tol=1e-6)
 
 
-def _four_tenants(head_blocks: int, **settings: object) -> tuple[dict[int, set[str]], dict[str, float]]:
+def _four_tenants(
+    head_blocks: int, queued: int = 0, tenants: int = 4, starts: int = 16, **settings: object
+) -> tuple[dict[int, set[str]], dict[str, float]]:
     """Four tenants' heads, new conversations of 8 blocks in turn (the first two heads' first
     holders coincide: a tie in ring order while every replica was idle); where each tenant
-    started and each replica's recent prefill work."""
+    started and each replica's recent prefill work.  ``queued``: prefill tokens waiting on
+    every replica (sent, no first token yet) at each decision; ``tenants``: how many heads,
+    ``starts``: new conversations behind each."""
     p = policy(**settings)
-    heads = [chain(head_blocks, 10 + t) for t in range(4)]
+    heads = [chain(head_blocks, 10 + t) for t in range(tenants)]
     loads: Counter[str] = Counter()
-    placed: dict[int, set[str]] = {t: set() for t in range(4)}
-    for i in range(64):
-        t = i % 4
-        d = p.choose(req(heads[t] + chain(8, 1000 + i)), views(loads))
+    placed: dict[int, set[str]] = {t: set() for t in range(tenants)}
+    for i in range(starts * tenants):
+        t = i % tenants
+        fleet = [replace(view, pending_prefill_tokens=queued) for view in views(loads)]
+        d = p.choose(req(heads[t] + chain(8, 1000 + i)), fleet)
         placed[t].add(d.replica)
         loads[d.replica] += 1
         if i % 3 == 0:  # some finish
@@ -99,15 +105,21 @@ def _four_tenants(head_blocks: int, **settings: object) -> tuple[dict[int, set[s
 
 def test_a_tenant_among_several_keeps_one_holder() -> None:
     """Each head draws a fair share of starts, so head demand copies none (the fleet's KV
-    holds histories, not four copies of heads), even when two heads share a replica; the
-    work balance then copies one 6,400-token head once, to the replica no tenant landed on
-    (it did nothing while the other held two heads), and no head twice."""
+    holds histories, not four copies of heads), even when two heads share a replica.  The
+    work balance copies a 6,400-token head only once the traffic it can move pays for it
+    (half of its share of the recent work at least the head's length): not within 16 short
+    conversations per tenant (the copy would cost more prefill than those conversations
+    bring), and after 128 each, the two tenants sharing a replica each start on the replica
+    no tenant landed on, once, and the work is within 1.25x the mean."""
     placed, work = _four_tenants(400, start_work_factor=None)
     assert all(len(replicas) == 1 for replicas in placed.values()), placed
     assert max(work.values()) > 1.5 * sum(work.values()) / len(NAMES)  # the replica with two tenants
     placed, _ = _four_tenants(400)
+    assert all(len(replicas) == 1 for replicas in placed.values()), placed
+    placed, work = _four_tenants(400, starts=128)
     assert set().union(*placed.values()) == set(NAMES), placed
-    assert sorted(len(replicas) for replicas in placed.values()) == [1, 1, 1, 2], placed
+    assert sorted(len(replicas) for replicas in placed.values()) == [1, 1, 2, 2], placed
+    assert max(work.values()) <= 1.25 * sum(work.values()) / len(NAMES), work
 
 
 def test_tenants_sharing_a_replica_are_split_for_prefill_work_balance() -> None:
@@ -121,6 +133,20 @@ def test_tenants_sharing_a_replica_are_split_for_prefill_work_balance() -> None:
     assert set().union(*placed.values()) == set(NAMES), placed
     assert max(work.values()) <= 1.25 * sum(work.values()) / len(NAMES), work
     assert sum(len(replicas) for replicas in placed.values()) <= 7, placed  # a few copies, not every head everywhere
+
+
+def test_a_head_is_copied_only_where_prefill_has_room_for_it() -> None:
+    """The same two tenants on one replica, but every replica has more prefill queued than a
+    head's 640 tokens (a saturated fleet): a copy would delay the work already waiting there
+    by the head's whole prefill, and the imbalance it evens out is no loss while every
+    replica is busy, so the balance copies nothing (what moves is the load score's doing,
+    late, once the holder has ten more requests in flight).  With a little less queued than
+    the head, the balance copies as on an idle fleet."""
+    _, busy = _four_tenants(40, queued=2000)
+    assert max(busy.values()) > 1.5 * sum(busy.values()) / len(NAMES), busy
+    placed, work = _four_tenants(40, queued=600)
+    assert set().union(*placed.values()) == set(NAMES), placed
+    assert max(work.values()) <= 1.25 * sum(work.values()) / len(NAMES), work
 
 
 def test_an_idle_holder_keeps_one_at_a_time_requests() -> None:

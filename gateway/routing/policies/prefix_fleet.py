@@ -97,6 +97,13 @@ class DecisionFleet:
         w = load.weights[slot]
         return weight * p * self.mean_weight / w if p and w > 0 else 0.0
 
+    def has_room_for(self, tokens: float) -> bool:
+        """Whether some replica has less prefill queued than ``tokens`` (per unit of weight,
+        scaled by the mean weight): spare capacity to compute a copy of a shared head that
+        long without delaying the work already waiting there (O(1): the queued order's head)."""
+        entries = self.load.order(0.0, 1.0).entries
+        return bool(entries) and entries[0][0] * self.mean_weight < tokens
+
     def admitted(self, slot: int, group: Group) -> bool:
         """May take the request: under its bound (with the group's extra room)."""
         return self.all_under or self.load.in_flight[slot] < self.bound(slot) + group.extra
