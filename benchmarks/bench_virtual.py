@@ -403,6 +403,7 @@ class Outcome:
     wait: float = 0.0  # from reaching the engine to its first scheduling (queueing, KV full)
     tenant: str | None = None  # the request's tenant (BenchRequest.tenant)
     refused: bool = False  # answered by the gateway without reaching an engine (shed, TTL expired)
+    sent: float = 0.0  # when the client sent it (sim seconds; later than its time in closed loop)
 
 
 @dataclass
@@ -417,9 +418,17 @@ class VirtualFleet:
         arrivals: Sequence[Arrival],
         router: Router,
         hop: float = 0.0,
+        closed_loop: bool = False,
     ) -> list[Outcome]:
         """Replay ``arrivals`` through ``router``; ``hop`` (simulated seconds) delays the request's
-        way to its engine and each answer's way back to the router (the gateway's own latency)."""
+        way to its engine and each answer's way back to the router (the gateway's own latency).
+
+        ``closed_loop``: a request of a session (a conversation's next turn, an agent's next
+        step) is sent no earlier than the previous request of that session is answered (its
+        last token back at the client): the next turn resends that reply, so a real client
+        cannot send it sooner.  Open loop (the default) keeps the workload's times, and at
+        a compressed load level a turn often arrives while the one before is still in flight.
+        TTFT counts from when the request was actually sent."""
         replicas = [SimReplica(o) for o in self.options]
         engines = [r.engine for r in replicas]
         attach = getattr(router, "attach_engines", None)
@@ -431,10 +440,21 @@ class VirtualFleet:
         seq = 0
         busy = [False] * len(engines)
         meta: dict[int, tuple[int, Any, int]] = {}  # id(engine request) -> (request index, handle, engine)
-        for i, (t, *_rest) in enumerate(arrivals):
-            events.append((t, seq, ARRIVE, i))
-            seq += 1
+        sent_at = [t for t, *_rest in arrivals]  # when each request left the client
+        next_of = _next_in_session(arrivals) if closed_loop else {}
+        waits_for = set(next_of.values())  # sent once the request before it is answered
+        for i, t in enumerate(sent_at):
+            if i not in waits_for:
+                events.append((t, seq, ARRIVE, i))
+                seq += 1
         heapq.heapify(events)
+
+        def answered(i: int, now: float) -> None:
+            """Request ``i``'s client has its whole answer at ``now``: its session's next request goes."""
+            k = next_of.get(i)
+            if k is not None:
+                sent_at[k] = max(arrivals[k][0], now)
+                later(sent_at[k], ARRIVE, k)
 
         held: deque[int] = deque()  # arrived, not yet placed (only while the router holds them)
         holds = getattr(router, "holds", None)
@@ -450,7 +470,7 @@ class VirtualFleet:
             ereq.waiter = _Waiter()
             ereq.stream = True
             meta[id(ereq)] = (i, handle, e)
-            outcomes[i] = Outcome(e, prompt_tokens=len(tokens), tenant=req.tenant)
+            outcomes[i] = Outcome(e, prompt_tokens=len(tokens), tenant=req.tenant, sent=sent_at[i])
             if hop:
                 later(now + hop, ENQUEUE, (e, ereq))
             else:
@@ -484,6 +504,7 @@ class VirtualFleet:
             for i, routed in gate.ready(now):
                 if routed is None:
                     outcomes[i] = Outcome(-1, tenant=arrivals[i][1].tenant, refused=True)
+                    answered(i, now)
                 else:
                     dispatch(i, now, routed)
             wake = gate.wake_at()
@@ -528,7 +549,7 @@ class VirtualFleet:
                         out = outcomes[i]
                         assert out is not None
                         if ereq.num_output >= 1 and out.ttft == 0.0 and ereq.first_token_at == now:
-                            out.ttft = now + hop - arrivals[i][0]  # as the client sees it
+                            out.ttft = now + hop - sent_at[i]  # as the client sees it
                             out.cached_tokens = max(ereq.cached_tokens, 0)
                             out.uncached = out.prompt_tokens - out.cached_tokens
                             out.wait = ereq.scheduled_at - ereq.arrival
@@ -541,6 +562,7 @@ class VirtualFleet:
                                 later(now + hop, FINISHED, (handle, out.cached_tokens, out.prompt_tokens))
                             else:
                                 router.finished(handle, out.cached_tokens, out.prompt_tokens)
+                            answered(i, now + hop)
                             del meta[id(ereq)]
                     start_step(e, now)
                 if gate is not None:
@@ -560,6 +582,33 @@ class VirtualFleet:
         if len(done) != len(arrivals) or meta:
             raise RuntimeError(f"{len(arrivals) - len(done)} requests never finished")
         return done
+
+
+def _next_in_session(arrivals: Sequence[Arrival]) -> dict[int, int]:
+    """Request index -> the index of the next request of its session (arrival order) that
+    answers it: a conversation's next turn or an agent's next tool step (``kind`` "turn" or
+    "step": the workload resends the history, though a per-request header on top may
+    differ) or any request whose prompt starts with
+    the earlier one's.  Requests that only share a session and part of a prompt (a batch
+    job's map steps over one document) are independent and keep their times."""
+    last: dict[str, int] = {}
+    out: dict[int, int] = {}
+    for i, (_t, req, *_rest) in enumerate(arrivals):
+        if req.session:
+            j = last.get(req.session)
+            if j is not None and (req.kind in ("turn", "step") or _resends(arrivals[j][1], req)):
+                out[j] = i
+            last[req.session] = i
+    return out
+
+
+def _resends(earlier: BenchRequest, later: BenchRequest) -> bool:
+    """Whether ``later``'s prompt begins with the whole of ``earlier``'s."""
+    if "messages" in earlier.body and "messages" in later.body:
+        before, after = earlier.body["messages"], later.body["messages"]
+        return len(after) > len(before) and after[: len(before)] == before
+    before_text, after_text = earlier.body.get("prompt"), later.body.get("prompt")
+    return isinstance(before_text, str) and isinstance(after_text, str) and after_text.startswith(before_text)
 
 
 def _engine_tokens(replica: SimReplica, endpoint: str, body: dict[str, Any]) -> list[int]:
@@ -716,9 +765,12 @@ def rows_for(
     return rows
 
 
-def run_level(wl: Workload, level: str, rows: Sequence[Row], hop_ms: float = 0.0) -> dict[str, Any]:
+def run_level(
+    wl: Workload, level: str, rows: Sequence[Row], hop_ms: float = 0.0, closed_loop: bool = False
+) -> dict[str, Any]:
     """Every row on one workload sample at one level; ``hop_ms``: the gateway's latency per hop, in
-    wall milliseconds of ``bench_policies`` (converted with the workload's clock compression)."""
+    wall milliseconds of ``bench_policies`` (converted with the workload's clock compression);
+    ``closed_loop``: see :meth:`VirtualFleet.run`."""
     arrivals = arrivals_for(wl, level)
     hop = hop_ms / 1000.0 / bp.time_scale_for(wl, bp.SIM, bp.REPLICAS)
     out: dict[str, Any] = {}
@@ -727,7 +779,7 @@ def run_level(wl: Workload, level: str, rows: Sequence[Row], hop_ms: float = 0.0
         router = factory()
         n = 1 if oracle else bp.REPLICAS
         fleet = VirtualFleet([sim_options(oracle) for _ in range(n)])
-        stats = summarize(fleet.run(arrivals, router, 0.0 if oracle else hop), n, fleet.options[0])
+        stats = summarize(fleet.run(arrivals, router, 0.0 if oracle else hop, closed_loop), n, fleet.options[0])
         stats["decisions"] = dict(sorted(getattr(router, "reasons", {}).items()))
         if hasattr(router, "figures"):  # flow control's queue
             stats["flow"] = router.figures()
@@ -944,6 +996,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--flow-variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                         help="a flow-control row `prefix+NAME` with other settings (dotted keys for sections: "
                         "saturation.queued_prefill_tokens=8192); repeatable")  # fmt: skip
+    parser.add_argument("--closed-loop", action="store_true",
+                        help="a session's next request is sent no earlier than the previous one is answered (a "
+                        "conversation's next turn resends that reply); default: the workload's own times (open "
+                        "loop)")  # fmt: skip
     parser.add_argument("--kv", choices=sorted(KV_LEVELS), default="default",
                         help="per-replica KV cache size: default (bench_policies' 16,384 blocks) or tight (half: "
                         "the KV-pressure cell)")  # fmt: skip
@@ -961,6 +1017,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for bench_virtual.json")
     args = parser.parse_args(argv)
+    if args.closed_loop and (args.flow or args.flow_variant):
+        parser.error("--closed-loop does not combine with --flow (flow control's queue times arrivals itself)")
     size = QUICK_SIZE if args.quick else 1.0
     global KV_FRACTION
     KV_FRACTION = KV_LEVELS[args.kv]
@@ -970,6 +1028,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "size": size,
         "seeds": args.seeds,
         "hop_ms": args.hop_ms,
+        "closed_loop": args.closed_loop,
         "salts": args.salts,
         "kv": args.kv,
         "variants": {n: [p, s] for n, p, s in variants},
@@ -984,7 +1043,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 extra = {"precise": args.precise, "project": args.project, "flow": args.flow}
                 rows = rows_for(wl, variants, not args.no_peers, args.hold, args.salts, **extra,
                                 flow_variants=args.flow_variant)  # fmt: skip
-                cells = run_level(wl, level, rows, args.hop_ms)
+                cells = run_level(wl, level, rows, args.hop_ms, args.closed_loop)
                 per_seed.append(cells)
                 print_table(f"{wname} (seed {seed})", level, cells)
             summary = relative_summary(per_seed)

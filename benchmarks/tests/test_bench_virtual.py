@@ -52,6 +52,30 @@ def test_the_gateway_hop_delays_what_the_client_sees(agent):
     assert slow["ttft_p50_ms"] > plain["ttft_p50_ms"] + hop_sim_ms
 
 
+def test_closed_loop_sends_a_turn_only_after_the_one_it_resends():
+    tenants = bv.arrivals_for(build("tenants", size=0.1), "saturated")
+    linked = bv._next_in_session(tenants)
+    # the chat tenant's turns wait for the reply they resend; a batch job's map steps do not
+    assert linked and all(tenants[i][1].kind == "turn" for pair in linked.items() for i in pair)
+    assert all(tenants[j][1].session == tenants[i][1].session for i, j in linked.items())
+    wl = build("agent_long", size=0.1)
+    rows = [row for row in bv.rows_for(wl, [], peers=False) if row[0] == "prefix"]
+    fleet = bv.VirtualFleet([bv.sim_options(False) for _ in range(bv.bp.REPLICAS)])
+    arrivals = bv.arrivals_for(wl, "saturated")
+    opened = fleet.run(arrivals, rows[0][1]())
+    fleet = bv.VirtualFleet([bv.sim_options(False) for _ in range(bv.bp.REPLICAS)])
+    closed = fleet.run(arrivals, rows[0][1](), closed_loop=True)
+    assert len(closed) == len(opened) == len(arrivals)
+    pairs = bv._next_in_session(arrivals).items()
+    assert len(pairs) > len(wl.requests) / 2  # every conversation's later turns
+
+    def overlapping(outcomes: list[bv.Outcome]) -> int:  # turns sent before the one before answered
+        return sum(outcomes[j].sent < outcomes[i].sent + outcomes[i].ttft for i, j in pairs)
+
+    assert overlapping(opened) > 0 and overlapping(closed) == 0
+    assert all(o.sent >= arrivals[k][0] for k, o in enumerate(closed))  # never earlier than the trace
+
+
 def test_summary_reads_ratios_against_the_prefix_row_and_the_oracle():
     cell = {"hit_rate": 0.5, "ttft_p50_ms": 10.0, "ttft_p90_ms": 20.0, "alone_p90_ms": 5.0, "work_max_mean": 1.1}
     per_seed = [
