@@ -149,6 +149,23 @@ def test_a_head_is_copied_only_where_prefill_has_room_for_it() -> None:
     assert max(work.values()) <= 1.25 * sum(work.values()) / len(NAMES), work
 
 
+def test_explain_says_whether_a_head_may_be_copied() -> None:
+    """``/admin/explain`` (the policy's peek) tells an operator why a new conversation behind a
+    shared head did or did not start elsewhere: room for a copy, and whether its traffic pays."""
+    p = policy()
+    head = chain(40, 9)
+    p.index.record("r1", head + chain(4, 1))
+    p.index.record("r1", head + chain(4, 2))  # the head is a fork: a request behind it starts
+    request = req(head + chain(4, 3))
+    busy = [replace(view, pending_prefill_tokens=2000, in_flight=1) for view in views()]
+    seen = p.peek(request, busy).detail["shared_head"]
+    assert seen["tokens"] == 640 and seen["holders"] == 1 and seen["room_for_a_copy"] is False
+    assert seen["traffic_pays_a_copy"] is False  # no recent work at all yet
+    idle = p.peek(request, views()).detail["shared_head"]
+    assert idle["room_for_a_copy"] is True
+    assert "shared_head" not in p.choose(request, views()).detail  # real requests skip it
+
+
 def test_an_idle_holder_keeps_one_at_a_time_requests() -> None:
     """One request at a time behind a shared system prompt: nothing is gained by computing the
     head elsewhere while its holder is idle."""

@@ -258,6 +258,7 @@ class PrefixPolicy:
         factor = settings.head_load_factor
         start: int | None = None  # the shared head behind a new conversation
         balance: str | None = None  # where it starts instead, for prefill-work balance
+        head_view: dict[str, Any] | None = None  # explain only: why the head was (not) copied
         if factor is not None and home is None and forked:
             start = keys[best_any - 1]
             holders = [group for group in groups if group.depth == best_any]
@@ -281,6 +282,14 @@ class PrefixPolicy:
             ):
                 own_key = ring_key if key_source == "session" else keys[-1]
                 balance = self._least_worked(fleet, holders, head_tokens, settings.start_work_factor, own_key)
+            if not commit:
+                head_view = {
+                    "tokens": head_tokens,
+                    "holders": sum(group.size for group in holders),
+                    "holders_needed": needed,
+                    "room_for_a_copy": fleet.has_room_for(head_tokens),
+                    "traffic_pays_a_copy": self.demand.share(start, prior) * self.work.total() >= 2 * head_tokens,
+                }
         # Ties break on this request's own identity — its session, or its deepest key (which
         # covers the whole prompt) — never on a shared head's key: conversations behind one
         # long system prompt spread instead of following that prompt's key to one replica.
@@ -380,6 +389,8 @@ class PrefixPolicy:
             # The explain-only part (hex key, per-candidate table over every replica) costs a
             # pass over the fleet, a ring walk and string formatting: real requests skip it.
             detail["branch"] = branch  # home | balance | shared | score | ring
+            if head_view is not None:
+                detail["shared_head"] = head_view  # a new conversation behind a shared head
             detail["key"] = f"{ring_key:016x}"
             detail["load_factor"] = settings.load_factor
             detail["total_in_flight"] = load.total_in_flight
