@@ -588,9 +588,9 @@ def _next_in_session(arrivals: Sequence[Arrival]) -> dict[int, int]:
     """Request index -> the index of the next request of its session (arrival order) that
     answers it: a conversation's next turn or an agent's next tool step (``kind`` "turn" or
     "step": the workload resends the history, though a per-request header on top may
-    differ) or any request whose prompt starts with
-    the earlier one's.  Requests that only share a session and part of a prompt (a batch
-    job's map steps over one document) are independent and keep their times."""
+    differ) or any request whose prompt starts with the earlier one's.  Requests that only
+    share a session and part of a prompt (a batch job's map steps over one document) are
+    independent and keep their times."""
     last: dict[str, int] = {}
     out: dict[int, int] = {}
     for i, (_t, req, *_rest) in enumerate(arrivals):

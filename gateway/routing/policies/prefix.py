@@ -265,11 +265,8 @@ class PrefixPolicy:
             prior = settings.head_min_starts or 2 * load.n
             needed = self.demand.holders_needed(start, load.n, factor, prior)
             head_tokens = holders[0].tokens if holders else 0
-            if (
-                sum(group.size for group in holders) < needed
-                and not any(fleet.idle_member(g) for g in holders)
-                and fleet.has_room_for(head_tokens)
-            ):
+            holding = sum(group.size for group in holders)
+            if holding < needed and not any(fleet.idle_member(g) for g in holders) and fleet.has_room_for(head_tokens):
                 elsewhere = [group for group in under if group.depth != best_any]
                 if elsewhere or any_free:
                     under = elsewhere
@@ -277,18 +274,17 @@ class PrefixPolicy:
             elif (
                 settings.start_work_factor is not None
                 and self.demand.recent_starts() + 1 >= prior
-                # a copy moves about half of this head's later work: it must outweigh the head
-                and self.demand.share(start, prior) * self.work.total() >= 2 * head_tokens
+                and self._copy_pays(start, prior, head_tokens)
             ):
                 own_key = ring_key if key_source == "session" else keys[-1]
                 balance = self._least_worked(fleet, holders, head_tokens, settings.start_work_factor, own_key)
             if not commit:
                 head_view = {
                     "tokens": head_tokens,
-                    "holders": sum(group.size for group in holders),
+                    "holders": holding,
                     "holders_needed": needed,
                     "room_for_a_copy": fleet.has_room_for(head_tokens),
-                    "traffic_pays_a_copy": self.demand.share(start, prior) * self.work.total() >= 2 * head_tokens,
+                    "traffic_pays_a_copy": self._copy_pays(start, prior, head_tokens),
                 }
         # Ties break on this request's own identity — its session, or its deepest key (which
         # covers the whole prompt) — never on a shared head's key: conversations behind one
@@ -555,10 +551,10 @@ class PrefixPolicy:
         within = [(value, slot) for value, slot in within if value <= limit]
         if not within:
             nobody = Group(0, 0, 0)
-            elsewhere = [  # (queued: per unit of weight, scaled to the mean weight, like has_room_for)
+            elsewhere = [
                 (per_weight(s), s)
                 for s in range(load.n)
-                if s not in held and fleet.admitted(s, nobody) and fleet.queued(s, 1.0) < head_tokens
+                if s not in held and fleet.admitted(s, nobody) and fleet.has_room(s, head_tokens)
             ]
             floor = min(per_weight(slot) for slot in held)
             within = [(value, slot) for value, slot in elsewhere if value < floor]
@@ -567,6 +563,12 @@ class PrefixPolicy:
         least = min(value for value, _ in within)
         tied = [names[slot] for value, slot in within if value <= least * (1 + 1e-9)]
         return tied[0] if len(tied) == 1 else self.ring.first(tie_key, tied)
+
+    def _copy_pays(self, head: int, prior: float, head_tokens: int) -> bool:
+        """Whether copying ``head`` for prefill-work balance pays: a copy moves about half of the
+        head's later work (its share of recent starts x the recent prefill work), which must
+        be at least the head's own length."""
+        return self.demand.share(head, prior) * self.work.total() >= 2 * head_tokens
 
     def _first_eligible(self, key: int, load: FleetLoad) -> str:
         """The first eligible replica in ring order from ``key`` (a short walk: most are)."""

@@ -97,12 +97,16 @@ class DecisionFleet:
         w = load.weights[slot]
         return weight * p * self.mean_weight / w if p and w > 0 else 0.0
 
+    def has_room(self, slot: int, tokens: float) -> bool:
+        """Whether ``slot`` has less prefill queued than ``tokens`` (per unit of weight, scaled
+        by the mean weight): spare capacity to compute a copy of a shared head that long
+        without delaying the work already waiting there."""
+        return self.queued(slot, 1.0) < tokens
+
     def has_room_for(self, tokens: float) -> bool:
-        """Whether some replica has less prefill queued than ``tokens`` (per unit of weight,
-        scaled by the mean weight): spare capacity to compute a copy of a shared head that
-        long without delaying the work already waiting there (O(1): the queued order's head)."""
+        """Whether some replica :meth:`has_room` for ``tokens`` (O(1): the queued order's head)."""
         entries = self.load.order(0.0, 1.0).entries
-        return bool(entries) and entries[0][0] * self.mean_weight < tokens
+        return bool(entries) and self.has_room(entries[0][1], tokens)
 
     def admitted(self, slot: int, group: Group) -> bool:
         """May take the request: under its bound (with the group's extra room)."""
