@@ -169,6 +169,7 @@ class _Held:
     decision: Decision
     charge: int
     predicted: int = 0
+    answered: bool = False
 
 
 class GatewayRouter:
@@ -250,8 +251,10 @@ class GatewayRouter:
         return self.index[replica.name], sent, _Held(replica, view, decision, charge, predicted)
 
     def first_token(self, handle: _Held) -> None:
-        PolicyRunner.prefill_done(handle.replica, handle.charge)
-        handle.charge = 0
+        if not handle.answered:  # as the gateway's Attempt.answered: once per request
+            handle.answered = True
+            PolicyRunner.answered(handle.replica, handle.charge)
+            handle.charge = 0
 
     def finished(self, handle: _Held, cached_tokens: int, prompt_tokens: int) -> None:
         self.first_token(handle)

@@ -55,8 +55,12 @@ class ReplicaSignals(LiveReplicaView):
     __slots__ = ()
 
     @property
+    def head_prefill_tokens(self) -> int:
+        return self.replica.head_prefill_tokens
+
+    @property
     def waiting(self) -> float | None:
-        return self.num_waiting
+        return self.replica.waiting_now  # the scrape's queue less what was answered since
 
     @property
     def running(self) -> float | None:

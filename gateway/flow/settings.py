@@ -33,10 +33,15 @@ class SaturationSettings(_Strict):
     queued_prefill_tokens: int = Field(
         16384,
         ge=0,
-        description="uncached prompt tokens sent to a replica with no first byte yet (ours and the peers')",
+        description="uncached prompt tokens sent to a replica with no first byte yet (ours and the peers'), "
+        "behind the prefill its engine is computing",
     )
     in_flight: int = Field(0, ge=0, description="requests in flight on a replica (ours and the peers'; 0 = off)")
-    waiting: float = Field(8, ge=0, description="the engine's vllm:num_requests_waiting as last scraped (0 = off)")
+    waiting: float = Field(
+        8,
+        ge=0,
+        description="the engine's vllm:num_requests_waiting as last scraped, less the answers seen since (0 = off)",
+    )
     running: float = Field(0, ge=0, description="the engine's vllm:num_requests_running as last scraped (0 = off)")
     kv_cache_usage: float = Field(
         0.98, ge=0, le=1, description="the engine's vllm:kv_cache_usage_perc (0..1) as last scraped (0 = off)"

@@ -139,6 +139,17 @@ class _StateFlag(_Watched):
             replica._state_moved()
 
 
+class PrefillCharge(int):
+    """Prompt tokens charged to one replica's queued prefill, with their place in its line.
+
+    An ``int`` (the tokens: every caller adds, compares and hands it back as before) that also
+    knows which of the replica's open charges it is, so the replica can tell the oldest one —
+    the prefill its first-come engine is computing now — from the work queued behind it.
+    """
+
+    ticket: int
+
+
 class Replica:
     """One upstream server and everything the gateway knows about it right now."""
 
@@ -185,7 +196,14 @@ class Replica:
         self.ejected_until = 0.0
         self.last_error: str | None = None
         self.last_probe: float | None = None
+        # this process's open prefill charges, oldest first (ticket -> tokens; see PrefillCharge)
+        self._charges: dict[int, int] = {}
+        self._tickets = 0
         self.engine: EngineStats | None = None
+        # first bytes this process saw from the replica (or attempts that ended before one), in
+        # all and as of the last scrape: how far the scraped waiting queue has moved since
+        self.answers = 0
+        self._answers_at_scrape = 0
         self.block_size: int | None = None  # the engine's block size as last published (vllm:cache_config_info)
         # (prefix_cache_hits, prefix_cache_queries) at the first scrape that had them: the
         # engine's counters run since *it* started, windows of this gateway start here.
@@ -262,6 +280,7 @@ class Replica:
             self.block_size = engine.block_size
             Replica.block_size_epoch += 1  # routes re-read their replicas' block sizes (gateway.routing.routes)
         self.engine = engine
+        self._answers_at_scrape = self.answers
         capacity = engine.kv_cache_tokens
         if capacity is not None and capacity != before:
             for watcher in self._live_watchers():
@@ -276,6 +295,51 @@ class Replica:
             and engine.prefix_cache_queries is not None
         ):
             self.engine_baseline = (engine.prefix_cache_hits, engine.prefix_cache_queries)
+
+    def charge_prefill(self, tokens: int) -> PrefillCharge:
+        """Queue ``tokens`` of prefill work here (``pending_prefill_tokens``) until
+        :meth:`discharge_prefill` hands the returned charge back."""
+        charge = PrefillCharge(tokens)
+        self._tickets += 1
+        charge.ticket = self._tickets
+        if tokens > 0:
+            self._charges[charge.ticket] = tokens
+            self.pending_prefill_tokens += tokens
+        return charge
+
+    def discharge_prefill(self, charged: int) -> None:
+        """The prefill of ``charged`` is no longer queued here (a plain int: just subtracted)."""
+        ticket = getattr(charged, "ticket", None)
+        if ticket is not None:
+            self._charges.pop(ticket, None)
+        self.pending_prefill_tokens = max(0, self.pending_prefill_tokens - charged)
+
+    @property
+    def head_prefill_tokens(self) -> int:
+        """The oldest open prefill of this process here: what a first-come engine is computing
+        now (0: none).  Flow control counts only the work queued behind it (gateway.flow)."""
+        for tokens in self._charges.values():
+            return tokens
+        return 0
+
+    def answered(self) -> None:
+        """One of this process's requests here got its first byte, or ended before one."""
+        self.answers += 1
+
+    @property
+    def waiting_now(self) -> float | None:
+        """The engine's waiting queue now, dead-reckoned from the last scrape.
+
+        The scrape is up to an interval old (5 s by default), and a burst the engine has since
+        worked through would still read as a full queue.  Each answer seen since (a first
+        byte: one request left the engine's prefill, so one waiting request can be scheduled)
+        takes one off.  Only this process's answers count, so with peers (other gateway
+        pods, direct clients) the figure errs high — on the side of "no room" — never low.
+        """
+        engine = self.engine
+        if engine is None or engine.waiting is None:
+            return None
+        return max(0.0, engine.waiting - (self.answers - self._answers_at_scrape))
 
     @property
     def health_settings(self) -> HealthSettings:

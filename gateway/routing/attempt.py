@@ -17,7 +17,7 @@ from gateway.routing.runner import PolicyRunner
 class Attempt:
     """``replica`` holds this request (in flight + queued prefill) until :meth:`release`."""
 
-    __slots__ = ("_charge", "decision", "plan", "released", "replica", "work_tokens")
+    __slots__ = ("_charge", "_open", "decision", "plan", "released", "replica", "work_tokens")
 
     def __init__(self, plan: Plan, decision: Decision, replica: Replica, charged: int | None = None) -> None:
         """``charged``: flow control placed the request and acquired the replica already
@@ -32,12 +32,14 @@ class Attempt:
         #: prefill queued ahead on the replica + this request's (the slow-replica rule's work)
         self.work_tokens = ahead + self._charge if plan.request.prompt_tokens_estimate else None
         self.released = False
+        self._open = True  # no first byte yet (nor an end without one)
 
     def answered(self) -> None:
         """The replica sent its first byte: this request's prefill no longer queues ahead of others."""
-        if self._charge:
-            PolicyRunner.prefill_done(self.replica, self._charge)
-        self._charge = 0
+        if self._open:
+            self._open = False
+            PolicyRunner.answered(self.replica, self._charge)
+            self._charge = 0
 
     def release(
         self, cached_tokens: int | None, completed: bool, served: bool, prompt_tokens: int | None = None

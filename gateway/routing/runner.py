@@ -248,14 +248,21 @@ class PolicyRunner:
         total = request.prompt_tokens_estimate
         if not total:
             return 0
-        charge = max(0, total - int(decision.detail.get("predicted_cached_tokens") or 0))
-        replica.pending_prefill_tokens += charge
-        return charge
+        return replica.charge_prefill(max(0, total - int(decision.detail.get("predicted_cached_tokens") or 0)))
 
     @staticmethod
     def prefill_done(replica: Replica, charged: int) -> None:
-        """The replica answered (first byte) or the attempt ended: its prefill is no longer queued."""
-        replica.pending_prefill_tokens = max(0, replica.pending_prefill_tokens - charged)
+        """The request's prefill is no longer queued on ``replica`` (answered, ended, or never sent)."""
+        replica.discharge_prefill(charged)
+
+    @staticmethod
+    def answered(replica: Replica, charged: int) -> None:
+        """The replica answered (first byte) or the attempt ended: call once per attempt.
+
+        Its prefill is no longer queued, and the replica's engine has moved on by one request
+        (``Replica.waiting_now``, which flow control reads between scrapes)."""
+        PolicyRunner.prefill_done(replica, charged)
+        replica.answered()
 
     def release(
         self,

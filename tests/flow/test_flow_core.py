@@ -8,11 +8,16 @@ from collections.abc import Collection
 import pytest
 from pydantic import ValidationError
 
+from gateway.config import HealthSettings, ReplicaConfig
 from gateway.flow.classify import classify, vllm_priority
 from gateway.flow.dispatch import Dispatcher, admit
+from gateway.flow.gate import replica_full
 from gateway.flow.queue import DISPATCHED, EXPIRED, REMOVED, Entry, FlowQueue, QueueFull
 from gateway.flow.saturation import Signals, full_reason, has_room, saturated
 from gateway.flow.settings import FlowControlSettings, SaturationSettings
+from gateway.replicas.engine import EngineStats
+from gateway.replicas.pool import Replica
+from gateway.routing.runner import PolicyRunner
 
 
 def limits_of(max_requests: int = 1000, max_bytes: int = 10**9, ttl: float = 30.0):
@@ -37,6 +42,60 @@ def test_scraped_numbers_only_say_no_room_and_stale_ones_count_as_full() -> None
     assert full_reason(Signals(waiting=0, **fresh), limits, 105.5) == "stale"
     # never scraped (scraping off): judged on the gateway's counts alone
     assert has_room(Signals(), limits, 1e9)
+
+
+def test_a_scraped_waiting_queue_counts_down_with_each_answer_until_the_next_scrape() -> None:
+    """Scrapes are seconds apart: a queue the engine has worked through since must not keep
+    the replica "full" until the next one (on the saturated RAG replay that starved the
+    engines: TTFT p90 2.7x the route without flow control; 1.05x counting answers)."""
+    replica = Replica(ReplicaConfig(name="r0", url="http://h:1"), None, HealthSettings())  # type: ignore[arg-type]
+    limits = SaturationSettings(queued_prefill_tokens=0, waiting=8, kv_cache_usage=0, scrape_stale_s=0)
+    replica.set_engine(EngineStats(0.0, waiting=9.0))
+    assert replica_full(replica, limits, 1.0) == "waiting"
+    PolicyRunner.answered(replica, 0)
+    assert replica.waiting_now == 8.0 and replica_full(replica, limits, 1.0) == "waiting"
+    PolicyRunner.answered(replica, 0)
+    assert replica.waiting_now == 7.0 and replica_full(replica, limits, 1.0) is None
+    replica.set_engine(EngineStats(2.0, waiting=8.0))  # the next scrape is the word again
+    assert replica_full(replica, limits, 2.0) == "waiting"
+    for _ in range(20):
+        PolicyRunner.answered(replica, 0)
+    assert replica.waiting_now == 0.0  # never below an empty queue
+
+
+def test_the_prefill_limit_counts_the_work_queued_behind_the_one_under_way() -> None:
+    """One long prompt alone must not fill a replica: its engine would then get the next request
+    only at that prompt's first token, a step late, and run a step without prefill."""
+    replica = Replica(ReplicaConfig(name="r0", url="http://h:1"), None, HealthSettings())  # type: ignore[arg-type]
+    limits = SaturationSettings(queued_prefill_tokens=1000, waiting=0, kv_cache_usage=0)
+    first = replica.charge_prefill(5000)  # the engine computes this one now
+    assert replica.head_prefill_tokens == 5000 and replica_full(replica, limits, 0.0) is None
+    second = replica.charge_prefill(600)
+    assert replica_full(replica, limits, 0.0) is None
+    third = replica.charge_prefill(400)
+    assert replica.pending_prefill_tokens == 6000 and replica_full(replica, limits, 0.0) == "queued_prefill"
+    PolicyRunner.prefill_done(replica, first)  # answered: the next oldest is under way
+    assert replica.head_prefill_tokens == 600 and replica_full(replica, limits, 0.0) is None
+    PolicyRunner.prefill_done(replica, third)  # out of order (an attempt that failed): its own ticket
+    assert replica.head_prefill_tokens == 600 and replica.pending_prefill_tokens == 600
+    PolicyRunner.prefill_done(replica, second)
+    assert replica.head_prefill_tokens == 0 and replica.pending_prefill_tokens == 0
+    assert full_reason(Signals(pending_prefill_tokens=1500, head_prefill_tokens=500), limits, 0.0) == "queued_prefill"
+
+
+def test_an_attempt_counts_one_answer_at_its_first_byte_and_none_again_at_its_end() -> None:
+    from types import SimpleNamespace
+
+    from gateway.routing.attempt import Attempt
+
+    replica = Replica(ReplicaConfig(name="r0", url="http://h:1"), None, HealthSettings())  # type: ignore[arg-type]
+    route = SimpleNamespace(runner=SimpleNamespace(release=lambda *args: None))
+    plan = SimpleNamespace(route=route, request=SimpleNamespace(prompt_tokens_estimate=100))
+    replica.pending_prefill_tokens = 60
+    attempt = Attempt(plan, None, replica, charged=60)  # type: ignore[arg-type]
+    attempt.answered()
+    attempt.release(0, completed=False, served=True)
+    assert replica.answers == 1 and replica.pending_prefill_tokens == 0
 
 
 def test_a_route_is_saturated_when_no_replica_has_room() -> None:

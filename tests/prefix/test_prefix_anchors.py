@@ -161,6 +161,8 @@ class _Recorder:
 def test_a_batch_of_prompts_teaches_nothing_its_usage_counts_them_all() -> None:
     from types import SimpleNamespace
 
+    from gateway.config import HealthSettings, ReplicaConfig
+    from gateway.replicas.pool import Replica
     from gateway.routing.attempt import Attempt
 
     def release(endpoint: str, body: dict[str, Any], completed: bool = True, served: bool = True) -> list[int]:
@@ -171,7 +173,7 @@ def test_a_batch_of_prompts_teaches_nothing_its_usage_counts_them_all() -> None:
             prepared=SimpleNamespace(body=body),
             request=SimpleNamespace(prompt_tokens_estimate=0),
         )
-        replica = SimpleNamespace(pending_prefill_tokens=0, peer_pending_prefill_tokens=0)
+        replica = Replica(ReplicaConfig(name="r0", url="http://h:1"), None, HealthSettings())  # type: ignore[arg-type]
         Attempt(plan, None, replica, charged=0).release(0, completed, served, 5000)  # type: ignore[arg-type]
         return route.learned
 
