@@ -10,7 +10,8 @@ sees it: a freed replica takes as many requests as it has room for, no more.
 
 Head of line (``lookahead: 1``).  The queue's head is the only candidate (strict priority,
 then fairness).  When the head's favourite replica is full and another has room, the policy
-picks among those with room, after ``affinity_wait_s`` (the queue waits behind it).
+picks among those with room, after ``affinity_wait_s`` (the queue waits behind it; the
+wait runs from the first time the head was held back, not from its arrival).
 
 Look-past (``lookahead`` W > 1, the policy benchmark's finding): measured on the virtual
 clock, placing the head on whichever replica frees first loses the prefix hits at
@@ -20,8 +21,8 @@ entries in fair order (any flow's: a route with one flow — no fairness header 
 FCFS line, and looking only at flow heads looked at nothing) whose own unrestricted
 decision (the policy's bounded loads included, so it spills as it would unsaturated) is a
 replica with room.  When none of them is, the head waits for its own replica up to
-``affinity_wait_s`` (the others pass it meanwhile, so the queue does not stall behind
-it), then takes whichever has room.  An entry is overtaken by at most W-1 later ones per
+``affinity_wait_s`` from the first time it was held back so (the others pass it
+meanwhile, so the queue does not stall behind it), then takes whichever has room.  An entry is overtaken by at most W-1 later ones per
 dispatch; between flows the fair order still rules who is looked at first.
 
 Admission (:func:`admit`): with nothing queued and room somewhere, a request goes at once
@@ -75,6 +76,21 @@ class Step:
     wake_at: float | None = None  # call again then even if no replica frees (a TTL, the affinity wait)
 
 
+def _affinity_until(entry: Entry, wait: float, now: float) -> float | None:
+    """Until when ``entry`` still waits for its own replica (None: no longer).
+
+    The wait runs from the first time the dispatcher held it back while another replica had
+    room, not from its arrival: under a long queue every request reaches the head after more
+    than ``affinity_wait_s`` in line, and timed from arrival each would then take whichever
+    replica freed first — cache-blind, the overloaded synthetic trace's lost hit points."""
+    if wait <= 0:
+        return None
+    if entry.passed_at is None:
+        entry.passed_at = now
+    until = entry.passed_at + wait
+    return until if now < until else None  # the same sum as wake_at: no float spin
+
+
 class Dispatcher:
     """Runs dispatch steps over one route's queue."""
 
@@ -106,13 +122,14 @@ class Dispatcher:
                         break
                 if found is not None:
                     chosen, allowed = found
-                elif wait > 0 and now < entry.enqueued_at + wait:  # the same sum as wake_at: no float spin
-                    out.wake_at = entry.enqueued_at + wait  # then the head takes whoever has room
+                elif (until := _affinity_until(entry, wait, now)) is not None:
+                    out.wake_at = until  # then the head takes whoever has room
                     break
-            elif wait > 0 and now < entry.enqueued_at + wait:
+            elif wait > 0 and (entry.passed_at is None or now < entry.passed_at + wait):
                 favourite = placer.preferred(entry)
-                if favourite is not None and favourite not in room:
-                    out.wake_at = entry.enqueued_at + wait
+                held_back = favourite is not None and favourite not in room
+                if held_back and (until := _affinity_until(entry, wait, now)) is not None:
+                    out.wake_at = until
                     break
             placement = placer.place(chosen, allowed)
             queue.take(chosen)

@@ -54,7 +54,19 @@ class QueueFull(Exception):
 class Entry:
     """One held request.  ``item`` is the caller's (the proxy's waiter, the benchmark's request)."""
 
-    __slots__ = ("cost", "deadline", "enqueued_at", "flow", "item", "priority", "seq", "size", "state", "tag")
+    __slots__ = (
+        "cost",
+        "deadline",
+        "enqueued_at",
+        "flow",
+        "item",
+        "passed_at",
+        "priority",
+        "seq",
+        "size",
+        "state",
+        "tag",
+    )
 
     def __init__(
         self, flow: str, priority: int, cost: int, size: int, enqueued_at: float, deadline: float, item: Any, seq: int
@@ -68,6 +80,9 @@ class Entry:
         self.item = item
         self.seq = seq
         self.tag = 0.0  # virtual start time in its band (SFQ)
+        # when the dispatcher first held it back for its own replica while another had room
+        # (its affinity wait runs from then: gateway.flow.dispatch)
+        self.passed_at: float | None = None
         self.state = QUEUED
 
     def __repr__(self) -> str:

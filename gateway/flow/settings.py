@@ -107,7 +107,8 @@ class FlowControlSettings(_Strict):
     affinity_wait_s: float = Field(
         5.0,
         ge=0,
-        description="how long the head of the queue may wait for its prefix's replica while another has room",
+        description="how long the head of the queue may wait for its prefix's replica while another has room "
+        "(from the first time it was held back so)",
     )
     lookahead: int = Field(
         16,

@@ -258,17 +258,21 @@ def test_late_binding_goes_to_the_favourite_once_it_has_room() -> None:
     fleet = FakeFleet({"r1": 0, "r2": 1}, favourite="r1")
     d = Dispatcher(q, affinity_wait_s=0.5)
     step = d.step(fleet, now=0.1)
-    assert step.dispatched == [] and step.wake_at == 0.5  # waits for r1 a while
+    assert step.dispatched == [] and step.wake_at == 0.1 + 0.5  # waits for r1 a while
     fleet.free["r1"] = 1
     assert [p for _, p in d.step(fleet, now=0.2).dispatched] == ["r1"]
     # without the wait (the default) it takes the free replica at once
     q.push("f", 0, 1, 1, now=0.0, item="y")
     fleet.free = {"r1": 0, "r2": 1}
     assert [p for _, p in Dispatcher(q).step(fleet, now=0.0).dispatched] == ["r2"]
-    # and after the wait, too
+    # and after the wait, which runs from when it was first held back, not from its arrival:
+    # one that reaches the head after longer in line than the wait still waits for its replica
+    # (timed from arrival, under a long queue every request would go cache-blind)
     q.push("f", 0, 1, 1, now=0.0, item="z")
     fleet.free = {"r1": 0, "r2": 1}
-    assert [p for _, p in d.step(fleet, now=0.6).dispatched] == ["r2"]
+    step = d.step(fleet, now=0.6)
+    assert step.dispatched == [] and step.wake_at == 0.6 + 0.5
+    assert [p for _, p in d.step(fleet, now=1.1).dispatched] == ["r2"]
 
 
 def test_dispatch_expires_first() -> None:
@@ -364,5 +368,5 @@ def test_look_past_sends_the_first_entry_whose_prefix_replica_has_room() -> None
     waiting = Dispatcher(q2, affinity_wait_s=0.5, lookahead=16)
     spill = PrefixFleet({"r1": 0, "r3": 1})
     step = waiting.step(spill, now=0.1)
-    assert step.dispatched == [] and step.wake_at == 0.5
-    assert waiting.step(spill, now=0.5).dispatched == [(lone, "r3")]
+    assert step.dispatched == [] and step.wake_at == 0.1 + 0.5
+    assert waiting.step(spill, now=0.1 + 0.5).dispatched == [(lone, "r3")]
