@@ -22,8 +22,9 @@ FCFS line, and looking only at flow heads looked at nothing) whose own unrestric
 decision (the policy's bounded loads included, so it spills as it would unsaturated) is a
 replica with room.  When none of them is, the head waits for its own replica up to
 ``affinity_wait_s`` from the first time it was held back so (the others pass it
-meanwhile, so the queue does not stall behind it), then takes whichever has room.  An entry is overtaken by at most W-1 later ones per
-dispatch; between flows the fair order still rules who is looked at first.
+meanwhile, so the queue does not stall behind it), then takes whichever has room.  An
+entry is overtaken by at most W-1 later ones per dispatch; between flows the fair order
+still rules who is looked at first.
 
 Admission (:func:`admit`): with nothing queued and room somewhere, a request goes at once
 (the fast path: no queue touched); with the route saturated, a negative-priority request is
