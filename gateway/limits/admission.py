@@ -102,16 +102,14 @@ class KeyLimiter:
     async def start(self) -> None:
         if self.breaker is None or not self.redis_url:
             return
-        import redis.asyncio as aioredis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
 
-        keepalive = {} if self.redis_url.startswith("unix://") else {"socket_keepalive": True}  # TCP only
+        from gateway.state.redis_client import open_redis
+
         # no retries inside redis-py: the breaker decides when Redis is tried again; the socket
         # timeouts are only a backstop (every call is bounded by the breaker's timeout)
-        self._client = aioredis.from_url(
-            self.redis_url, socket_connect_timeout=1.0, socket_timeout=1.0, retry=Retry(NoBackoff(), 0), **keepalive
-        )
+        self._client = open_redis(self.redis_url, connect_timeout_s=1.0, timeout_s=1.0, retry=Retry(NoBackoff(), 0))
         self.shared = RedisLimits(self._client, self.prefix, self.lease_s)
         # warm up in the background (a Redis outage must not delay the start): a connection in
         # the pool and the scripts loaded, so the first requests' checks fit their short bound

@@ -430,13 +430,11 @@ class AffinitySync:
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         """Connect lazily in the background: a Redis outage must not stop the gateway starting."""
-        import redis.asyncio as aioredis  # imported here: a memory-only gateway never loads it
+        from gateway.state.redis_client import open_redis  # imported here: a memory-only gateway never loads redis
 
         self._attach()
-        # timeouts and keepalive: a silently dropped path to Redis must fail calls, not hang them
-        # (keepalive is a TCP option: a unix:// URL rejects it)
-        keepalive = {} if self.redis_url.startswith("unix://") else {"socket_keepalive": True}
-        self._redis = aioredis.from_url(self.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0, **keepalive)
+        # timeouts (and keepalive, in open_redis): a silently dropped path to Redis must fail calls, not hang them
+        self._redis = open_redis(self.redis_url, connect_timeout_s=2.0, timeout_s=5.0)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._subscribe_loop()), loop.create_task(self._publish_loop())]
         if self.peer_load is not None:

@@ -7,7 +7,8 @@ parent process runs this broker and points every worker's shared-state client at
 sharing a real Redis, with no second implementation of sharing to keep correct.
 
 It implements only what that path uses — ``SUBSCRIBE``/``UNSUBSCRIBE``/``PUBLISH``/``PING``
-(RESP2) — and answers ``+OK`` to connection set-up commands (``CLIENT SETINFO``, ``SELECT``)
+(RESP2) — answers ``+OK`` to connection set-up commands (``CLIENT SETINFO``, ``SELECT``), a
+``NOPROTO`` error to ``HELLO`` (as a RESP2-only server does: clients fall back to RESP2)
 and an error to anything else (per-key limits then fall back to per-process counting, as they
 do when a real Redis fails).  It stores nothing, listens only on a file-system socket
 readable by the owner, and runs in the parent's event loop.
@@ -137,6 +138,8 @@ class LocalBroker:
             return out
         if name == b"PING":
             return encode([b"pong", b""]) if subscribed else b"+PONG\r\n"
-        if name in (b"CLIENT", b"SELECT", b"HELLO", b"AUTH"):
+        if name == b"HELLO":  # a RESP2-only server's answer: the client falls back to RESP2
+            return b"-NOPROTO this broker speaks RESP2 only\r\n"
+        if name in (b"CLIENT", b"SELECT", b"AUTH"):
             return b"+OK\r\n"
         return b"-ERR unknown command for the gateway's local broker\r\n"
