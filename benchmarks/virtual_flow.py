@@ -34,7 +34,7 @@ from gateway.flow.classify import classify
 from gateway.flow.dispatch import Dispatcher, admit
 from gateway.flow.gate import ReplicaSignals
 from gateway.flow.queue import Entry, FlowQueue, QueueFull
-from gateway.flow.saturation import has_room, saturated
+from gateway.flow.saturation import room, saturated
 from gateway.flow.settings import FlowControlSettings
 from gateway.replicas.engine import EngineStats
 
@@ -70,7 +70,7 @@ class FlowGatewayRouter(GatewayRouter):
         _, req, body, headers = arrival
         self.now = now
         who = classify(self.flow, headers, self.route_.name)
-        busy = self.flow.enabled and saturated((ReplicaSignals(r) for r in self.pool), self.limits, now)
+        busy = self.flow.enabled and saturated([ReplicaSignals(r) for r in self.pool], self.limits, now)
         admission = admit(busy, len(self.queue), who.priority)
         if admission == "direct":
             self.counts["direct"] += 1
@@ -127,7 +127,8 @@ class FlowGatewayRouter(GatewayRouter):
 
     # -- the dispatcher's side (gateway.flow.dispatch.Placer) --------------------------------
     def with_room(self, now: float) -> Collection[str]:
-        return [r.name for r in self.pool if has_room(ReplicaSignals(r), self.limits, now)]
+        full = room([ReplicaSignals(r) for r in self.pool], self.limits, now)
+        return [r.name for r, why in zip(self.pool, full, strict=True) if why is None]
 
     def preferred(self, entry: Entry) -> str | None:
         _, req, body, headers = entry.item

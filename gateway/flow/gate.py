@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from gateway.flow.classify import Classified, classify
 from gateway.flow.dispatch import Dispatcher, admit
 from gateway.flow.metrics import FlowLabels, FlowMetrics
 from gateway.flow.queue import Entry, FlowQueue, QueueFull
-from gateway.flow.saturation import full_reason
+from gateway.flow.saturation import room, saturated
 from gateway.flow.settings import FlowControlSettings, SaturationSettings
 from gateway.replicas.pool import Replica
 from gateway.routing.plan import Draft, Plan, decide
@@ -73,9 +73,11 @@ class ReplicaSignals(LiveReplicaView):
         return None if engine is None else engine.scraped_at
 
 
-def replica_full(replica: Replica, limits: SaturationSettings, now: float) -> str | None:
-    """Why ``replica`` has no room now (see :func:`gateway.flow.saturation.full_reason`), or None."""
-    return full_reason(ReplicaSignals(replica), limits, now)
+def route_room(replicas: Sequence[Replica], limits: SaturationSettings, now: float) -> dict[str, str | None]:
+    """Why each of a route's eligible ``replicas`` has no room now, by name (None: it has room;
+    see :func:`gateway.flow.saturation.room`)."""
+    reasons = room([ReplicaSignals(r) for r in replicas], limits, now)
+    return {r.name: why for r, why in zip(replicas, reasons, strict=True)}
 
 
 @dataclass(slots=True)
@@ -122,13 +124,7 @@ class RouteFlow:
         return not self.queue.count and not self._saturated(runner, now)
 
     def _saturated(self, runner: PolicyRunner, now: float) -> bool:
-        limits = self.control.settings.saturation
-        seen = False
-        for replica in runner.eligible():
-            if replica_full(replica, limits, now) is None:
-                return False
-            seen = True
-        return seen
+        return saturated([ReplicaSignals(r) for r in runner.eligible()], self.control.settings.saturation, now)
 
     async def wait(self, draft: Draft, headers: Mapping[str, str], key_hash: str | None, size: int) -> Placement:
         """Shed, refuse (queue full) or hold ``draft`` until it is placed; raises the error to answer."""
@@ -138,10 +134,10 @@ class RouteFlow:
         runner = draft.route.runner
         cls = classify(settings, headers, self.name, draft.route.config.flow_control.default_priority, key_hash)
         label = self.labels(cls.flow)
-        saturated = self._saturated(runner, now)
-        if saturated and self.saturated_since is None:
+        is_saturated = self._saturated(runner, now)
+        if is_saturated and self.saturated_since is None:
             self.saturated_since = now
-        verdict = admit(saturated, self.queue.count, cls.priority)
+        verdict = admit(is_saturated, self.queue.count, cls.priority)
         if verdict == "direct":  # drained between clear() and here
             return Placement(control.decide(draft), -1, 0.0, cls.priority, cls.flow, "")
         if verdict == "shed":
@@ -223,8 +219,8 @@ class RouteFlow:
         runner = self.runner
         if runner is None:
             return ()
-        limits = self.control.settings.saturation
-        return [r.name for r in runner.eligible() if replica_full(r, limits, now) is None]
+        full = route_room(runner.eligible(), self.control.settings.saturation, now)
+        return [name for name, why in full.items() if why is None]
 
     def preferred(self, entry: Entry) -> str | None:
         held: _Held = entry.item
@@ -422,16 +418,16 @@ class FlowControl:
         settings = self.settings
         cls = classify(settings, headers, route.name, route.config.flow_control.default_priority, key_hash)
         limits = settings.saturation
-        full = {r.name: replica_full(r, limits, now) for r in route.runner.eligible()}
-        saturated = bool(full) and all(full.values())
+        full = route_room(route.runner.eligible(), limits, now)
+        is_saturated = bool(full) and all(full.values())
         held = self.routes[route.name].queue.count if route.name in self.routes else 0
-        verdict = admit(saturated, held, cls.priority) if self.enabled else "direct"
+        verdict = admit(is_saturated, held, cls.priority) if self.enabled else "direct"
         return {
             "enabled": self.enabled,
             "priority": cls.priority,
             "objective": cls.objective,
             "flow": cls.flow,  # an API key only as 16 hex of its sha256
-            "saturated": saturated,
+            "saturated": is_saturated,
             "held": held,
             "would": verdict,  # direct | queue | shed
             "replicas_full": {name: why for name, why in full.items() if why},

@@ -20,8 +20,12 @@ Two kinds of signal, read differently:
   ran dry while the gateway held their work (TTFT p90 2.7x the route without flow control,
   1.05x dead-reckoned).  A replica whose last scrape is older than
   ``scrape_stale_s`` has no room either (a scrape that keeps failing leaves the old,
-  possibly idle, numbers behind).  A replica never scraped (scraping off, or not yet)
-  is judged on the gateway's counts alone.
+  possibly idle, numbers behind) — while another replica of the route has fresh numbers.
+  With none fresh the gateway is blind, not the fleet full: a /metrics that broke on every
+  replica (a NetworkPolicy, a proxy in front of the engines) held every request to its TTL
+  and answered 503, an outage made by a monitoring fault.  Then the stale replicas are
+  judged as a replica never scraped (scraping off, or not yet) always is: on the gateway's
+  counts alone.
 
 A route is saturated when it has eligible replicas and none of them has room.  The callers pass
 ``now`` on the same clock as ``scraped_at`` (``time.monotonic()`` in the gateway, the
@@ -30,7 +34,7 @@ virtual clock in ``benchmarks/bench_virtual.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -69,15 +73,24 @@ class Signals:
     scraped_at: float | None = None  # None: never scraped
 
 
-def full_reason(signals: LoadSignals, limits: SaturationSettings, now: float) -> str | None:
-    """Why the replica has no room now (a short fixed word), or None when it has room."""
+def fresh(signals: LoadSignals, limits: SaturationSettings, now: float) -> bool:
+    """The replica's engine numbers can be trusted: scraped, and no longer ago than ``scrape_stale_s``."""
+    scraped_at = signals.scraped_at
+    return scraped_at is not None and not (limits.scrape_stale_s and now - scraped_at > limits.scrape_stale_s)
+
+
+def full_reason(signals: LoadSignals, limits: SaturationSettings, now: float, blind: bool = False) -> str | None:
+    """Why the replica has no room now (a short fixed word), or None when it has room.
+
+    ``blind``: no replica of its route has fresh engine numbers (:func:`room`), so this one's
+    are left out as if it had never been scraped."""
     queued = signals.pending_prefill_tokens - signals.head_prefill_tokens  # behind the prefill under way
     if limits.queued_prefill_tokens and queued >= limits.queued_prefill_tokens:
         return "queued_prefill"
     if limits.in_flight and signals.in_flight >= limits.in_flight:
         return "in_flight"
     scraped_at = signals.scraped_at
-    if scraped_at is None:
+    if scraped_at is None or blind:
         return None
     if limits.scrape_stale_s and now - scraped_at > limits.scrape_stale_s:
         return "stale"
@@ -93,18 +106,18 @@ def full_reason(signals: LoadSignals, limits: SaturationSettings, now: float) ->
     return None
 
 
-def has_room(signals: LoadSignals, limits: SaturationSettings, now: float) -> bool:
-    return full_reason(signals, limits, now) is None
+def room(replicas: Sequence[LoadSignals], limits: SaturationSettings, now: float) -> list[str | None]:
+    """Each of a route's eligible ``replicas``' :func:`full_reason` (None: it has room), stale
+    scrapes judged against the route: no room while another replica's numbers are fresh,
+    left out while none is (the gateway is blind, not the fleet full)."""
+    blind = not any(fresh(r, limits, now) for r in replicas)
+    return [full_reason(r, limits, now, blind) for r in replicas]
 
 
-def saturated(replicas: Iterable[LoadSignals], limits: SaturationSettings, now: float) -> bool:
-    """Every replica of ``replicas`` (a route's eligible ones) has no room.
+def saturated(replicas: Sequence[LoadSignals], limits: SaturationSettings, now: float) -> bool:
+    """Every replica of ``replicas`` (a route's eligible ones) has no room (see :func:`room`).
 
     False for none at all: a route without an eligible replica is not saturated but down
     (the runner answers 503 ``no_healthy_replica``); queueing would only delay that."""
-    seen = False
-    for r in replicas:
-        if full_reason(r, limits, now) is None:
-            return False
-        seen = True
-    return seen
+    reasons = room(replicas, limits, now)
+    return bool(reasons) and None not in reasons

@@ -49,7 +49,9 @@ class SaturationSettings(_Strict):
     scrape_stale_s: float = Field(
         30.0,
         ge=0,
-        description="a replica scraped longer ago than this has no room (its numbers cannot be trusted; 0 = off)",
+        description="a replica scraped longer ago than this has no room (its numbers cannot be trusted) while "
+        "another replica of its route has fresh numbers; with none fresh, all are judged on the gateway's own "
+        "counts (0 = off)",
     )
 
 

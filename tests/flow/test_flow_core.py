@@ -11,9 +11,9 @@ from pydantic import ValidationError
 from gateway.config import HealthSettings, ReplicaConfig
 from gateway.flow.classify import classify, vllm_priority
 from gateway.flow.dispatch import Dispatcher, admit
-from gateway.flow.gate import replica_full
+from gateway.flow.gate import route_room
 from gateway.flow.queue import DISPATCHED, EXPIRED, REMOVED, Entry, FlowQueue, QueueFull
-from gateway.flow.saturation import Signals, full_reason, has_room, saturated
+from gateway.flow.saturation import Signals, full_reason, room, saturated
 from gateway.flow.settings import FlowControlSettings, SaturationSettings
 from gateway.replicas.engine import EngineStats
 from gateway.replicas.pool import Replica
@@ -27,21 +27,37 @@ def limits_of(max_requests: int = 1000, max_bytes: int = 10**9, ttl: float = 30.
 # -- saturation --------------------------------------------------------------------------
 def test_room_from_the_gateways_own_counts() -> None:
     limits = SaturationSettings(queued_prefill_tokens=1000, in_flight=4, waiting=0, kv_cache_usage=0)
-    assert has_room(Signals(in_flight=3, pending_prefill_tokens=999), limits, 0.0)
+    assert full_reason(Signals(in_flight=3, pending_prefill_tokens=999), limits, 0.0) is None
     assert full_reason(Signals(pending_prefill_tokens=1000), limits, 0.0) == "queued_prefill"
     assert full_reason(Signals(in_flight=4), limits, 0.0) == "in_flight"
 
 
-def test_scraped_numbers_only_say_no_room_and_stale_ones_count_as_full() -> None:
+def test_scraped_numbers_only_say_no_room_and_a_stale_one_is_full_alone() -> None:
     limits = SaturationSettings(waiting=2, running=10, kv_cache_usage=0.9, scrape_stale_s=5)
     fresh = dict(scraped_at=100.0)
-    assert has_room(Signals(waiting=1, running=9, kv_cache_usage=0.5, **fresh), limits, 101.0)
+    assert full_reason(Signals(waiting=1, running=9, kv_cache_usage=0.5, **fresh), limits, 101.0) is None
     assert full_reason(Signals(waiting=2, **fresh), limits, 101.0) == "waiting"
     assert full_reason(Signals(running=10, **fresh), limits, 101.0) == "running"
     assert full_reason(Signals(kv_cache_usage=0.95, **fresh), limits, 101.0) == "kv_cache"
     assert full_reason(Signals(waiting=0, **fresh), limits, 105.5) == "stale"
     # never scraped (scraping off): judged on the gateway's counts alone
-    assert has_room(Signals(), limits, 1e9)
+    assert full_reason(Signals(), limits, 1e9) is None
+
+
+def test_stale_scrapes_are_no_room_beside_a_fresh_one_and_left_out_when_every_one_is_stale() -> None:
+    """A /metrics that broke on every replica must not read as a full fleet: that held every
+    request to its TTL (503).  Beside a replica with fresh numbers a stale one has no room."""
+    limits = SaturationSettings(queued_prefill_tokens=1000, waiting=2, scrape_stale_s=5)
+    stale_idle = Signals(waiting=0, scraped_at=0.0)
+    stale_busy = Signals(waiting=9, scraped_at=0.0, pending_prefill_tokens=1000)
+    fresh_full = Signals(waiting=2, scraped_at=99.0)
+    assert room([stale_idle, fresh_full], limits, 100.0) == ["stale", "waiting"]
+    assert saturated([stale_idle, fresh_full], limits, 100.0)
+    # every scrape stale: the engines' old numbers say nothing; the gateway's own counts still do
+    assert room([stale_idle, stale_busy], limits, 100.0) == [None, "queued_prefill"]
+    assert not saturated([stale_idle, stale_busy], limits, 100.0)
+    assert saturated([stale_busy], limits, 100.0)
+    assert room([stale_idle, Signals()], limits, 100.0) == [None, None]  # never scraped is no fresher
 
 
 def test_a_scraped_waiting_queue_counts_down_with_each_answer_until_the_next_scrape() -> None:
@@ -51,13 +67,13 @@ def test_a_scraped_waiting_queue_counts_down_with_each_answer_until_the_next_scr
     replica = Replica(ReplicaConfig(name="r0", url="http://h:1"), None, HealthSettings())  # type: ignore[arg-type]
     limits = SaturationSettings(queued_prefill_tokens=0, waiting=8, kv_cache_usage=0, scrape_stale_s=0)
     replica.set_engine(EngineStats(0.0, waiting=9.0))
-    assert replica_full(replica, limits, 1.0) == "waiting"
+    assert route_room([replica], limits, 1.0)["r0"] == "waiting"
     PolicyRunner.answered(replica, 0)
-    assert replica.waiting_now == 8.0 and replica_full(replica, limits, 1.0) == "waiting"
+    assert replica.waiting_now == 8.0 and route_room([replica], limits, 1.0)["r0"] == "waiting"
     PolicyRunner.answered(replica, 0)
-    assert replica.waiting_now == 7.0 and replica_full(replica, limits, 1.0) is None
+    assert replica.waiting_now == 7.0 and route_room([replica], limits, 1.0)["r0"] is None
     replica.set_engine(EngineStats(2.0, waiting=8.0))  # the next scrape is the word again
-    assert replica_full(replica, limits, 2.0) == "waiting"
+    assert route_room([replica], limits, 2.0)["r0"] == "waiting"
     for _ in range(20):
         PolicyRunner.answered(replica, 0)
     assert replica.waiting_now == 0.0  # never below an empty queue
@@ -69,13 +85,13 @@ def test_the_prefill_limit_counts_the_work_queued_behind_the_one_under_way() -> 
     replica = Replica(ReplicaConfig(name="r0", url="http://h:1"), None, HealthSettings())  # type: ignore[arg-type]
     limits = SaturationSettings(queued_prefill_tokens=1000, waiting=0, kv_cache_usage=0)
     first = replica.charge_prefill(5000)  # the engine computes this one now
-    assert replica.head_prefill_tokens == 5000 and replica_full(replica, limits, 0.0) is None
+    assert replica.head_prefill_tokens == 5000 and route_room([replica], limits, 0.0)["r0"] is None
     second = replica.charge_prefill(600)
-    assert replica_full(replica, limits, 0.0) is None
+    assert route_room([replica], limits, 0.0)["r0"] is None
     third = replica.charge_prefill(400)
-    assert replica.pending_prefill_tokens == 6000 and replica_full(replica, limits, 0.0) == "queued_prefill"
+    assert replica.pending_prefill_tokens == 6000 and route_room([replica], limits, 0.0)["r0"] == "queued_prefill"
     PolicyRunner.prefill_done(replica, first)  # answered: the next oldest is under way
-    assert replica.head_prefill_tokens == 600 and replica_full(replica, limits, 0.0) is None
+    assert replica.head_prefill_tokens == 600 and route_room([replica], limits, 0.0)["r0"] is None
     PolicyRunner.prefill_done(replica, third)  # out of order (an attempt that failed): its own ticket
     assert replica.head_prefill_tokens == 600 and replica.pending_prefill_tokens == 600
     PolicyRunner.prefill_done(replica, second)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -253,3 +254,22 @@ def test_a_placed_request_that_fails_before_its_send_gives_its_room_back(
         wait_for(lambda: replica.in_flight == 0, what="its slot given back")
         assert replica.pending_prefill_tokens == 0
         assert post(gw).status_code == 200  # the route has room again: nothing waits
+
+
+def test_a_fleet_whose_scrapes_all_went_stale_is_served_not_held(slow_sims: list[str]) -> None:
+    """Stale engine numbers are not a full fleet: with every replica's last scrape past
+    ``scrape_stale_s`` (a /metrics that broke after the first scrape; here, no scrape after
+    the one at start) the gateway is blind, not saturated, and judges the replicas on its own
+    counts as it does replicas it never scraped — not every request held to its TTL (503)."""
+    flow = {"enabled": True, "ttl_s": 2.0, "saturation": {"scrape_stale_s": 0.2}}
+    with running_gateway(slow_sims, flow_control=flow, scrape={"interval_s": 3600.0}) as gw:
+        replicas = list(gw.gateway.replicas.values())
+        assert all(r.engine is not None for r in replicas)  # the scrape at start
+        wait_for(
+            lambda: all(time.monotonic() - r.engine.scraped_at > 0.2 for r in replicas),  # type: ignore[union-attr]
+            what="every scrape stale",
+        )
+        answer = client(gw, max_retries=0).chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=2)
+        assert answer.choices[0].message.content is not None
+        flows = gw.gateway.flow.routes
+        assert "main" not in flows or flows["main"].totals["queued"] == 0  # placed at once, never held
