@@ -19,6 +19,14 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 
+try:  # openai >= 3.63 runs on httpx2, whose transport errors reach a stream's reader as they are
+    import httpx2
+
+    TIMEOUT_ERRORS: tuple[type[Exception], ...] = (httpx.TimeoutException, httpx2.TimeoutException)
+    TRANSPORT_ERRORS: tuple[type[Exception], ...] = (httpx.HTTPError, httpx2.HTTPError)
+except ImportError:  # an openai still on httpx
+    TIMEOUT_ERRORS, TRANSPORT_ERRORS = (httpx.TimeoutException,), (httpx.HTTPError,)
+
 MODEL = "demo-model"
 
 
@@ -80,8 +88,10 @@ class Load:
         timeout_s: float = 30.0,
         prompt: Callable[[int], str] | None = None,
     ) -> None:
+        # openai.Timeout, not httpx.Timeout: openai 3.63 moved onto httpx2, whose clients refuse
+        # httpx's Timeout (TypeError; every fault-suite test failed on a fresh install)
         self.client = openai.OpenAI(
-            base_url=base_url, api_key="unused", max_retries=0, timeout=httpx.Timeout(timeout_s, connect=5.0)
+            base_url=base_url, api_key="unused", max_retries=0, timeout=openai.Timeout(timeout_s, connect=5.0)
         )
         self.concurrency = concurrency
         self.stream_every = 0 if stream_share <= 0 else max(1, round(1 / stream_share))
@@ -185,9 +195,9 @@ class Load:
         except openai.APIError as exc:  # an SSE error event in the stream
             body = exc.body if isinstance(exc.body, dict) else {}
             kind, detail = "event", str(body.get("code") or "unknown")
-        except httpx.TimeoutException:
+        except TIMEOUT_ERRORS:
             kind = "hung"
-        except httpx.HTTPError:
+        except TRANSPORT_ERRORS:
             kind = "broken"
         with self.lock:
             t = self.tally

@@ -41,7 +41,11 @@ pytestmark = [
     # shares (~60-70 ms); the idle TTFT is that last step alone.  Not the harness: with the
     # gateway in its own process instead of a thread the ratio is the same (3.30/3.32 against
     # 3.14/3.21, two runs each).  Kept running so the numbers stay visible; strict=False.
-    pytest.mark.xfail(reason="issue 26 ratio targets not met on the simulator yet", strict=False),
+    # raises=AssertionError: only the ratio asserts may fail; anything else (a client library
+    # that changed under the harness, say) is an error, not an expected miss
+    pytest.mark.xfail(
+        reason="issue 26 ratio targets not met on the simulator yet", strict=False, raises=AssertionError
+    ),
 ]
 
 SEQS = 4
