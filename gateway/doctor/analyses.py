@@ -22,6 +22,7 @@ from gateway.doctor.live_stats import (
     kv_pressure,
     learned_by_gateway,
     saturated_route,
+    scrape_failing,
     tokenizer_misalignment,
     volatile_from_stats,
     warmup_misses,
@@ -62,6 +63,7 @@ def diagnose(corpus: Corpus) -> Diagnosis:
         findings += kv_pressure(corpus, info, live, samples)
         findings += imbalance_spills(info, live)
         findings += saturated_route(info, live)
+        findings += scrape_failing(corpus, info, live)
         findings += learned_by_gateway(info, live, samples)
         if not samples:
             findings += volatile_from_stats(info, live)

@@ -323,6 +323,43 @@ def imbalance_spills(info: RouteInfo, live: dict[str, Any]) -> list[Finding]:
     ]
 
 
+def scrape_failing(corpus: Corpus, info: RouteInfo, live: dict[str, Any]) -> list[Finding]:
+    """Replicas of the route whose engine scrape fails now: the gateway does not see their
+    queues and KV usage (flow control judges them on its own counts; a stale one among fresh
+    ones has no room) nor their prefix-cache counters (the reported hit rate leaves them out)."""
+    replicas = (corpus.stats or {}).get("replicas") or {}
+    failing = {}
+    for name in live.get("replicas") or {}:
+        row = replicas.get(name) or {}
+        if isinstance(row, dict) and row.get("engine_error"):
+            failing[name] = row
+    if not failing:
+        return []
+    evidence = []
+    for name, row in sorted(failing.items()):
+        engine = row.get("engine") if isinstance(row.get("engine"), dict) else None
+        last = "never scraped" if engine is None else f"last good scrape {engine.get('age_s', 0):g} s ago"
+        evidence.append(f"{name}: {row['engine_error']} ({last})")
+    evidence.append(
+        "without the engine's numbers the gateway cannot see its waiting queue or KV usage: flow control "
+        "judges it on the gateway's own counts, and its prefix-cache hits are missing from the reported rate"
+    )
+    return [
+        Finding(
+            "scrape_failing",
+            info.name,
+            f"route {info.name}: the engine scrape fails on {len(failing)} replica(s)",
+            evidence,
+            Fix(
+                summary="make each replica's scrape.path (default /metrics, vLLM's) reachable from the gateway: "
+                "the port, a NetworkPolicy, the replica's auth (replicas[].api_key)"
+            ),
+            severity=0.6,
+            data={"replicas": sorted(failing)},
+        )
+    ]
+
+
 def saturated_route(info: RouteInfo, live: dict[str, Any]) -> list[Finding]:
     """The route is saturated now (flow control holds requests, or would): no cache fix helps the
     latency there until the fleet has room — name it first, with what was held, shed and expired."""

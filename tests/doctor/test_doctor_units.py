@@ -258,6 +258,17 @@ def test_user_input_before_shared_instructions_in_a_file(tmp_path: Path) -> None
     assert first["data"]["estimated_tokens"] >= 400 and first["gain"] > 0.5
 
 
+def test_a_failing_engine_scrape_is_named_with_its_error_and_age() -> None:
+    stats = _stats(requests=100, engines={"r0": {"age_s": 412.0, "kv_cache_usage": 0.1}, "r1": {}})
+    stats["replicas"]["r0"]["engine_error"] = "HTTP 404"
+    found = _causes(Corpus("test", stats=stats))["scrape_failing"]
+    assert found["route"] == "main" and found["data"]["replicas"] == ["r0"]
+    assert "r0: HTTP 404 (last good scrape 412 s ago)" in found["evidence"]
+    assert "/metrics" in found["fix"]["summary"]
+    healthy = _stats(requests=100, engines={"r0": {"age_s": 1.0}})
+    assert "scrape_failing" not in _causes(Corpus("test", stats=healthy))
+
+
 def test_a_saturated_route_is_named() -> None:
     flow = {"saturated": True, "held": 12, "shed": 3, "expired": 1, "saturated_for_s": 4.5, "bands": {}}
     found = _causes(Corpus("test", stats=_stats(flow_control=flow, requests=100)))["saturated"]
