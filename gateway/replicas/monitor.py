@@ -76,6 +76,10 @@ class ReplicaMonitor:
 
     # -- engine scrape -----------------------------------------------------------------
     async def scrape_one(self, replica: Replica) -> None:
+        """One scrape of ``replica``'s engine metrics.  A scrape that starts failing is logged once
+        (a warning: flow control, the load signals and the reported hit rate lose its numbers),
+        and once more when it works again — not every interval."""
+        failing = replica.engine_error
         try:
             status, body = await replica.client.get(self.scrape.path, self.scrape.timeout_s, _auth(replica))
             if status != 200:
@@ -83,6 +87,17 @@ class ReplicaMonitor:
             replica.set_engine(parse_engine_metrics(body.decode("utf-8", "replace")))
         except (UpstreamError, ValueError) as exc:
             replica.engine_error = str(exc) or type(exc).__name__
+            if failing is None:
+                log.warning(
+                    "replica %s: engine scrape of %s fails (%s): its queue, KV usage and cache hits are unseen "
+                    "until it works again",
+                    replica.name,
+                    self.scrape.path,
+                    replica.engine_error,
+                )
+            return
+        if failing is not None:
+            log.info("replica %s: engine scrape works again", replica.name)
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape_one(r) for r in self.replicas))
