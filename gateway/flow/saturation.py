@@ -106,18 +106,24 @@ def full_reason(signals: LoadSignals, limits: SaturationSettings, now: float, bl
     return None
 
 
+def is_blind(replicas: Sequence[LoadSignals], limits: SaturationSettings, now: float) -> bool:
+    """No replica of the route has fresh engine numbers: the gateway is blind, not the fleet full."""
+    return not any(fresh(r, limits, now) for r in replicas)
+
+
 def room(replicas: Sequence[LoadSignals], limits: SaturationSettings, now: float) -> list[str | None]:
     """Each of a route's eligible ``replicas``' :func:`full_reason` (None: it has room), stale
     scrapes judged against the route: no room while another replica's numbers are fresh,
-    left out while none is (the gateway is blind, not the fleet full)."""
-    blind = not any(fresh(r, limits, now) for r in replicas)
-    return [full_reason(r, limits, now, blind) for r in replicas]
+    left out while none is (:func:`is_blind`)."""
+    unseen = is_blind(replicas, limits, now)
+    return [full_reason(r, limits, now, unseen) for r in replicas]
 
 
 def saturated(replicas: Sequence[LoadSignals], limits: SaturationSettings, now: float) -> bool:
-    """Every replica of ``replicas`` (a route's eligible ones) has no room (see :func:`room`).
+    """Every replica of ``replicas`` (a route's eligible ones) has no room (see :func:`room`);
+    asked on every request, so it stops at the first replica with room.
 
     False for none at all: a route without an eligible replica is not saturated but down
     (the runner answers 503 ``no_healthy_replica``); queueing would only delay that."""
-    reasons = room(replicas, limits, now)
-    return bool(reasons) and None not in reasons
+    unseen = is_blind(replicas, limits, now)
+    return bool(replicas) and all(full_reason(r, limits, now, unseen) is not None for r in replicas)
