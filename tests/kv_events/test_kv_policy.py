@@ -115,6 +115,33 @@ def test_past_the_window_the_engines_whole_window_extends_with_the_models_text_k
     assert policy.peek(_request(tokens, text), _views()).detail["matched_blocks"] == 0
 
 
+def test_a_burst_behind_a_queued_document_is_predicted_to_the_block_where_its_prompts_part() -> None:
+    # a batch: one document (13 blocks: not a multiple of the speculative stride, 8), then each
+    # request's own question; the first is still queued (no events yet) when the others come
+    policy, _, _clock = _setup(speculative_s=10, stale_s=1000)
+    doc = _tokens(8, 13)
+    first = policy.choose(_request(doc + _tokens(9, 3), rid="a"), _views())
+    other = _request(doc + _tokens(10, 3), rid="b")
+    decision = policy.peek(other, [ReplicaView(first.replica)])
+    assert decision.detail["kv_mode"] == "precise"
+    assert decision.detail["predicted_cached_tokens"] == 13 * BS  # at the stride alone: 8 blocks
+
+
+def test_an_approximate_replica_past_the_window_is_matched_at_the_text_tails_resolution() -> None:
+    # no replica heard yet (a burst before any events): the model keeps every 4th key, so past
+    # the window its match stops short of text keys the gateway sent there; the text tail has them
+    for precise in ([], ["r0"]):  # every replica approximate; or some precise, the others not
+        policy, _, _clock = _setup(precise=precise, speculative_s=0)
+        views = [ReplicaView(n) for n in NAMES if n not in precise]
+        tokens = _tokens(11, 4)
+        first = policy.choose(_request(tokens, (111, 222, 333, 444, 555), rid="a"), views)
+        assert first.detail["kv_mode"] == "approximate"
+        other = policy.peek(_request(tokens, (111, 222, 333, 999), rid="b"), views)
+        assert other.replica == first.replica
+        assert other.detail["matched_blocks"] == 4 + 3  # the model alone: 4 (its stride key), its tokens 64
+        assert other.detail["predicted_cached_tokens"] == len(tokens) + 3000 - (len(tokens) + 3000) % BS
+
+
 def test_approximate_replicas_keep_the_model_and_modes_show_in_the_decision() -> None:
     policy, events, clock = _setup(precise=["r0", "r1"], speculative_s=0, stale_s=5)
     tokens = _tokens(4, 4)
