@@ -746,6 +746,11 @@ def rows_for(
         from benchmarks.virtual_flow import ROW, FlowGatewayRouter
 
         gateway_rows.append((ROW, partial(FlowGatewayRouter, "prefix", wl.normalize, {}, n)))
+        if precise and project:  # every default at once: precise (projected) routing behind flow control
+            from benchmarks.virtual_flow import SHIPPED_ROW, ShippedGatewayRouter
+
+            shipped = partial(ShippedGatewayRouter, "prefix", wl.normalize, {}, n, gateway_model=ALIGNED_MODEL)
+            gateway_rows.append((SHIPPED_ROW, shipped))
     for spec in flow_variants:  # other flow-control settings, for tuning its defaults
         from benchmarks.virtual_flow import FlowGatewayRouter, parse_flow_variant
 
@@ -866,7 +871,7 @@ def relative_summary(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-PRECISE_ROWS = ("prefix_aligned", "precise", "precise_projected", "sglang_like", "oracle")
+PRECISE_ROWS = ("prefix_aligned", "precise", "precise_projected", "shipped", "sglang_like", "oracle")
 
 
 def precise_medians(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -881,7 +886,7 @@ def precise_medians(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "hit_rate": statistics.median(cells[row]["hit_rate"] for cells in per_seed),
             "prediction_error": statistics.median(errors) if None not in errors else None,
         }
-    for row in ("precise", "precise_projected"):
+    for row in ("precise", "precise_projected", "shipped"):
         for peer in ("prefix_aligned", "sglang_like"):
             if row in rows and peer in rows:
                 diffs = [cells[row]["hit_rate"] - cells[peer]["hit_rate"] for cells in per_seed]

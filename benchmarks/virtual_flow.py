@@ -28,7 +28,7 @@ from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 from benchmarks.bench_prefix_path import pct
-from benchmarks.bench_virtual import Arrival, GatewayRouter, Routed
+from benchmarks.bench_virtual import Arrival, GatewayRouter, ProjectedGatewayRouter, Routed
 from gateway.config.schema import ScrapeSettings
 from gateway.flow.classify import classify
 from gateway.flow.dispatch import Dispatcher, admit
@@ -39,6 +39,7 @@ from gateway.flow.settings import FlowControlSettings
 from gateway.replicas.engine import EngineStats
 
 ROW = "prefix+flow"
+SHIPPED_ROW = "shipped"  # the gateway as it ships: precise (projected) routing behind flow control
 
 
 class FlowGatewayRouter(GatewayRouter):
@@ -143,6 +144,13 @@ class FlowGatewayRouter(GatewayRouter):
         """The queue's side of the run: how many waited, how long (simulated ms), what was refused."""
         return {**self.counts, "wait_p50_ms": 1000 * pct(self.waits, 0.5) if self.waits else 0.0,
                 "wait_p90_ms": 1000 * pct(self.waits, 0.9) if self.waits else 0.0}  # fmt: skip
+
+
+class ShippedGatewayRouter(FlowGatewayRouter, ProjectedGatewayRouter):
+    """The gateway with every default on: KV events feed the precise index (projection on), the
+    route tokenizes as the engine does, and flow control holds requests while the route is
+    saturated. Its prediction is made when a request is placed, so what the engine holds when
+    the request runs is nearer the gateway's view than when every request is placed on arrival."""
 
 
 def parse_flow_variant(text: str) -> tuple[str, FlowControlSettings]:
