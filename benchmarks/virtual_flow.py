@@ -31,7 +31,7 @@ from benchmarks.bench_prefix_path import pct
 from benchmarks.bench_virtual import Arrival, GatewayRouter, ProjectedGatewayRouter, Routed
 from gateway.config.schema import ScrapeSettings
 from gateway.flow.classify import classify
-from gateway.flow.dispatch import Dispatcher, admit
+from gateway.flow.dispatch import Dispatcher, admit, favourite
 from gateway.flow.gate import ReplicaSignals
 from gateway.flow.queue import Entry, FlowQueue, QueueFull
 from gateway.flow.saturation import room, saturated
@@ -134,7 +134,7 @@ class FlowGatewayRouter(GatewayRouter):
     def preferred(self, entry: Entry) -> str | None:
         _, req, body, headers = entry.item
         view, _ = self._view(req, body, headers)
-        return self.route_.runner.decide(view, dry_run=True)[1].name
+        return favourite(self.route_.runner.decide(view, dry_run=True)[0])
 
     def place(self, entry: Entry, allowed: Collection[str]) -> tuple[int, Routed]:
         i, req, body, headers = entry.item

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.errors import GatewayError, NoHealthyReplica, Overloaded, RateLimited
 from gateway.flow.classify import Classified, classify
-from gateway.flow.dispatch import Dispatcher, admit
+from gateway.flow.dispatch import Dispatcher, admit, favourite
 from gateway.flow.metrics import FlowLabels, FlowMetrics
 from gateway.flow.queue import Entry, FlowQueue, QueueFull
 from gateway.flow.saturation import room, saturated
@@ -225,7 +225,7 @@ class RouteFlow:
     def preferred(self, entry: Entry) -> str | None:
         held: _Held = entry.item
         try:
-            return self.control.decide(held.draft, dry_run=True).replica.name
+            return favourite(self.control.decide(held.draft, dry_run=True).decision)
         except NoHealthyReplica:
             return None
 

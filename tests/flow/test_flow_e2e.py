@@ -273,3 +273,38 @@ def test_a_fleet_whose_scrapes_all_went_stale_is_served_not_held(slow_sims: list
         assert answer.choices[0].message.content is not None
         flows = gw.gateway.flow.routes
         assert "main" not in flows or flows["main"].totals["queued"] == 0  # placed at once, never held
+
+
+def test_a_request_no_replica_holds_a_prefix_of_takes_the_first_replica_with_room(slow_sims: list[str]) -> None:
+    """The affinity wait is for a prefix held somewhere: a queued request whose policy's pick
+    holds none of it (round robin's turn here, a prompt nothing matched in the prefix
+    policy) goes to the first replica that frees, not to that pick once it has room."""
+    settings = {"enabled": True, "saturation": ONE_PER_REPLICA, "affinity_wait_s": 30}
+    routes = [{"name": "main", "policy": "round_robin"}]
+
+    def send(text: str, max_tokens: int, into: list[httpx.Response]) -> threading.Thread:
+        body = {"model": MODEL, "messages": chat(text), "max_tokens": max_tokens}
+        t = threading.Thread(
+            target=lambda: into.append(httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=60))
+        )
+        t.start()
+        return t
+
+    with running_gateway(slow_sims[:2], routes=routes, flow_control=settings) as gw:
+        replicas = gw.gateway.replicas
+        long: list[httpx.Response] = []
+        short: list[httpx.Response] = []
+        threads = [send("a long answer please", 150, long)]
+        wait_for(lambda: sum(r.in_flight for r in replicas.values()) == 1, what="one replica busy")
+        busy_long = next(name for name, r in replicas.items() if r.in_flight)
+        threads.append(send("a short answer please", 20, short))
+        wait_for(lambda: all(r.in_flight for r in replicas.values()), what="both replicas busy")
+        answer: list[httpx.Response] = []
+        threads.append(send("a question for whoever is free", 1, answer))  # round robin's turn: busy_long
+        wait_for(lambda: answer or queued(gw) == 1, what="the request held")
+        threads[-1].join(30)
+        assert answer and answer[0].status_code == 200
+        assert answer[0].headers["x-prefix-gateway-replica"] != busy_long  # the first to free
+        assert not long  # ... long before the turn's replica had room
+        for t in threads:
+            t.join(60)
