@@ -1000,7 +1000,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--flow", action="store_true",
                         help="add `prefix+flow` (flow control as shipped in front of `prefix`) and print issue 26's "
-                        "verdict per workload and level (median over --seeds)")  # fmt: skip
+                        "verdict per workload and level (median over --seeds); with --precise --project also "
+                        "`shipped` (precise projected routing behind flow control: every default)")  # fmt: skip
     parser.add_argument("--flow-variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                         help="a flow-control row `prefix+NAME` with other settings (dotted keys for sections: "
                         "saturation.queued_prefill_tokens=8192); repeatable")  # fmt: skip
@@ -1025,8 +1026,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for bench_virtual.json")
     args = parser.parse_args(argv)
-    if args.closed_loop and (args.flow or args.flow_variant):
-        parser.error("--closed-loop does not combine with --flow (flow control's queue times arrivals itself)")
     size = QUICK_SIZE if args.quick else 1.0
     global KV_FRACTION
     KV_FRACTION = KV_LEVELS[args.kv]

@@ -76,6 +76,19 @@ def test_closed_loop_sends_a_turn_only_after_the_one_it_resends():
     assert all(o.sent >= arrivals[k][0] for k, o in enumerate(closed))  # never earlier than the trace
 
 
+def test_closed_loop_combines_with_flow_control():
+    # flow control holds requests at the gateway and answers some itself (refused): a closed
+    # loop's next turn still waits for the answer of the one it resends, whoever gave it
+    wl = build("agent_long", size=0.1)
+    rows = [row for row in bv.rows_for(wl, [], peers=False, flow=True) if row[0] == "prefix+flow"]
+    fleet = bv.VirtualFleet([bv.sim_options(False) for _ in range(bv.bp.REPLICAS)])
+    arrivals = bv.arrivals_for(wl, "saturated")
+    closed = fleet.run(arrivals, rows[0][1](), closed_loop=True)
+    assert len(closed) == len(arrivals)
+    pairs = bv._next_in_session(arrivals).items()
+    assert pairs and all(closed[j].sent >= closed[i].sent + closed[i].ttft for i, j in pairs)
+
+
 def test_summary_reads_ratios_against_the_prefix_row_and_the_oracle():
     cell = {"hit_rate": 0.5, "ttft_p50_ms": 10.0, "ttft_p90_ms": 20.0, "alone_p90_ms": 5.0, "work_max_mean": 1.1}
     per_seed = [
