@@ -60,9 +60,9 @@ class _Choice:
     live: bool = True
 
     @property
-    def weight(self) -> int:
-        """What the choice counts against ``_SPEC_MAX_KEYS``: its indexed keys and its chain."""
-        return len(self.stored) + len(self.chain) // _KEYS_PER_ENTRY
+    def chain_weight(self) -> int:
+        """What its packed chain counts against ``_SPEC_MAX_KEYS`` (its indexed keys count one each)."""
+        return len(self.chain) // _KEYS_PER_ENTRY
 
 
 def _chain(keys: Sequence[int]) -> Sequence[int]:
@@ -113,7 +113,7 @@ class Speculative:
             if name not in holders:
                 self._size += 1
             holders[name] = choice
-        self._size += len(choice.chain) // _KEYS_PER_ENTRY
+        self._size += choice.chain_weight
         if confirm is not None:
             self._pending.setdefault((name, confirm), []).append(choice)
         self._queue.append(choice)
@@ -170,7 +170,7 @@ class Speculative:
         if not choice.live:
             return
         choice.live = False
-        self._size -= len(choice.chain) // _KEYS_PER_ENTRY
+        self._size -= choice.chain_weight
         by_key, name = self._by_key, choice.name
         for key in choice.stored:
             holders = by_key.get(key)
