@@ -6,6 +6,9 @@ import math
 from collections import Counter
 from dataclasses import replace
 
+from gateway.routing.base import ReplicaView
+from gateway.routing.policies.prefix import PrefixPolicy
+from gateway.routing.returns import StartReturns
 from gateway.routing.starts import HeadDemand
 from gateway.routing.work import RecentWork
 from tests.prefix.policy_helpers import NAMES, chain, policy, req, views
@@ -87,8 +90,9 @@ def _four_tenants(
     holders coincide: a tie in ring order while every replica was idle); where each tenant
     started and each replica's recent prefill work.  ``queued``: prefill tokens waiting on
     every replica (sent, no first token yet) at each decision; ``tenants``: how many heads,
-    ``starts``: new conversations behind each."""
-    p = policy(**settings)
+    ``starts``: new conversations behind each.  They are taken for conversations that come
+    back (the returns gate off: it has tests of its own below), as agents' are."""
+    p = policy(**{"head_copy_min_returns": None, **settings})
     heads = [chain(head_blocks, 10 + t) for t in range(tenants)]
     loads: Counter[str] = Counter()
     placed: dict[int, set[str]] = {t: set() for t in range(tenants)}
@@ -207,3 +211,88 @@ def test_a_joining_process_takes_its_peers_counts_without_counting_twice_what_it
     assert math.isclose(newcomer.recent_starts(), peer.recent_starts(), rel_tol=1e-9)
     assert math.isclose(newcomer.share(1, prior=1), peer.share(1, prior=1), rel_tol=1e-9)
     assert math.isclose(newcomer.share(2, prior=1), peer.share(2, prior=1), rel_tol=1e-9)
+
+
+def test_a_return_is_a_later_turn_that_continues_a_start() -> None:
+    """A start opens its prompt's last keys; a request whose match ends within a stride of one
+    is its next turn (counted, and it opens its own end for the turn after); a request that
+    only shares the head is not; the rate leans on the prior until starts are seen."""
+    r = StartReturns(window=10**9)
+    assert r.rate() == 1.0 and r.prior == 8  # nothing seen: one return per start, the prior
+    head = chain(40, 1)
+    turn1 = head + chain(6, 2)
+    r.started(turn1)
+    other = head + chain(6, 3)
+    assert not r.returned(other, depth=40, stride=8)  # shares the head only
+    turn2 = turn1 + chain(5, 4)
+    assert r.returned(turn2, depth=44, stride=8, commit=False)  # matched at a stride key below turn 1's end
+    assert math.isclose(r.count("return"), 0.0)  # only asked
+    assert r.returned(turn2, depth=44, stride=8)
+    assert not r.returned(turn1 + chain(5, 6), depth=44, stride=8)  # turn 1's end is closed now...
+    assert r.returned(turn2 + chain(3, 5), depth=51, stride=8)  # ...and turn 2's is open: turn 3
+    assert math.isclose(r.rate(), 10 / 9, rel_tol=1e-6)  # two returns for one start, and the prior's
+    for i in range(30):
+        r.started(head + chain(6, 100 + i))  # one-shot starts: nothing comes back
+    assert r.rate() < 0.5
+    assert r.snapshot()["recent_returns"] == 2.0
+
+
+def _burst(
+    p: PrefixPolicy, head: tuple[int, ...], n: int, seed: int, queued: int = 0, turns: bool = False
+) -> Counter[str]:
+    """``n`` requests behind ``head`` all in flight at once; ``turns``: each start's next turn
+    (its own history) follows it, as a conversation's does.  Where the starts went."""
+    loads: Counter[str] = Counter()
+    placed: Counter[str] = Counter()
+    for i in range(n):
+        fleet = [replace(view, pending_prefill_tokens=queued) for view in views(loads)]
+        own = head + chain(8, seed + i)  # (keys stand for a chain: each burst's own)
+        d = p.choose(req(own), fleet)
+        placed[d.replica] += 1
+        loads[d.replica] += 1
+        if turns:
+            p.choose(req(own + chain(4, seed + 500 + i)), views(loads))
+    return placed
+
+
+def test_a_head_whose_starts_never_come_back_is_not_copied_for_them() -> None:
+    """A batch job mapping one 10k-token document: every request behind it is a start that never
+    comes back, so spreading them commits no later load and each copy costs the document's whole
+    prefill.  Once the pool has seen such starts (an earlier job) the head rules stop copying:
+    the burst stays on its holder up to the load bound, where the same bursts sent as
+    conversations (each start's next turn follows) still spread over the fleet.  (A short
+    window: the earlier job's starts do not dilute the new head's share.)"""
+    p = policy(head_window_starts=8)
+    _burst(p, chain(640, 7), 24, seed=1000)  # an earlier job: the pool learns its starts are one-shot
+    placed = _burst(p, chain(640, 8), 16, seed=2000)
+    assert p.snapshot()["start_returns"]["returns_per_start"] < 0.5
+    assert len(placed) <= 2 and max(placed.values()) >= 8, placed
+    conversations = policy(head_window_starts=8)
+    _burst(conversations, chain(640, 7), 24, seed=1000, turns=True)
+    placed = _burst(conversations, chain(640, 8), 16, seed=2000, turns=True)
+    assert conversations.snapshot()["start_returns"]["returns_per_start"] >= 0.5
+    assert len(placed) >= 3 and max(placed.values()) <= 6, placed
+
+
+def test_a_one_shot_head_is_still_copied_when_the_copy_saves_the_wait() -> None:
+    """Without returns a copy must pay for itself: once the holder has more prefill queued than
+    the least-queued replica plus the head, computing the head elsewhere is quicker than
+    waiting there, so the next start goes elsewhere; with less queued it stays."""
+    p = policy(head_window_starts=8)
+    head = chain(80, 9)  # 1,280 tokens
+    _burst(p, chain(80, 7), 16, seed=3000)  # an earlier job: the pool learns its starts are one-shot
+    holders = set(_burst(p, head, 6, seed=1000))  # one-shot starts behind the head
+    assert len(holders) < len(NAMES)
+
+    def fleet(queued: int) -> list[ReplicaView]:
+        return [
+            replace(view, in_flight=2, pending_prefill_tokens=queued if view.name in holders else 0) for view in views()
+        ]
+
+    request = req(head + chain(4, 3))
+    seen = p.peek(request, fleet(1000)).detail["shared_head"]
+    assert seen["starts_commit_load"] is False and seen["copy_saves_wait"] is False  # 1000 < 0 + 1280
+    assert p.choose(request, fleet(1000)).replica in holders
+    request = req(head + chain(4, 4))
+    assert p.peek(request, fleet(3000)).detail["shared_head"]["copy_saves_wait"] is True  # 3000 > 0 + 1280
+    assert p.choose(request, fleet(3000)).replica not in holders

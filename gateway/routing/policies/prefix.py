@@ -102,6 +102,7 @@ from gateway.routing.policies.prefix_fleet import LIST_AT_MOST, Cheapest, Cost, 
 from gateway.routing.policies.prefix_keys import beyond_window, depth_tokens, ring_key_of, token_blocks
 from gateway.routing.policies.prefix_settings import PrefixPolicySettings
 from gateway.routing.precise import PreciseMatcher
+from gateway.routing.returns import StartReturns
 from gateway.routing.ring import HashRing
 from gateway.routing.starts import HeadDemand
 from gateway.routing.work import RecentWork
@@ -128,6 +129,7 @@ class PrefixPolicy:
         )
         self._weights_block_size = 0  # the block size the index's standard key weight is set for
         self.demand = HeadDemand(settings.head_window_starts)
+        self.returns = StartReturns(settings.head_window_starts)
         self.work = RecentWork(settings.start_work_window)
         self._weight_sum = 0.0
         self._turn = 0
@@ -259,6 +261,8 @@ class PrefixPolicy:
         start: int | None = None  # the shared head behind a new conversation
         balance: str | None = None  # where it starts instead, for prefill-work balance
         head_view: dict[str, Any] | None = None  # explain only: why the head was (not) copied
+        if commit:  # a later turn of a conversation started behind a shared head (see gateway.routing.returns)
+            self.returns.returned(keys, best_any, self.index.stride)
         if factor is not None and home is None and forked:
             start = keys[best_any - 1]
             holders = [group for group in groups if group.depth == best_any]
@@ -266,13 +270,21 @@ class PrefixPolicy:
             needed = self.demand.holders_needed(start, load.n, factor, prior)
             head_tokens = holders[0].tokens if holders else 0
             holding = sum(group.size for group in holders)
-            if holding < needed and not any(fleet.idle_member(g) for g in holders) and fleet.has_room_for(head_tokens):
+            # copies for the load a start commits only while starts come back for more turns
+            commits = self._starts_commit()
+            if (
+                holding < needed
+                and not any(fleet.idle_member(g) for g in holders)
+                and fleet.has_room_for(head_tokens)
+                and (commits or self._copy_saves_wait(fleet, holders, head_tokens))
+            ):
                 elsewhere = [group for group in under if group.depth != best_any]
                 if elsewhere or any_free:
                     under = elsewhere
                     has_match = bool(under)
             elif (
                 settings.start_work_factor is not None
+                and commits
                 and self.demand.recent_starts() + 1 >= prior
                 and self._copy_pays(start, prior, head_tokens)
             ):
@@ -285,6 +297,8 @@ class PrefixPolicy:
                     "holders_needed": needed,
                     "room_for_a_copy": fleet.has_room_for(head_tokens),
                     "traffic_pays_a_copy": self._copy_pays(start, prior, head_tokens),
+                    "starts_commit_load": commits,
+                    "copy_saves_wait": self._copy_saves_wait(fleet, holders, head_tokens),
                 }
         # Ties break on this request's own identity — its session, or its deepest key (which
         # covers the whole prompt) — never on a shared head's key: conversations behind one
@@ -348,6 +362,7 @@ class PrefixPolicy:
                 precise.chose(pick, request, load.pending[load.index[pick]])
             if start is not None:
                 started = self.demand.record(start)
+                self.returns.started(keys)
         predicted = picked.tokens
         if precise is not None:
             # less where queued work there evicts some of it first; with no match, what its
@@ -452,6 +467,7 @@ class PrefixPolicy:
                 },
             },
             "starts": self.demand.snapshot(),
+            "start_returns": self.returns.snapshot(),
             "recent_prefill_work": self.work.snapshot(),
         }
 
@@ -569,6 +585,24 @@ class PrefixPolicy:
         head's later work (its share of recent starts x the recent prefill work), which must
         be at least the head's own length."""
         return self.demand.share(head, prior) * self.work.total() >= 2 * head_tokens
+
+    def _starts_commit(self) -> bool:
+        """Whether recent new conversations come back for later turns (``head_copy_min_returns``
+        per start, see :mod:`gateway.routing.returns`): then a start commits load for its
+        whole conversation, which the head rules spread before it piles up."""
+        least = self.settings.head_copy_min_returns
+        return least is None or self.returns.rate() >= least
+
+    def _copy_saves_wait(self, fleet: DecisionFleet, holders: list[Group], head_tokens: int) -> bool:
+        """Whether computing the head elsewhere is quicker than waiting on its holders: every
+        admitted holder has more prefill queued than the least-queued replica plus the head
+        (per unit of weight).  What a copy for a start that commits nothing must buy."""
+        entries = fleet.load.order(0.0, 1.0).entries
+        if not entries:
+            return False
+        least = fleet.queued(entries[0][1], 1.0) + head_tokens
+        admitted = [slot for group in holders for slot in fleet.members(group) if fleet.admitted(slot, group)]
+        return all(fleet.queued(slot, 1.0) > least for slot in admitted)
 
     def _first_eligible(self, key: int, load: FleetLoad) -> str:
         """The first eligible replica in ring order from ``key`` (a short walk: most are)."""

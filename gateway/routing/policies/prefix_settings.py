@@ -115,6 +115,15 @@ class PrefixPolicySettings(PolicySettings):
         "replica, which computes the head. Larger: fewer copies. null: new conversations always prefer the head's "
         "holders (up to the load bound)",
     )
+    head_copy_min_returns: float | None = Field(
+        0.5,
+        ge=0.0,
+        description="the head rules above and start_work_factor copy a head for the load new conversations commit, "
+        "so only while recent starts come back for at least this many later turns each on average (pool-wide; "
+        "see gateway/routing/returns.py). Below it (one-shot traffic: a batch job mapping one document, "
+        "single-turn questions) a head is copied only when the copy saves this request's wait: its holders "
+        "have more prefill queued than the least-queued replica plus the head's length. null: always",
+    )
     head_window_starts: int = Field(
         256, ge=1, description="recent starts: a start weighs 1/e after this many more in the pool"
     )

@@ -1,0 +1,94 @@
+"""Do the conversations started behind shared heads come back for more turns?
+
+The start rule (:mod:`gateway.routing.starts`) copies a shared head onto more replicas while
+its share of new conversations needs them, because a conversation stays where it starts for
+every later turn: a start commits load for minutes, and the copy spreads that load before it
+piles up.  A start that never comes back commits nothing — a batch job mapping one document
+(forty requests in two seconds behind it), a single-turn RAG question.  Copying the head for
+such a start costs the head's whole prefill on another replica and a second copy in the
+fleet's KV cache, and buys only this request's wait.  Measured on the two-tenant workload
+(``bench_virtual.py --workload tenants --quick --seeds 3``): a batch job's burst copied its
+3-6k-token document to 2-4 replicas, 2.4 points of hit rate at moderate load, and with the
+fleet saturated it lost hits *and* TTFT p90 (1.07x the rule off).
+
+So the policy counts, over recent starts, how many later turns came back to continue one
+(pool-wide, decayed like the starts themselves).  A start opens the last keys of its prompt;
+a later request whose match ends at one of them (within one stride of the index's match: the
+index stores every stride-th key and each prompt's deepest) is its next turn, a *return*,
+and opens its own last keys in turn, so a conversation counts every turn.  Until enough
+starts are seen the rate leans on a prior: 8 starts (a quarter of the window at most) with one
+return each, the old behaviour, so a fresh gateway copies a new tenant's first burst as
+before; a fixed few, not one per replica, so that a large fleet's one-shot starts still pull
+the rate under the threshold within the window.
+
+Per gateway process: a turn placed by another process is not seen here, so with several
+processes the rate reads low by about their number (shared state carries starts, not
+returns); a threshold of half a return per start keeps four-turn conversations behind three
+processes counted as conversations.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from gateway.routing.decay import DecayedCounts
+
+_START, _RETURN = "start", "return"
+_OPEN_KEYS = 2  # a prompt's last two keys: the last may be a partial text chunk the next turn extends
+
+
+class StartReturns(DecayedCounts):
+    """Recent starts and the returns that continued them (decayed together: each is an event),
+    and the keys where open conversations end (an LRU of ``max_open`` keys)."""
+
+    __slots__ = ("_max_open", "_open", "prior")
+
+    def __init__(self, window: int, max_open: int = 16384) -> None:
+        super().__init__(window)
+        self.prior = max(1.0, min(8.0, window / 4))  # starts, one return each (see the module)
+        self._max_open = max_open
+        self._open: OrderedDict[int, int] = OrderedDict()  # an open end's key -> the other key of that end
+
+    def started(self, keys: Sequence[int]) -> None:
+        """A new conversation behind a shared head was placed with these keys."""
+        self._add(_START, 1.0)
+        self._opens(keys)
+
+    def returned(self, keys: Sequence[int], depth: int, stride: int, commit: bool = True) -> bool:
+        """Whether a request whose best match is ``depth`` keys deep continues an open
+        conversation; looks at the keys from ``depth`` to one stride past it, where the
+        previous turn's last keys sit.  ``commit``: count it and open this request's own end
+        (False: only ask, for ``/admin/explain``)."""
+        if depth <= 0 or not self._open:
+            return False
+        opened = self._open
+        for i in range(min(len(keys), depth + stride) - 1, depth - 2, -1):
+            if keys[i] in opened:
+                if commit:
+                    opened.pop(opened.pop(keys[i]), None)  # the end's other key too: a sibling is no return
+                    self._add(_RETURN, 1.0)
+                    self._opens(keys)
+                return True
+        return False
+
+    def rate(self) -> float:
+        """Returns per start, recent (the prior's starts with one return each count in)."""
+        return (self.count(_RETURN) + self.prior) / (self.count(_START) + self.prior)
+
+    def _opens(self, keys: Sequence[int]) -> None:
+        opened = self._open
+        end = keys[-_OPEN_KEYS:]
+        for key in end:
+            opened.pop(key, None)
+            opened[key] = end[0] if key == end[-1] else end[-1]
+        while len(opened) > self._max_open:
+            opened.popitem(last=False)
+
+    def snapshot(self) -> dict[str, float]:
+        """For ``/admin/stats``: recent starts, returns and the rate the start rule reads."""
+        return {
+            "recent_starts": round(self.count(_START), 1),
+            "recent_returns": round(self.count(_RETURN), 1),
+            "returns_per_start": round(self.rate(), 3),
+        }
