@@ -55,20 +55,18 @@ class StartReturns(DecayedCounts):
         self._add(_START, 1.0)
         self._opens(keys)
 
-    def returned(self, keys: Sequence[int], depth: int, stride: int, commit: bool = True) -> bool:
+    def returned(self, keys: Sequence[int], depth: int, stride: int) -> bool:
         """Whether a request whose best match is ``depth`` keys deep continues an open
-        conversation; looks at the keys from ``depth`` to one stride past it, where the
-        previous turn's last keys sit.  ``commit``: count it and open this request's own end
-        (False: only ask, for ``/admin/explain``)."""
+        conversation (then counted, and this request's own end opened); looks at the keys
+        from ``depth`` to one stride past it, where the previous turn's last keys sit."""
         if depth <= 0 or not self._open:
             return False
         opened = self._open
         for i in range(min(len(keys), depth + stride) - 1, depth - 2, -1):
             if keys[i] in opened:
-                if commit:
-                    opened.pop(opened.pop(keys[i]), None)  # the end's other key too: a sibling is no return
-                    self._add(_RETURN, 1.0)
-                    self._opens(keys)
+                opened.pop(opened.pop(keys[i]), None)  # the end's other key too: a sibling is no return
+                self._add(_RETURN, 1.0)
+                self._opens(keys)
                 return True
         return False
 
