@@ -597,12 +597,11 @@ class PrefixPolicy:
         """Whether computing the head elsewhere is quicker than waiting on its holders: every
         admitted holder has more prefill queued than the least-queued replica plus the head
         (per unit of weight).  What a copy for a start that commits nothing must buy."""
-        entries = fleet.load.order(0.0, 1.0).entries
-        if not entries:
+        least = fleet.least_queued()
+        if least is None:
             return False
-        least = fleet.queued(entries[0][1], 1.0) + head_tokens
         admitted = [slot for group in holders for slot in fleet.members(group) if fleet.admitted(slot, group)]
-        return all(fleet.queued(slot, 1.0) > least for slot in admitted)
+        return all(fleet.queued(slot, 1.0) > least + head_tokens for slot in admitted)
 
     def _first_eligible(self, key: int, load: FleetLoad) -> str:
         """The first eligible replica in ring order from ``key`` (a short walk: most are)."""

@@ -103,10 +103,16 @@ class DecisionFleet:
         without delaying the work already waiting there."""
         return self.queued(slot, 1.0) < tokens
 
-    def has_room_for(self, tokens: float) -> bool:
-        """Whether some replica :meth:`has_room` for ``tokens`` (O(1): the queued order's head)."""
+    def least_queued(self) -> float | None:
+        """The least prefill queued on any replica, as :meth:`queued` counts it (O(1): the queued
+        order's head); None for no replica."""
         entries = self.load.order(0.0, 1.0).entries
-        return bool(entries) and self.has_room(entries[0][1], tokens)
+        return self.queued(entries[0][1], 1.0) if entries else None
+
+    def has_room_for(self, tokens: float) -> bool:
+        """Whether some replica :meth:`has_room` for ``tokens``."""
+        least = self.least_queued()
+        return least is not None and least < tokens
 
     def admitted(self, slot: int, group: Group) -> bool:
         """May take the request: under its bound (with the group's extra room)."""
