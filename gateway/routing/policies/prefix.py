@@ -261,7 +261,8 @@ class PrefixPolicy:
         start: int | None = None  # the shared head behind a new conversation
         balance: str | None = None  # where it starts instead, for prefill-work balance
         head_view: dict[str, Any] | None = None  # explain only: why the head was (not) copied
-        if commit:  # a later turn of a conversation started behind a shared head (see gateway.routing.returns)
+        counts_returns = commit and settings.head_copy_min_returns is not None  # (off: nothing reads them)
+        if counts_returns:  # a later turn of a conversation started behind a shared head (gateway.routing.returns)
             self.returns.returned(keys, best_any, self.index.stride)
         if factor is not None and home is None and forked:
             start = keys[best_any - 1]
@@ -362,7 +363,8 @@ class PrefixPolicy:
                 precise.chose(pick, request, load.pending[load.index[pick]])
             if start is not None:
                 started = self.demand.record(start)
-                self.returns.started(keys)
+                if counts_returns:
+                    self.returns.started(keys)
         predicted = picked.tokens
         if precise is not None:
             # less where queued work there evicts some of it first; with no match, what its
