@@ -407,6 +407,9 @@ class Outcome:
     tenant: str | None = None  # the request's tenant (BenchRequest.tenant)
     refused: bool = False  # answered by the gateway without reaching an engine (shed, TTL expired)
     sent: float = 0.0  # when the client sent it (sim seconds; later than its time in closed loop)
+    # what its engine held of the prompt when the request was placed (the gateway's decision):
+    # a gateway that knew each engine's cache exactly at that moment would predict this
+    held_at_decision: int = 0
 
 
 @dataclass
@@ -473,7 +476,10 @@ class VirtualFleet:
             ereq.waiter = _Waiter()
             ereq.stream = True
             meta[id(ereq)] = (i, handle, e)
-            outcomes[i] = Outcome(e, prompt_tokens=len(tokens), tenant=req.tenant, sent=sent_at[i])
+            held = len(engines[e].cache.lookup(ereq.keys, ereq.num_prompt + ereq.num_output)) * engines[e].block_size
+            outcomes[i] = Outcome(
+                e, prompt_tokens=len(tokens), tenant=req.tenant, sent=sent_at[i], held_at_decision=held
+            )
             if hop:
                 later(now + hop, ENQUEUE, (e, ereq))
             else:
@@ -686,6 +692,12 @@ def summarize(outcomes: Sequence[Outcome], n: int, options: SimOptions | None = 
         "alone_p90_ms": 1000 * pct(floor, 0.9),
         "wait_p90_ms": 1000 * pct([o.wait for o in outcomes], 0.9),
         "work_max_mean": max(work) / mean if mean else 1.0,
+        # mean |held at decision - reported cached tokens| per prompt token: the error of a
+        # prediction that knew the engine's cache exactly when the request was placed (what
+        # changes between placement and admission: evictions, preemptions, a sibling's blocks)
+        "decision_state_error": sum(abs(o.held_at_decision - o.cached_tokens) for o in outcomes) / prompt
+        if prompt
+        else 0.0,
         "refused": len(refused),
         **({"tenants": tenant_figures(outcomes, refused)} if any(o.tenant for o in outcomes) else {}),
     }
@@ -885,6 +897,7 @@ def precise_medians(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out["rows"][row] = {
             "hit_rate": statistics.median(cells[row]["hit_rate"] for cells in per_seed),
             "prediction_error": statistics.median(errors) if None not in errors else None,
+            "decision_state_error": statistics.median(cells[row]["decision_state_error"] for cells in per_seed),
         }
     for row in ("precise", "precise_projected", "shipped"):
         for peer in ("prefix_aligned", "sglang_like"):
@@ -895,10 +908,13 @@ def precise_medians(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def print_precise_medians(wname: str, level: str, medians: dict[str, Any]) -> None:
-    print(f"{wname} @ {level}: medians over samples (hit %, pred err %; paired: median of differences, points)")
+    print(
+        f"{wname} @ {level}: medians over samples (hit %, pred err %, the engine's state at decision as the "
+        "prediction: err %; paired: median of differences, points)"
+    )
     for row, cell in medians["rows"].items():
         error = "-" if cell["prediction_error"] is None else f"{100 * cell['prediction_error']:.2f}"
-        print(f"  {row:<22} {100 * cell['hit_rate']:6.2f} {error:>6}")
+        print(f"  {row:<22} {100 * cell['hit_rate']:6.2f} {error:>6} {100 * cell.get('decision_state_error', 0):6.2f}")
     for pair, diff in medians["paired"].items():
         print(f"  {pair:<38} {100 * diff:+6.2f}")
 
