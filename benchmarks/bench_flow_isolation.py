@@ -44,7 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ if str(ROOT) not in sys.path:
 from gateway.http.server import RunningGateway, serve_in_thread  # noqa: E402
 from gateway.sim.launcher import run_replicas  # noqa: E402
 from tests.configs import gateway_config  # noqa: E402
+from tests.polling import wait_for  # noqa: E402
 
 MODEL = "demo-model"
 SEQS = 4
@@ -154,7 +155,7 @@ async def flooded(gw: RunningGateway, quiet: dict[str, str], flood: dict[str, st
     return list(quiet_ttfts), done_in_window
 
 
-def drained(fleet: Sequence[str], wait_for: Callable[..., Any]) -> None:
+def drained(fleet: Sequence[str]) -> None:
     """Until no replica runs or queues anything (the next measurement starts on an idle fleet)."""
 
     def idle() -> bool:
@@ -184,23 +185,15 @@ ROWS: dict[str, dict[str, Any]] = {
 }
 
 
-def _poll(check: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
 def measure_row(fleet: Sequence[str], flow_control: dict[str, Any]) -> dict[str, Any]:
     """One row's run: idle p90, then the two-tenant flood, then the banded flood (ms, counts)."""
     with serve_in_thread(gateway_config(fleet, flow_control=flow_control)) as gw:
         idle = asyncio.run(idle_ttfts(gw))
         quiet, flood_done = asyncio.run(flooded(gw, {FAIRNESS: "quiet"}, {FAIRNESS: "flood"}))
-        drained(fleet, _poll)
+        drained(fleet)
         high, _ = asyncio.run(flooded(gw, {OBJECTIVE: "interactive"}, {}))
         held = held_count(gw)
-    drained(fleet, _poll)
+    drained(fleet)
     return {
         "idle_p90_ms": 1000 * p90(idle),
         "quiet_p90_ms": 1000 * p90(quiet),

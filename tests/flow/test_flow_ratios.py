@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from gw_helpers import running_gateway, wait_for
+from gw_helpers import running_gateway
 
 from benchmarks.bench_flow_isolation import (
     FAIRNESS,
@@ -26,12 +26,12 @@ from benchmarks.bench_flow_isolation import (
     SATURATION,
     SIM,
     WINDOW_S,
+    drained,
     flooded,
     held_count,
     idle_ttfts,
     p90,
 )
-from benchmarks.bench_flow_isolation import drained as drain
 from gateway.sim.launcher import run_replicas
 
 pytestmark = [
@@ -60,10 +60,6 @@ pytestmark = [
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     with run_replicas(2, log_dir=tmp_path_factory.mktemp("ratio-sims"), **SIM) as urls:
         yield urls
-
-
-def drained(fleet: list[str]) -> None:
-    drain(fleet, wait_for)
 
 
 def test_two_tenants_quiet_ttft_and_flood_throughput(fleet: list[str]) -> None:
