@@ -14,9 +14,11 @@ removed on its own, so copies are counted per (replica, engine hash).
 **Only keys a request can produce are kept.**  The request side hashes token blocks over a
 route's leading window only (``prefix.window_tokens``, 4,096 by default) and text chunks past
 it, which no event can reproduce; so blocks deeper than ``max_depth_tokens`` (the largest
-window of the routes) are not indexed (counted as ``deep``), and the index's memory goes to
+window of the routes) are not keyed (counted as ``deep``), and the index's memory goes to
 the part of the cache routing can use.  Past the window, the router extends a precise
-match with its own records (see :mod:`gateway.kv_events.routing`).
+match with its own records (see :mod:`gateway.kv_events.routing`); the blocks there are kept
+by depth alone under the window's last key (:mod:`gateway.kv_events.deep`), which bounds what
+those records may credit.
 
 Only full-attention groups are indexed (sliding-window or Mamba groups hold blocks that do
 not make a prefix hit on their own), on the ``GPU`` medium (offload tiers are not the
@@ -35,6 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.kv_events.decoder import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from gateway.kv_events.deep import DEEP_BYTES, DeepBlocks
 from gateway.prefix.blocks import chain_block_keys, engine_seed
 
 # Bytes one indexed (replica, engine hash) pair costs at most: the engine map's entry (dict
@@ -65,6 +68,8 @@ class _Replica:
     stamp: dict[int, int] = field(default_factory=dict)  # our key -> the clock at its last store/touch
     clock: int = 0  # blocks the engine stored so far (each allocation pushes its LRU one block)
     evict_age: float | None = None  # blocks stored between a key's last use and its eviction (mean)
+    deep: DeepBlocks = field(default_factory=DeepBlocks)  # its blocks past the window, by depth alone
+    deep_dropped: bool = False  # ... dropped for the byte bound: past the window it says nothing until a clear
     full_groups: set[int] = field(default_factory=set)
     other_groups: set[int] = field(default_factory=set)
 
@@ -81,6 +86,7 @@ class PreciseIndex:
         self._names: dict[int, str] = {}
         self._holders: dict[int, int] = {}
         self._entries = 0
+        self._deep_entries = 0  # blocks past the window, over all replicas (DeepBlocks)
         self.generation = 0  # moves whenever a slot is given or taken: masks from mask_of() expire
         self.evicted = 0
         # Keep the LRU clock's stamps (the projection, kv_events.project_evictions): set by the
@@ -137,6 +143,8 @@ class PreciseIndex:
             else:
                 holders.pop(key, None)
         self._entries -= len(replica.engine)
+        self._deep_entries -= replica.deep.clear()
+        replica.deep_dropped = False
         replica.engine = {}
         replica.refs = {}
         replica.stamp = {}
@@ -193,19 +201,30 @@ class PreciseIndex:
         else:
             known = replica.engine.get(parent_hash)
             if known is None:
-                self._skip("unchained")  # stored before we listened, past the window, or evicted here
+                past = replica.deep.parent(parent_hash)
+                if past is not None:  # continues a chain past the window
+                    self._store_deep(replica, past[0], past[1], hashes[: _plain_blocks(event)])
+                    self._skip("deep")
+                    return
+                self._skip("unchained")  # stored before we listened, or evicted here
                 return
             parent, depth = known[_KEY], known[_DEPTH]
-        take = min(len(hashes), self.max_depth_tokens // size - depth, _plain_blocks(event))
+        window = self.max_depth_tokens // size
+        plain = _plain_blocks(event)
+        take = min(len(hashes), window - depth, plain)
         if take < len(hashes):
-            self._skip("deep" if take == self.max_depth_tokens // size - depth else "multimodal")
+            self._skip("deep" if take == window - depth else "multimodal")
         if take <= 0:
+            if depth == window and plain:  # the window ended at the parent: this chain is past it
+                self._store_deep(replica, parent, 0, hashes[:plain])
             return
         try:
             keys = chain_block_keys(tokens, size, parent, take)
         except (OverflowError, TypeError, ValueError):  # ids that are not u32 ints
             self._skip("bad_tokens")
             return
+        if take == window - depth and plain > take:  # the window ends inside this event
+            self._store_deep(replica, keys[take - 1], 0, hashes[take:plain])
         if self.on_stored is not None:
             self.on_stored(self._names[replica.slot], keys)
         engine, refs, holders, stamp = replica.engine, replica.refs, self._holders, replica.stamp
@@ -226,6 +245,10 @@ class PreciseIndex:
             refs[key] = held + 1
             if not held:
                 holders[key] = holders.get(key, 0) | bit
+
+    def _store_deep(self, replica: _Replica, anchor: int, depth: int, hashes: Sequence[int | bytes]) -> None:
+        """Blocks past the window, kept by depth under the window's last key (:mod:`gateway.kv_events.deep`)."""
+        self._deep_entries += replica.deep.store(anchor, depth, list(hashes))
 
     def _seed(self, replica: _Replica, event: BlockStored) -> int | None:
         """The first block's seed: base model, LoRA name and ``cache_salt`` as the engine keys them."""
@@ -251,7 +274,11 @@ class PreciseIndex:
         for block in event.block_hashes:
             entry = engine.get(block)
             if entry is None:
-                self._skip("unknown_removed")
+                gone = replica.deep.remove(block)
+                if gone is None:
+                    self._skip("unknown_removed")
+                elif gone:
+                    self._deep_entries -= 1
                 continue
             entry[_COPIES] -= 1
             if entry[_COPIES] <= 0:
@@ -280,6 +307,12 @@ class PreciseIndex:
 
     def _evict(self) -> None:
         """Over the byte bound: the biggest replica loses its oldest entries (see module doc)."""
+        for replica in sorted(self._replicas.values(), key=lambda r: -len(r.deep)):
+            if self.memory_bytes() <= self.max_bytes:
+                return
+            self.evicted += len(replica.deep)  # the bound past the window goes first: the model's word remains
+            self._deep_entries -= replica.deep.clear()
+            replica.deep_dropped = True
         budget = (self.max_bytes - _FIXED_BYTES * len(self._replicas)) // self.entry_bytes()
         target = max(0, budget - max(1, budget // 64))  # a little room, so eviction runs in batches
         while self._entries > target:
@@ -414,13 +447,21 @@ class PreciseIndex:
         replica = self._replicas.get(name)
         return 0 if replica is None else len(replica.engine)
 
+    def reach_past(self, name: str, anchor: int) -> int | None:
+        """Blocks ``name``'s engine holds past the window's last key ``anchor``, along its
+        deepest chain there (None: ``anchor`` is not held there, or not a window's end)."""
+        replica = self._replicas.get(name)
+        if replica is None or replica.deep_dropped or not self.holds(name, anchor):
+            return None
+        return replica.deep.reach(anchor)
+
     def holds(self, name: str, key: int) -> bool:
         replica = self._replicas.get(name)
         return replica is not None and bool(self._holders.get(key, 0) >> replica.slot & 1)
 
     def memory_bytes(self) -> int:
         """The bytes the bound counts (what :meth:`entry_bytes` budgets)."""
-        return self._entries * self.entry_bytes() + _FIXED_BYTES * len(self._replicas)
+        return self._entries * self.entry_bytes() + self._deep_entries * DEEP_BYTES + _FIXED_BYTES * len(self._replicas)
 
     def entry_bytes(self) -> int:
         """Bytes budgeted per indexed block: :data:`ENTRY_BYTES`, plus :data:`LRU_BYTES` with the clock."""

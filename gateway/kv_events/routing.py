@@ -15,7 +15,8 @@ the engine's word, per precise replica:
   text keys the affinity index recorded for it (the engine's word up to the window, the
   model's past it), at chunk resolution: the model keeps every 4th key, so its depth is
   extended by up to 3 more of the text keys chosen for the replica
-  (:class:`~gateway.kv_events.text_tail.TextTail`).
+  (:class:`~gateway.kv_events.text_tail.TextTail`).  The *prediction* there is bounded by the
+  deepest chain the engine still holds under the window (:meth:`PreciseRouting.held_tokens`).
 
 The affinity index keeps recording every choice, so a replica whose events stop falls back
 to a warm model.  What the policy calls: :meth:`PreciseRouting.match_groups`,
@@ -297,6 +298,7 @@ class PreciseRouting:
         self.pinned = Pinned(_PINNED_TTL_S, clock)
         # the last match: its request, the projection's depths, and the engines' depths below the floor
         self._last: tuple[RequestView | None, dict[str, int], dict[str, int]] = (None, {}, {})
+        self._held_past: tuple[RequestView | None, dict[str, int]] = (None, {})  # see held_tokens
         self.text_tail = TextTail()  # every text key chosen per replica: past the window
         self.index.on_stored = self.speculative.confirm  # the engine's word ends a speculation
         self.index.on_cleared = self._cleared
@@ -386,6 +388,7 @@ class PreciseRouting:
         affinity index as before).  ``pending(name)``: the uncached prompt tokens queued
         ahead on ``name`` (the projection, see :meth:`_projected`)."""
         keys = request.block_keys
+        self._held_past = (None, {})
         if not keys:
             return None
         pmask, bit_names = self._precise_mask(affinity, request.block_size or 0)
@@ -422,12 +425,14 @@ class PreciseRouting:
             if whole:
                 modelled = affinity.match(keys, whole)
                 most = affinity.stride - 1  # the model's resolution: its deepest stride key held
+                limits = self._past_limits(request, whole, blocks)
                 for name in whole:
                     depth = max(modelled.get(name, 0), blocks)
                     if most:
                         depth = self.text_tail.extend(name, keys, depth, most)
                     if depth > blocks:
                         depth_of[name] = max(depth_of[name], depth)
+                self._held_past = (request, limits)
         # A match shorter than the model's resolution (``stride`` blocks), unless it is the whole
         # request, routes as none: it is what nearly every prompt shares (the chat template's
         # preamble, a date line), which the model never sees.  Ranked as a match, 48 tokens pulled
@@ -444,6 +449,31 @@ class PreciseRouting:
                 shallow[name] = depth
         self._last = (request, expected, shallow)
         return sorted(by_depth.items(), key=lambda group: -group[0])
+
+    def _past_limits(self, request: RequestView, names: list[str], blocks: int) -> dict[str, int]:
+        """For each of ``names`` (holding the request's whole window): the prompt tokens its
+        engine holds at most, past the window along its deepest chain there (its events tell)."""
+        size = request.block_size or 1
+        if not self.project or blocks * size != self.index.max_depth_tokens:
+            # the route's window ends short of the index's reach (nothing past it is kept there), or
+            # requests in flight are not pinned (project off): one sharing the window would be missed
+            return {}
+        anchor = request.block_keys[blocks - 1]
+        limits: dict[str, int] = {}
+        keys = request.block_keys
+        for name in names:
+            if self.pinned.depth(name, keys, blocks - 1, blocks) >= blocks:
+                continue  # a request in flight there shares the window: what it computes past it is not stored yet
+            reach = self.index.reach_past(name, anchor)
+            if reach is not None:
+                limits[name] = (blocks + reach) * size
+        return limits
+
+    def held_tokens(self, name: str, request: RequestView) -> int | None:
+        """The most prompt tokens of ``request`` that ``name``'s engine holds now, where its
+        events bound what the records credit past the window (None: no bound known)."""
+        matched, limits = self._held_past
+        return limits.get(name) if matched is request else None
 
     def _past_window(
         self, affinity: AffinityIndex, keys: Sequence[int], blocks: int, depth: int, mask: int

@@ -36,6 +36,10 @@ class PreciseMatcher(Protocol):
         :meth:`match_groups`), how many it will still hold when the request runs there
         (``depth`` 0: what it holds below the depth a match must reach to be routed on)."""
 
+    def held_tokens(self, name: str, request: RequestView) -> int | None:
+        """The most prompt tokens of ``request`` that ``name``'s engine holds now, by its own
+        events past the token window (by the last :meth:`match_groups`; None: no bound)."""
+
     def fork_tokens(self, name: str, request: RequestView, depth: int) -> int:
         """Prompt tokens ``name`` holds of ``request`` past its first ``depth`` keys' end, where
         the request parts inside the next text chunk from one held there (0: none known)."""

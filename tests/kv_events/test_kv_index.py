@@ -124,6 +124,53 @@ def test_blocks_past_the_deepest_window_are_not_indexed() -> None:
     assert index.skipped["deep"] == 1
 
 
+def test_blocks_past_the_window_are_kept_by_depth_under_its_last_key_until_evicted() -> None:
+    index = _index(max_depth_tokens=4 * BS)
+    tokens = list(range(9 * BS))
+    hashes = hashes_for(9)
+    anchor = _keys(tokens)[3]
+    # the window ends inside the first event (blocks 0-4), then two more events chain past it,
+    # the second from a block that is itself past the window
+    index.apply("r0", _events(stored(hashes[:5], tokens[: 5 * BS], BS)))
+    index.apply("r0", _events(stored(hashes[5:7], tokens[5 * BS : 7 * BS], BS, parent=hashes[4])))
+    index.apply("r0", _events(stored(hashes[7:], tokens[7 * BS :], BS, parent=hashes[6])))
+    assert index.reach_past("r0", anchor) == 5
+    assert index.reach_past("r1", anchor) is None  # r1 does not hold the window
+    # vLLM evicts a freed request's tail first: the reach shrinks from the end
+    index.apply("r0", _events(removed(hashes[7:])))
+    assert index.reach_past("r0", anchor) == 3
+    assert index.skipped["unknown_removed"] == 0  # removals past the window are known now
+    # a second continuation under the same window (it parts after block 5) keeps the deepest
+    other = tokens[: 6 * BS] + [7] * 3 * BS
+    index.apply("r0", _events(stored(hashes_for(3, 50), other[6 * BS :], BS, parent=hashes[5])))
+    assert index.reach_past("r0", anchor) == 5
+    index.apply("r0", _events(removed(hashes_for(3, 50))))
+    assert index.reach_past("r0", anchor) == 3
+    # a window that ends exactly at an event's parent chains past it too
+    index.apply("r0", _events(removed(hashes[4:7])))
+    assert index.reach_past("r0", anchor) == 0
+    index.apply("r0", _events(stored(hashes[4:6], tokens[4 * BS : 6 * BS], BS, parent=hashes[3])))
+    assert index.reach_past("r0", anchor) == 2
+    index.apply("r0", _events(cleared()))
+    assert index.reach_past("r0", anchor) is None and index.memory_bytes() == 2 * 2048
+
+
+def test_blocks_past_the_window_count_against_the_byte_bound_and_go_first() -> None:
+    from gateway.kv_events.deep import DEEP_BYTES
+
+    index = _index(max_depth_tokens=2 * BS, max_bytes=2 * 2048 + 4 * ENTRY_BYTES + 5 * DEEP_BYTES)
+    tokens = list(range(14 * BS))
+    hashes = hashes_for(14)
+    index.apply("r0", _events(stored(hashes, tokens, BS)))  # 2 in the window, 12 past it: over the bound
+    assert index.memory_bytes() <= index.max_bytes
+    assert index.blocks("r0") == 2  # the window's blocks stay ...
+    # ... and what was past it went: no bound now (not "none held", which would cap predictions)
+    assert index.reach_past("r0", _keys(tokens)[1]) is None
+    index.apply("r0", _events(cleared()))  # the engine's cache is empty: known again from here
+    index.apply("r0", _events(stored(hashes[:3], tokens[: 3 * BS], BS)))
+    assert index.reach_past("r0", _keys(tokens)[1]) == 1
+
+
 def test_a_replica_without_its_base_model_keys_nothing_and_says_why() -> None:
     index = PreciseIndex(1 << 20)
     index.add("r9")

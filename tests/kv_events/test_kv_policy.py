@@ -115,6 +115,31 @@ def test_past_the_window_the_engines_whole_window_extends_with_the_models_text_k
     assert policy.peek(_request(tokens, text), _views()).detail["matched_blocks"] == 0
 
 
+def test_past_the_window_the_prediction_is_bounded_by_what_the_engine_still_holds_there() -> None:
+    # the index keys the 4-block window; the engine's events go on past it (3 text keys there,
+    # ~1,000 tokens each in the request; 200 blocks of the engine's)
+    policy, events, _clock = _setup(speculative_s=0, max_depth_tokens=4 * BS)
+    tokens = _tokens(3, 4)
+    text = (111, 222, 333)
+    request = _request(tokens, text, rid="a")
+    first = policy.choose(request, _views())  # the model records the text keys there
+    name = first.replica
+    whole = tokens + _tokens(4, 200)
+    hashes = hashes_for(204, 7000)
+    events.ingestor.ingest(name, 0, 1, _events(stored(hashes, whole, BS)))
+    policy.observe(request, first, 0)  # it ended: nothing in flight there pins the window
+    held = policy.peek(_request(tokens, text, rid="b"), _views())
+    assert held.replica == name and held.detail["predicted_cached_tokens"] == (3 * 1000 + 4 * BS + 2) // BS * BS
+    # the engine evicts the prompt's tail: 60 of its 200 blocks past the window stay
+    events.ingestor.ingest(name, 0, 2, _events(removed(hashes[64:])))
+    tail = policy.peek(_request(tokens, text, rid="c"), _views())
+    assert tail.detail["matched_blocks"] == 4 + 3  # ranked by the records, as before ...
+    assert tail.detail["predicted_cached_tokens"] == 64 * BS  # ... predicted as the engine holds
+    # a request in flight there with the same window computes past it before this one runs
+    policy.choose(_request(tokens, text, rid="d"), [ReplicaView(name)])
+    assert policy.peek(_request(tokens, text, rid="e"), _views()).detail["predicted_cached_tokens"] > 64 * BS
+
+
 def test_a_burst_behind_a_queued_document_is_predicted_to_the_block_where_its_prompts_part() -> None:
     # a batch: one document (13 blocks: not a multiple of the speculative stride, 8), then each
     # request's own question; the first is still queued (no events yet) when the others come

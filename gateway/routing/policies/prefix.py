@@ -371,6 +371,9 @@ class PrefixPolicy:
             # engine holds below the match floor (still a hit)
             expected = precise.expected_depth(pick, request, picked.depth)
             predicted = depth_tokens(request, expected) if expected != picked.depth else max(predicted, forked)
+            held = precise.held_tokens(pick, request)
+            if held is not None:  # past the window, the engine's events bound what the records credit
+                predicted = min(predicted, held)
         # An engine caches whole blocks only: a depth past the window (a text key's token
         # estimate) ends inside a block, whose tokens are computed again.
         predicted -= predicted % block_size
