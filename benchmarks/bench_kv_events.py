@@ -13,6 +13,8 @@ busy engine's (vLLM 0.32's tagged maps, 64-bit integer hashes), one scheduler st
   previous step) and evicts as many old ones (``BlockRemoved``, one hash each, as vLLM sends).
 - ``cpu_prefill``: the same with vLLM's CPU block size 128 (fewer, larger blocks).
 - ``decode_steps``: one block stored and one removed per step (long decodes filling blocks).
+- ``past_window``: ``gpu_prefill`` with the index keying only each prompt's first 64 blocks
+  (a 1,024-token window): the rest are kept by depth alone, not re-hashed.
 
 And what precise matching adds to a routing decision: the ``prefix`` policy's ``choose`` on
 full-window (4,096-token) prompts held by the replicas' engines, with the precise matcher
@@ -51,7 +53,15 @@ from gateway.routing.base import ReplicaView, RequestView  # noqa: E402
 from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_kv_events.json"
-SCENARIOS = {"gpu_prefill": (16, 1, 32), "cpu_prefill": (128, 1, 8), "decode_steps": (16, 1, 1)}
+SCENARIOS = {
+    "gpu_prefill": (16, 1, 32),
+    "cpu_prefill": (128, 1, 8),
+    "decode_steps": (16, 1, 1),
+    "past_window": (16, 1, 32),
+}
+# the index's reach in tokens per scenario (default: every block is keyed); past_window keys the
+# first 64 blocks of each prompt and keeps the rest by depth alone (gateway/kv_events/deep.py)
+REACH = {"past_window": 64 * 16}
 
 
 def _messages(block_size: int, low: int, high: int, steps: int, seed: int) -> tuple[list[list[bytes]], int, int]:
@@ -99,7 +109,7 @@ def _messages(block_size: int, low: int, high: int, steps: int, seed: int) -> tu
 def run_once(name: str, steps: int, seed: int) -> dict[str, float]:
     block_size, low, high = SCENARIOS[name]
     messages, events, blocks = _messages(block_size, low, high, steps, seed)
-    index = PreciseIndex(256 * 1024 * 1024, max_depth_tokens=1 << 20)
+    index = PreciseIndex(256 * 1024 * 1024, max_depth_tokens=REACH.get(name, 1 << 20))
     index.add("r0", "meta-llama/Llama-3.1-8B-Instruct")
     ingestor = Ingestor(index)
     start = time.thread_time()
