@@ -47,6 +47,8 @@ class DeepBlocks:
 
     def store(self, anchor: int, depth: int, hashes: list[int | bytes]) -> int:
         """Blocks ``hashes`` stored at depths ``depth + 1``... under ``anchor``; returns how many are new."""
+        if not hashes:
+            return 0
         blocks = self.blocks
         counts = self.depths.get(anchor)
         if counts is None:
@@ -61,7 +63,7 @@ class DeepBlocks:
             blocks[block] = [anchor, at, 1]
             counts[at] = counts.get(at, 0) + 1
             added += 1
-        if hashes and counts:
+        if counts:
             self.deepest[anchor] = max(self.deepest.get(anchor, 0), depth + len(hashes))
         return added
 

@@ -296,9 +296,9 @@ class PreciseRouting:
         self.index.track_lru = project or self.index.track_lru
         self.speculative = Speculative(speculative_s, clock)
         self.pinned = Pinned(_PINNED_TTL_S, clock)
-        # the last match: its request, the projection's depths, and the engines' depths below the floor
-        self._last: tuple[RequestView | None, dict[str, int], dict[str, int]] = (None, {}, {})
-        self._held_past: tuple[RequestView | None, dict[str, int]] = (None, {})  # see held_tokens
+        # the last match: its request, the projection's depths, the engines' depths below the floor,
+        # and what they hold past the window at most (held_tokens)
+        self._last: tuple[RequestView | None, dict[str, int], dict[str, int], dict[str, int]] = (None, {}, {}, {})
         self.text_tail = TextTail()  # every text key chosen per replica: past the window
         self.index.on_stored = self.speculative.confirm  # the engine's word ends a speculation
         self.index.on_cleared = self._cleared
@@ -388,7 +388,6 @@ class PreciseRouting:
         affinity index as before).  ``pending(name)``: the uncached prompt tokens queued
         ahead on ``name`` (the projection, see :meth:`_projected`)."""
         keys = request.block_keys
-        self._held_past = (None, {})
         if not keys:
             return None
         pmask, bit_names = self._precise_mask(affinity, request.block_size or 0)
@@ -403,7 +402,7 @@ class PreciseRouting:
                 for deeper, members in self._past_window(affinity, keys, blocks, depth, mask):
                     by_depth[deeper] = by_depth.get(deeper, 0) | members
         if not pmask:
-            self._last = (request, {}, {})
+            self._last = (request, {}, {}, {})
             return sorted(by_depth.items(), key=lambda group: -group[0])
         cache_key = (id(affinity), affinity.generation, self._version, self.index.generation, pmask)
         eligible = self._eligible.get(cache_key)
@@ -420,6 +419,7 @@ class PreciseRouting:
         for name, depth in self.speculative.depths(keys, names).items():
             if depth > depth_of.get(name, 0):
                 depth_of[name] = depth
+        limits: dict[str, int] = {}
         if len(keys) > blocks:
             whole = [name for name, depth in depth_of.items() if depth >= blocks]
             if whole:
@@ -432,7 +432,6 @@ class PreciseRouting:
                         depth = self.text_tail.extend(name, keys, depth, most)
                     if depth > blocks:
                         depth_of[name] = max(depth_of[name], depth)
-                self._held_past = (request, limits)
         # A match shorter than the model's resolution (``stride`` blocks), unless it is the whole
         # request, routes as none: it is what nearly every prompt shares (the chat template's
         # preamble, a date line), which the model never sees.  Ranked as a match, 48 tokens pulled
@@ -447,7 +446,7 @@ class PreciseRouting:
                 by_depth[depth] = by_depth.get(depth, 0) | bit
             elif depth > 0:
                 shallow[name] = depth
-        self._last = (request, expected, shallow)
+        self._last = (request, expected, shallow, limits)
         return sorted(by_depth.items(), key=lambda group: -group[0])
 
     def _past_limits(self, request: RequestView, names: list[str], blocks: int) -> dict[str, int]:
@@ -458,9 +457,9 @@ class PreciseRouting:
             # the route's window ends short of the index's reach (nothing past it is kept there), or
             # requests in flight are not pinned (project off): one sharing the window would be missed
             return {}
-        anchor = request.block_keys[blocks - 1]
-        limits: dict[str, int] = {}
         keys = request.block_keys
+        anchor = keys[blocks - 1]
+        limits: dict[str, int] = {}
         for name in names:
             if self.pinned.depth(name, keys, blocks - 1, blocks) >= blocks:
                 continue  # a request in flight there shares the window: what it computes past it is not stored yet
@@ -472,7 +471,7 @@ class PreciseRouting:
     def held_tokens(self, name: str, request: RequestView) -> int | None:
         """The most prompt tokens of ``request`` that ``name``'s engine holds now, where its
         events bound what the records credit past the window (None: no bound known)."""
-        matched, limits = self._held_past
+        matched, _, _, limits = self._last
         return limits.get(name) if matched is request else None
 
     def _past_window(
@@ -562,7 +561,7 @@ class PreciseRouting:
         window the model's); less only where the projection expects evictions first.  A
         replica matched as holding none of it (``depth`` 0) still has what its engine holds
         below the floor :meth:`match_groups` routes by."""
-        matched, expected, shallow = self._last
+        matched, expected, shallow, _ = self._last
         if matched is not request:
             return depth
         if depth == 0:
