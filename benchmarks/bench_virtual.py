@@ -410,6 +410,7 @@ class Outcome:
     # what its engine held of the prompt when the request was placed (the gateway's decision):
     # a gateway that knew each engine's cache exactly at that moment would predict this
     held_at_decision: int = 0
+    predicted: int | None = None  # the gateway's predicted cached tokens (None: the row predicts none)
 
 
 @dataclass
@@ -478,7 +479,12 @@ class VirtualFleet:
             meta[id(ereq)] = (i, handle, e)
             held = len(engines[e].cache.lookup(ereq.keys, ereq.num_prompt + ereq.num_output)) * engines[e].block_size
             outcomes[i] = Outcome(
-                e, prompt_tokens=len(tokens), tenant=req.tenant, sent=sent_at[i], held_at_decision=held
+                e,
+                prompt_tokens=len(tokens),
+                tenant=req.tenant,
+                sent=sent_at[i],
+                held_at_decision=held,
+                predicted=getattr(handle, "predicted", None),
             )
             if hop:
                 later(now + hop, ENQUEUE, (e, ereq))
@@ -699,8 +705,37 @@ def summarize(outcomes: Sequence[Outcome], n: int, options: SimOptions | None = 
         if prompt
         else 0.0,
         "refused": len(refused),
+        **(
+            {"error_split": error_split(outcomes, prompt)}
+            if prompt and any(o.predicted is not None for o in outcomes)
+            else {}
+        ),
         **({"tenants": tenant_figures(outcomes, refused)} if any(o.tenant for o in outcomes) else {}),
     }
+
+
+def error_split(outcomes: Sequence[Outcome], prompt: int) -> dict[str, float]:
+    """The prediction error (mean |predicted - reported| per prompt token) split by what the chosen
+    engine held of the prompt when the request was placed (``held_at_decision``); the four parts
+    add up to the row's ``prediction_error``:
+
+    - ``gone``: predicted content the engine no longer held at decision (a belief its events, or
+      the model, should have corrected);
+    - ``evicted``: predicted content it held at decision but evicted before the request ran
+      (forecast: the work queued ahead evicted it);
+    - ``missed``: content it held at decision that the prediction did not credit;
+    - ``arrived``: content it did not hold at decision but did at admission (a sibling in flight
+      stored it first)."""
+    parts = dict.fromkeys(("gone", "evicted", "missed", "arrived"), 0)
+    for o in outcomes:
+        predicted, held, cached = o.predicted or 0, o.held_at_decision, o.cached_tokens
+        if predicted > cached:
+            parts["gone"] += max(0, predicted - max(held, cached))
+            parts["evicted"] += max(0, min(predicted, held) - cached)
+        else:
+            parts["missed"] += max(0, min(held, cached) - predicted)
+            parts["arrived"] += cached - max(predicted, min(held, cached))
+    return {k: v / prompt for k, v in parts.items()}
 
 
 def tenant_figures(served: Sequence[Outcome], refused: Sequence[Outcome]) -> dict[str, Any]:
@@ -899,6 +934,9 @@ def precise_medians(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "prediction_error": statistics.median(errors) if None not in errors else None,
             "decision_state_error": statistics.median(cells[row]["decision_state_error"] for cells in per_seed),
         }
+        splits = [cells[row].get("error_split") for cells in per_seed]
+        if None not in splits:  # the mean over samples: the parts of the mean error (medians would not add up)
+            out["rows"][row]["error_split_mean"] = {k: statistics.fmean(s[k] for s in splits) for k in splits[0]}
     for row in ("precise", "precise_projected", "shipped"):
         for peer in ("prefix_aligned", "sglang_like"):
             if row in rows and peer in rows:
@@ -914,7 +952,12 @@ def print_precise_medians(wname: str, level: str, medians: dict[str, Any]) -> No
     )
     for row, cell in medians["rows"].items():
         error = "-" if cell["prediction_error"] is None else f"{100 * cell['prediction_error']:.2f}"
-        print(f"  {row:<22} {100 * cell['hit_rate']:6.2f} {error:>6} {100 * cell.get('decision_state_error', 0):6.2f}")
+        split = cell.get("error_split_mean")
+        parts = "  mean err = " + " + ".join(f"{k} {100 * v:.2f}" for k, v in split.items()) if split else ""
+        print(
+            f"  {row:<22} {100 * cell['hit_rate']:6.2f} {error:>6} {100 * cell.get('decision_state_error', 0):6.2f}"
+            + parts
+        )
     for pair, diff in medians["paired"].items():
         print(f"  {pair:<38} {100 * diff:+6.2f}")
 

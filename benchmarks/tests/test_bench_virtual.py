@@ -101,6 +101,31 @@ def test_summary_reads_ratios_against_the_prefix_row_and_the_oracle():
     assert summary["other"]["alone_p90_x_oracle"]["mean"] == pytest.approx(0.25)
 
 
+def test_the_error_split_tells_what_the_engine_held_at_decision():
+    def outcome(predicted: int, held: int, cached: int) -> bv.Outcome:
+        return bv.Outcome(0, prompt_tokens=1000, cached_tokens=cached, held_at_decision=held, predicted=predicted)
+
+    split = bv.error_split(
+        [
+            outcome(800, 500, 200),  # 300 gone before the decision, 300 evicted while queued
+            outcome(100, 400, 700),  # 300 held and not credited, 300 stored by a sibling after
+            outcome(500, 500, 500),  # exact
+        ],
+        3000,
+    )
+    assert split == pytest.approx({"gone": 0.1, "evicted": 0.1, "missed": 0.1, "arrived": 0.1})
+
+
+@pytest.mark.slow
+def test_the_error_split_adds_up_to_the_prediction_error(agent):
+    rows = [row for row in bv.rows_for(agent, [], peers=True, precise=True) if row[0] in ("precise", "sglang_like")]
+    cells = bv.run_level(agent, "saturated", rows)
+    precise = cells["precise"]
+    assert precise["prediction_error"] > 0  # something to split
+    assert sum(precise["error_split"].values()) == pytest.approx(precise["prediction_error"])
+    assert "error_split" not in cells["sglang_like"]  # a peer predicts nothing
+
+
 def test_alone_ttft_counts_one_engine_step_per_chunk_of_prefill():
     options = bv.sim_options(oracle=False)
     step = options.decode_ms_per_token / 1000.0
