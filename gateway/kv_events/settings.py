@@ -83,7 +83,9 @@ class KvEventsSettings(BaseModel):
         10.0,
         ge=0,
         description="how long a routing choice counts as held before the engine's events confirm it (a burst with "
-        "a new prefix, a conversation's quick next turn); 0: only what the engine reported",
+        "a new prefix, a conversation's quick next turn), and with project_evictions for as long as its request is in "
+        "flight there (at saturation a request can wait longer in the engine's queue); 0: only what the engine "
+        "reported",
     )
     project_evictions: bool = Field(
         True,

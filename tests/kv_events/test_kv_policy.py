@@ -88,12 +88,17 @@ def test_routing_follows_what_the_engine_holds_not_what_the_model_remembers() ->
 
 
 def test_a_choice_counts_as_held_until_the_engine_speaks_then_only_for_speculative_s() -> None:
-    policy, _, clock = _setup(speculative_s=10, stale_s=1000)
+    policy, events, clock = _setup(speculative_s=10, stale_s=1000)
     tokens = _tokens(2, 8)
     first = policy.choose(_request(tokens, rid="a"), _views())
     burst = policy.choose(_request(tokens, rid="b"), _views())
     assert burst.replica == first.replica and burst.detail["predicted_cached_tokens"] == 8 * BS  # its deepest key
     clock.now += 11
+    # past speculative_s both still wait in the engine's queue: what they will compute counts
+    later = policy.peek(_request(tokens), _views())
+    assert (later.replica, later.detail["predicted_cached_tokens"]) == (first.replica, 8 * BS)
+    for rid in "ab":  # they ended, and the engine never said it stored anything
+        events.routing.finished(first.replica, _request(tokens, rid=rid))
     assert policy.peek(_request(tokens), _views()).detail["predicted_cached_tokens"] == 0
     # a failed attempt is withdrawn at once
     clock.now += 100
@@ -200,9 +205,49 @@ def test_the_engines_word_ends_a_speculative_choice_so_its_evictions_count_at_on
     hashes = hashes_for(4, 700)
     events.ingestor.ingest(first.replica, 0, 1, _events(stored(hashes, tokens, BS)))  # the engine confirms
     assert len(events.routing.speculative) == 0
+    events.routing.finished(first.replica, _request(tokens))  # it ended, then its tail was evicted
     events.ingestor.ingest(first.replica, 0, 2, _events(*(removed([h]) for h in reversed(hashes[2:]))))
     clock.now += 1  # well within speculative_s: only the engine's word counts now
     assert policy.peek(_request(tokens), _views()).detail["predicted_cached_tokens"] == 2 * BS
+
+
+def test_a_request_in_flight_is_credited_past_speculative_s_and_through_a_preemption() -> None:
+    policy, events, clock = _setup(speculative_s=10, stale_s=1000)
+    tokens = _tokens(8, 16)
+    first = policy.choose(_request(tokens, rid="a"), _views())
+    name = first.replica
+    clock.now += 60  # still queued there a minute later: it computes the blocks before the next one runs
+    later = policy.choose(_request(tokens, rid="b"), _views())
+    assert (later.replica, later.detail["predicted_cached_tokens"]) == (name, 16 * BS)
+    # it ran (stored), was preempted (its blocks freed, then evicted): it will compute them again first
+    hashes = hashes_for(16, 800)
+    events.ingestor.ingest(name, 0, 1, _events(stored(hashes, tokens, BS)))
+    events.ingestor.ingest(name, 0, 2, _events(*(removed([h]) for h in reversed(hashes[4:]))))
+    again = policy.peek(_request(tokens), _views())
+    assert (again.replica, again.detail["predicted_cached_tokens"]) == (name, 16 * BS)
+    # a request sharing the first 12 blocks: credited to the stride (8) below what it shares
+    part = policy.peek(_request([*tokens[: 12 * BS], *_tokens(9, 4)]), _views())
+    assert part.detail["predicted_cached_tokens"] == 8 * BS
+    # both ended: only what the engine holds counts
+    for rid in "ab":
+        events.routing.finished(name, _request(tokens, rid=rid))
+    assert policy.peek(_request(tokens), _views()).detail["predicted_cached_tokens"] == 4 * BS
+    # with more prefill queued there than its whole cache, a request in flight saves nothing
+    policy.index.set_token_capacity(name, 48 * BS)
+    policy.choose(_request(tokens, rid="c"), _views())
+    clock.now += 60
+    busy = [ReplicaView(n, pending_prefill_tokens=60 * BS if n == name else 0) for n in NAMES]
+    assert policy.peek(_request(tokens), busy).detail["predicted_cached_tokens"] == 4 * BS
+
+
+def test_a_cleared_cache_ends_the_credit_of_the_requests_in_flight() -> None:
+    policy, events, clock = _setup(speculative_s=10, stale_s=1000)
+    tokens = _tokens(10, 8)
+    name = policy.choose(_request(tokens, rid="a"), _views()).replica
+    clock.now += 60
+    assert policy.peek(_request(tokens), _views()).detail["predicted_cached_tokens"] == 8 * BS
+    events.ingestor.ingest(name, 0, 1, _events(cleared()))  # a restart: what ran there is gone
+    assert policy.peek(_request(tokens), _views()).detail["predicted_cached_tokens"] == 0
 
 
 def _gateway(n: int, **overrides: Any) -> Gateway:

@@ -79,6 +79,24 @@ def test_pinned_keys_last_from_the_choice_to_the_end_or_their_ttl() -> None:
     assert pinned.depth("r1", keys, 0, 20) == 4
 
 
+def test_what_a_request_in_flight_shares_is_found_by_bisection_over_its_strided_keys() -> None:
+    pinned = Pinned(60.0, lambda: 0.0)
+    keys = list(range(1, 41))
+    pinned.pin("r0", keys[:27])  # every 8th key (8, 16, 24) and its deepest (27)
+    assert pinned.shared("r0", keys, 0, 27) == 27  # shares all of them: exact
+    assert pinned.shared("r0", keys, 0, 40) == 24  # shares 27 of 40: to the stride below
+    assert pinned.shared("r0", keys, 0, 20) == 16
+    assert pinned.shared("r0", keys, 20, 40) == 24
+    assert pinned.shared("r0", keys, 30, 40) == 30  # never below what is asked from
+    other = [*keys[:10], *range(100, 130)]  # parts from it after 10 keys
+    assert pinned.shared("r0", other, 0, 40) == 8
+    assert pinned.shared("r1", keys, 0, 40) == 0  # nothing in flight there
+    pinned.forget("r0")  # its engine lost its cache
+    assert pinned.shared("r0", keys, 0, 40) == 0
+    pinned.unpin("r0", keys[:27])  # the end heard later changes nothing
+    assert pinned.depth("r0", keys, 0, 40) == 0
+
+
 def _policy(project: bool) -> tuple[PrefixPolicy, KvEvents]:
     policy, events, _clock = _setup(speculative_s=0, project_evictions=project)
     for name in NAMES:  # what a scrape of vllm:cache_config_info tells the model: 48 blocks
