@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 from gateway.kv_events.ingest import Ingestor
@@ -217,6 +217,7 @@ class Pinned:
         self._keys: dict[str, dict[int, int]] = {}  # replica -> key -> requests pinning it
         self._queue: deque[tuple[float, str, list[int]]] = deque()  # (expiry, replica, its kept keys)
         self._by_end: dict[tuple[str, int], list[list[int]]] = {}  # (replica, deepest key) -> kept keys
+        self._first: dict[int, dict[str, int]] = {}  # a request's first kept key -> replica -> requests
 
     def pin(self, name: str, keys: Sequence[int]) -> None:
         if not keys:
@@ -228,6 +229,10 @@ class Pinned:
             held = self._keys[name] = {}
         for key in kept:
             held[key] = held.get(key, 0) + 1
+        first = self._first.get(kept[0])
+        if first is None:
+            first = self._first[kept[0]] = {}
+        first[name] = first.get(name, 0) + 1
         self._by_end.setdefault((name, keys[-1]), []).append(kept)
         self._queue.append((self.clock() + self.ttl_s, name, kept))
 
@@ -249,6 +254,13 @@ class Pinned:
                 if keys[i] in held:
                     return i + 1
         return low
+
+    def sharing(self, names: Container[str], keys: Sequence[int], high: int) -> list[str]:
+        """Those of ``names`` where a request in flight may share ``keys[:high]`` from its
+        first strided key on (or all of it, when shorter): one lookup, however large the
+        fleet, before :meth:`shared` is asked of each."""
+        first = self._first.get(keys[min(high, _SPEC_STRIDE) - 1]) if high > 0 else None
+        return [name for name in first if name in names] if first else []
 
     def shared(self, name: str, keys: Sequence[int], low: int, high: int) -> int:
         """How deep (1-based, at least ``low``) a request in flight on ``name`` shares
@@ -275,6 +287,10 @@ class Pinned:
         """``name``'s engine lost its cache (a reset, a restart, which ends what runs there):
         its pins stand for nothing it holds or will compute for certain.  Rare: one pass."""
         self._keys.pop(name, None)
+        for key in [key for key, names in self._first.items() if name in names]:
+            del self._first[key][name]
+            if not self._first[key]:
+                del self._first[key]
         for end in [end for end in self._by_end if end[0] == name]:
             for kept in self._by_end.pop(end):
                 kept.clear()  # the queue's reference sees it released
@@ -282,6 +298,14 @@ class Pinned:
     def _release(self, name: str, kept: list[int]) -> None:
         if not kept:
             return  # released already (it ended, then its ttl passed)
+        first = self._first.get(kept[0])
+        if first is not None and name in first:
+            if first[name] > 1:
+                first[name] -= 1
+            else:
+                del first[name]
+                if not first:
+                    del self._first[kept[0]]
         held = self._keys.get(name)
         if held is not None:
             for key in kept:
@@ -512,7 +536,7 @@ class PreciseRouting:
         flight runs and ends long before this one, and the queue cycles the cache after it
         (as a pin does not save a held prefix then, :meth:`_projected`)."""
         pinned = self.pinned
-        for name in names:
+        for name in pinned.sharing(names, keys, blocks):
             have = depth_of.get(name, 0)
             if have >= blocks:
                 continue

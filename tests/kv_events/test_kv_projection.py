@@ -91,10 +91,17 @@ def test_what_a_request_in_flight_shares_is_found_by_bisection_over_its_strided_
     other = [*keys[:10], *range(100, 130)]  # parts from it after 10 keys
     assert pinned.shared("r0", other, 0, 40) == 8
     assert pinned.shared("r1", keys, 0, 40) == 0  # nothing in flight there
+    pinned.pin("r1", keys[:5])  # shorter than the stride: its deepest key is its first kept one
+    assert pinned.sharing({"r0", "r1", "r2"}, keys, 40) == ["r0"]  # looked up by the first strided key
+    assert pinned.sharing({"r0", "r1"}, keys, 5) == ["r1"]
+    assert pinned.sharing({"r1"}, keys, 40) == []
+    pinned.unpin("r1", keys[:5])
+    assert pinned.sharing({"r1"}, keys, 5) == []
     pinned.forget("r0")  # its engine lost its cache
     assert pinned.shared("r0", keys, 0, 40) == 0
     pinned.unpin("r0", keys[:27])  # the end heard later changes nothing
     assert pinned.depth("r0", keys, 0, 40) == 0
+    assert pinned.sharing({"r0"}, keys, 40) == []
 
 
 def _policy(project: bool) -> tuple[PrefixPolicy, KvEvents]:
