@@ -106,9 +106,9 @@ def _messages(block_size: int, low: int, high: int, steps: int, seed: int) -> tu
     return out, events_total, blocks_total
 
 
-def run_once(name: str, steps: int, seed: int) -> dict[str, float]:
-    block_size, low, high = SCENARIOS[name]
-    messages, events, blocks = _messages(block_size, low, high, steps, seed)
+def ingest(name: str, messages: list[list[bytes]]) -> tuple[Ingestor, float, float]:
+    """Decode and apply scenario ``name``'s ``messages`` as replica ``r0``'s subscriber does: the
+    ingestor, and the CPU seconds decoding and applying took."""
     index = PreciseIndex(256 * 1024 * 1024, max_depth_tokens=REACH.get(name, 1 << 20))
     index.add("r0", "meta-llama/Llama-3.1-8B-Instruct")
     ingestor = Ingestor(index)
@@ -118,7 +118,13 @@ def run_once(name: str, steps: int, seed: int) -> dict[str, float]:
     start = time.thread_time()
     for batch in decoded:
         ingestor.ingest("r0", batch.dp_rank, batch.seq, batch.events)
-    apply_s = time.thread_time() - start
+    return ingestor, decode_s, time.thread_time() - start
+
+
+def run_once(name: str, steps: int, seed: int) -> dict[str, float]:
+    block_size, low, high = SCENARIOS[name]
+    messages, events, blocks = _messages(block_size, low, high, steps, seed)
+    _, decode_s, apply_s = ingest(name, messages)
     total = decode_s + apply_s
     return {
         "messages": len(messages),
@@ -132,10 +138,12 @@ def run_once(name: str, steps: int, seed: int) -> dict[str, float]:
     }
 
 
-def decision_us(
-    replicas: int, precise: bool, decisions: int = 400, prompts: int = 50, project: bool | None = None
-) -> float:
-    """CPU microseconds per ``PrefixPolicy.choose`` over ``replicas``, engines holding the prompts.
+def decision_fleet(
+    replicas: int, precise: bool, prompts: int = 50, project: bool | None = None
+) -> tuple[PrefixPolicy, list[ReplicaView], list[RequestView], list[str]]:
+    """The ``prefix`` policy over ``replicas`` whose engines hold ``prompts`` full-window prompts
+    (prompt ``i`` on replica ``i % replicas``, told by a ``BlockStored`` event each): the policy,
+    the replicas' views, one request per prompt and each prompt's holder.
 
     ``project`` (not None): every replica has 100k prompt tokens of prefill queued and a 262k-token
     cache, so each match is projected forward (``kv_events.project_evictions`` = ``project``)."""
@@ -152,16 +160,27 @@ def decision_us(
         policy.attach_precise(events.routing)
     rnd = random.Random(1)
     requests = []
+    seq = dict.fromkeys(names, 0)  # per replica: a skipped number is a gap, which drops its entries
     for i in range(prompts):
         tokens = [rnd.randrange(128_000) for _ in range(4096)]
         hashes = [(i * 1000 + j) * 0x9E3779B97F4A7C15 % (1 << 64) for j in range(256)]
         batch = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": tokens,
                  "block_size": 16, "medium": "GPU"}  # fmt: skip
+        holder = names[i % replicas]
+        seq[holder] += 1
         events.ingestor.ingest(
-            names[i % replicas], 0, i + 1, decode_frames([b"", bytes(8), msgpack.packb([0.0, [batch], 0])]).events
+            holder, 0, seq[holder], decode_frames([b"", bytes(8), msgpack.packb([0.0, [batch], 0])]).events
         )
         keys = tuple(chain_block_keys(tokens, 16, engine_seed("m", None, None)))
         requests.append(RequestView("x", "route", "m", "chat", None, keys, 16, 4099, 4099))
+    return policy, views, requests, [names[i % replicas] for i in range(prompts)]
+
+
+def decision_us(
+    replicas: int, precise: bool, decisions: int = 400, prompts: int = 50, project: bool | None = None
+) -> float:
+    """CPU microseconds per ``PrefixPolicy.choose`` over :func:`decision_fleet`."""
+    policy, views, requests, _ = decision_fleet(replicas, precise, prompts, project)
     start = time.thread_time()
     for k in range(decisions):
         policy.choose(requests[k % prompts], views)
