@@ -93,7 +93,7 @@ class KvEventsSettings(BaseModel):
         "replica will evict first (the engine's LRU projected from its events and the gateway's own choices), "
         "where the affinity model agrees; routing still ranks by the engine's word. On the policy benchmark it is "
         "at or above plain precise on every cell (Mooncake conversation saturated: error 1.38 -> 0.52 %, hit +1.09 "
-        "points over the approximate model against +0.44) for 10-90 us per decision and ~100 bytes per indexed "
+        "points over the approximate model against +0.44) for ~30-40 us per decision and ~100 bytes per indexed "
         "block (benchmarks/README.md); false: the engine's word as it is now",
     )
     max_bytes: int = Field(
