@@ -475,6 +475,9 @@ class PreciseRouting:
         for name, depth in self.speculative.depths(keys, names).items():
             if depth > depth_of.get(name, 0):
                 depth_of[name] = depth
+                # the request chosen there computes the blocks (again) before this one runs, and
+                # pins them while it runs: what the projection gave up of the engine's word stays
+                expected.pop(name, None)
         if self.project and blocks and self.speculative.ttl_s > 0:
             self._in_flight(affinity, keys, blocks, names, depth_of, expected, pending)
         limits: dict[str, int] = {}

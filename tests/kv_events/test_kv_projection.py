@@ -182,3 +182,26 @@ def test_a_pin_does_not_outlast_a_queue_longer_than_the_whole_cache() -> None:
     # 60 queued ahead, more than the 48 the cache holds: the pinning request ends long before
     cycled = policy.peek(_request(tokens, rid="c"), _views({name: 60 * BS}, 48 * BS))
     assert (cycled.replica, cycled.detail["predicted_cached_tokens"]) == (name, 0)
+
+
+def test_a_choice_still_waiting_there_outweighs_the_projected_discount() -> None:
+    """The engine holds an old copy of the prompt's head that the queued work will evict, but a
+    request chosen there with the whole prompt has not run yet: it computes those blocks again
+    before the next one runs, so the projection's discount does not stand.  (Measured: the
+    model's stride left a 1-block discount standing under a speculative match of the whole
+    prompt, and a 38k-token hit was predicted as 2.4k.)"""
+    tokens = _tokens(1, 10)
+    policy, events, _clock = _setup(speculative_s=10, stale_s=1000, project_evictions=True)
+    for name in NAMES:
+        policy.index.set_token_capacity(name, 48 * BS)
+    _engine_holds(events, "r2", tokens[: 7 * BS], 1)
+    first = policy.choose(_request(tokens, rid="a"), _views({}, 48 * BS))
+    assert first.replica == "r2" and len(events.routing.speculative) > 0  # waits for its blocks
+    _engine_holds(events, "r2", _tokens(2, 40), 2)  # 40 blocks later: the head is old
+    queued = _views({"r2": 20 * BS}, 48 * BS)  # 20 blocks queued: the old head goes first
+    # the model (every 4th key) holds 4 of the engine's 7 blocks: alone, a discount to 4 would stand
+    assert policy.index.match(_request(tokens).block_keys[:7], ["r2"]) == {"r2": 4}
+    decision = policy.peek(_request(tokens, rid="b"), queued)
+    assert (decision.replica, decision.detail["predicted_cached_tokens"]) == ("r2", 10 * BS)
+    events.routing.withdraw("r2", _request(tokens, rid="a"))  # it failed: nothing computes the rest
+    assert policy.peek(_request(tokens, rid="c"), queued).detail["predicted_cached_tokens"] == 4 * BS
