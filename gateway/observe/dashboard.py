@@ -48,7 +48,7 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                         f" / sum by (route) (rate(prefix_gateway_cache_reported_prompt_tokens_total{{{ROUTE}}}[5m]))",
                     )
                 ],
-                8,
+                6,
             ),
             (
                 "Hit rate predicted by the gateway",
@@ -60,7 +60,7 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                         f" / sum by (route) (rate(prefix_gateway_predicted_prompt_tokens_total{{{ROUTE}}}[5m]))",
                     )
                 ],
-                8,
+                6,
             ),
             (
                 "Hit rate measured by the engines (vLLM /metrics)",
@@ -71,7 +71,20 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                         f"{_engine_by_route('prefix_cache_hits')} / {_engine_by_route('prefix_cache_queries')}",
                     )
                 ],
-                8,
+                6,
+            ),
+            (
+                "Prediction error (mean |predicted - reported| per prompt token)",
+                "percentunit",
+                [
+                    (
+                        "{{route}}",
+                        f"sum by (route) (rate(prefix_gateway_prediction_error_tokens_total{{{ROUTE}}}[5m]))"
+                        " / sum by (route) "
+                        f"(rate(prefix_gateway_prediction_checked_prompt_tokens_total{{{ROUTE}}}[5m]))",
+                    )
+                ],
+                6,
             ),
         ],
     ),

@@ -72,6 +72,20 @@ class GatewayMetrics:
             ["route", "replica"],
             registry=r,
         )
+        self.prediction_error_tokens = Counter(
+            p + "prediction_error_tokens",
+            "|predicted - reported cached tokens| of answered requests that had both, by direction (over: "
+            "predicted more than the engine hit); divided by prediction_checked_prompt_tokens: the mean "
+            "prediction error per prompt token",
+            ["route", "replica", "direction"],
+            registry=r,
+        )
+        self.prediction_checked_prompt_tokens = Counter(
+            p + "prediction_checked_prompt_tokens",
+            "Prompt tokens of the answered requests that had a prediction and reported cached_tokens",
+            ["route", "replica"],
+            registry=r,
+        )
         self.normalize_spans = Counter(
             p + "normalize_spans",
             "Volatile spans found (report) or moved (relocate)",
@@ -147,6 +161,11 @@ class GatewayMetrics:
             if o.predicted_cached_tokens is not None:
                 c(self.predicted_prompt_tokens, route, replica).inc(o.prompt_tokens)
                 c(self.predicted_cached_tokens, route, replica).inc(o.predicted_cached_tokens)
+                if o.cached_tokens is not None:
+                    miss = o.predicted_cached_tokens - o.cached_tokens
+                    direction = "over" if miss > 0 else "under"
+                    c(self.prediction_error_tokens, route, replica, direction).inc(abs(miss))
+                    c(self.prediction_checked_prompt_tokens, route, replica).inc(o.prompt_tokens)
         if o.completion_tokens:
             c(self.completion_tokens, route, replica).inc(o.completion_tokens)
         if o.normalized and o.normalize_mode:

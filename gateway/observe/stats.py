@@ -41,6 +41,11 @@ class Tally:
     predicted_prompt_tokens: int = 0  # prompt tokens of the answered requests that had a prediction
     predicted_requests: int = 0
     predicted_units_seen: dict[str, int] = field(default_factory=dict)  # units label -> predictions
+    # |predicted - reported| per request, by direction, over the requests that had both (and their
+    # prompt tokens): over- and under-predictions do not cancel here, as they do in hit_rate_gap
+    prediction_over_tokens: int = 0
+    prediction_under_tokens: int = 0
+    prediction_checked_prompt_tokens: int = 0
 
     def add(self, o: Outcome) -> None:
         self.requests += 1
@@ -63,6 +68,13 @@ class Tally:
             seen = self.predicted_units_seen
             if units in seen or len(seen) < 16:  # labels come from config and model families: few
                 seen[units] = seen.get(units, 0) + 1
+            if o.cached_tokens is not None:
+                miss = o.predicted_cached_tokens - o.cached_tokens
+                if miss > 0:
+                    self.prediction_over_tokens += miss
+                else:
+                    self.prediction_under_tokens -= miss
+                self.prediction_checked_prompt_tokens += o.prompt_tokens
 
     @property
     def hit_rate_reported(self) -> float | None:
@@ -73,6 +85,13 @@ class Tally:
     def hit_rate_predicted(self) -> float | None:
         d = self.predicted_prompt_tokens
         return self.predicted_cached_tokens / d if d else None
+
+    @property
+    def prediction_error(self) -> float | None:
+        """Mean |predicted - reported cached tokens| per prompt token (what issue 23's 0.5 % bar
+        measures): 0 only when every prediction was exact."""
+        d = self.prediction_checked_prompt_tokens
+        return (self.prediction_over_tokens + self.prediction_under_tokens) / d if d else None
 
     @property
     def predicted_units(self) -> str | None:
@@ -98,6 +117,7 @@ class Tally:
         d["predicted_exact"] = self.predicted_exact
         rep, pred = self.hit_rate_reported, self.hit_rate_predicted
         d["hit_rate_gap"] = None if rep is None or pred is None else round(pred - rep, 4)
+        d["prediction_error"] = _round(self.prediction_error)
         return d
 
 

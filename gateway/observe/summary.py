@@ -108,6 +108,7 @@ class SummaryReporter:
                 "hit_rate_reported": t.hit_rate_reported,
                 "hit_rate_predicted": t.hit_rate_predicted,
                 "predicted_units": t.predicted_units,
+                "prediction_error": t.prediction_error,
                 "hit_rate_engine": engine_rate,
                 "ttft_p50_s": percentile(window.ttft, 50),
                 "ttft_p90_s": percentile(window.ttft, 90),
