@@ -54,6 +54,7 @@ def diagnose(corpus: Corpus) -> Diagnosis:
         live = stats_routes.get(name) or {}
         summary.hit_rate_reported = live.get("hit_rate_reported", reported_rate(samples))
         summary.hit_rate_predicted = live.get("hit_rate_predicted")
+        summary.prediction_error = live.get("prediction_error")
         if live.get("requests") is not None:
             summary.requests = max(summary.requests, int(live["requests"]))
         findings: list[Finding] = []

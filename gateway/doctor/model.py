@@ -140,6 +140,7 @@ class RouteSummary:
     requests: int = 0
     hit_rate_reported: float | None = None  # stats (replicas' usage), else the samples' usage
     hit_rate_predicted: float | None = None  # the gateway's own prediction, from stats
+    prediction_error: float | None = None  # mean |predicted - reported| per prompt token, from stats
     hit_rate_replayed: float | None = None  # the samples through a pooled LRU, as they are
     hit_rate_all_fixes: float | None = None  # the same with every replayable fix applied
 
@@ -153,6 +154,7 @@ class RouteSummary:
             "requests": self.requests,
             "hit_rate_reported": r(self.hit_rate_reported),
             "hit_rate_predicted": r(self.hit_rate_predicted),
+            "prediction_error": r(self.prediction_error),
             "hit_rate_replayed": r(self.hit_rate_replayed),
             "hit_rate_all_fixes": r(self.hit_rate_all_fixes),
         }

@@ -41,7 +41,9 @@ def render_text(diagnosis: Diagnosis) -> str:
     for route in diagnosis.routes:
         lines.append(
             f"route {route.name} (normalize: {route.normalize}): {route.requests} requests; hit rate reported "
-            f"{_pct(route.hit_rate_reported)}, predicted {_pct(route.hit_rate_predicted)}; replay of the samples: "
+            f"{_pct(route.hit_rate_reported)}, predicted {_pct(route.hit_rate_predicted)}"
+            + (f" (prediction error {_pct(route.prediction_error)} of prompt tokens)" if route.prediction_error else "")
+            + "; replay of the samples: "
             f"{_pct(route.hit_rate_replayed)} now, {_pct(route.hit_rate_all_fixes)} with every fix below"
         )
     lines.append("")

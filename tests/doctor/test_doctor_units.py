@@ -122,6 +122,15 @@ def test_tokenizer_misalignment_from_predicted_vs_reported() -> None:
     assert "tokenizer_mismatch" not in _causes(Corpus("test", stats=healthy))
 
 
+def test_the_route_line_names_the_prediction_error_where_the_hit_rates_hide_it() -> None:
+    stats = _stats(hit_rate_predicted=0.5, hit_rate_reported=0.5, predicted_requests=40, prediction_error=0.083)
+    diagnosis = diagnose(Corpus("test", stats=stats))
+    assert to_dict(diagnosis)["routes"][0]["prediction_error"] == 0.083
+    assert "predicted 50.0 % (prediction error 8.3 % of prompt tokens)" in render_text(diagnosis)
+    exact = _stats(hit_rate_predicted=0.5, hit_rate_reported=0.5, predicted_requests=40, prediction_error=0.0)
+    assert "prediction error" not in render_text(diagnose(Corpus("test", stats=exact)))
+
+
 def _sample(i: int, cached: int, prompt: int = 1000) -> Sample:
     return Sample(
         "main", "chat", "m", None, [Part("messages[0]", "system", 10, "s")], 16, [i], prompt, cached_tokens=cached
