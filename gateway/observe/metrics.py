@@ -161,8 +161,8 @@ class GatewayMetrics:
             if o.predicted_cached_tokens is not None:
                 c(self.predicted_prompt_tokens, route, replica).inc(o.prompt_tokens)
                 c(self.predicted_cached_tokens, route, replica).inc(o.predicted_cached_tokens)
-                if o.cached_tokens is not None:
-                    miss = o.predicted_cached_tokens - o.cached_tokens
+                miss = o.prediction_miss
+                if miss is not None:
                     direction = "over" if miss > 0 else "under"
                     c(self.prediction_error_tokens, route, replica, direction).inc(abs(miss))
                     c(self.prediction_checked_prompt_tokens, route, replica).inc(o.prompt_tokens)

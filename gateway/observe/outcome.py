@@ -40,5 +40,13 @@ class Outcome:
             self.predicted_cached_tokens = min(self.predicted_cached_tokens, prompt_tokens)
 
     @property
+    def prediction_miss(self) -> int | None:
+        """Predicted minus reported cached tokens (positive: the gateway predicted more than the
+        engine hit); None unless the request had both."""
+        if self.predicted_cached_tokens is None or self.cached_tokens is None:
+            return None
+        return self.predicted_cached_tokens - self.cached_tokens
+
+    @property
     def status_class(self) -> str:
         return f"{self.status // 100}xx"

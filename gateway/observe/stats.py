@@ -68,8 +68,8 @@ class Tally:
             seen = self.predicted_units_seen
             if units in seen or len(seen) < 16:  # labels come from config and model families: few
                 seen[units] = seen.get(units, 0) + 1
-            if o.cached_tokens is not None:
-                miss = o.predicted_cached_tokens - o.cached_tokens
+            miss = o.prediction_miss
+            if miss is not None:
                 if miss > 0:
                     self.prediction_over_tokens += miss
                 else:
