@@ -206,7 +206,6 @@ class GatewayRouter:
         self.index = {r.name: i for i, r in enumerate(self.pool)}
         self.reasons: dict[str, int] = {}
         self.predicted_tokens = 0  # the policy's predicted cached tokens, summed over decisions
-        self.prediction_error = 0  # sum over answered requests of |predicted - reported cached tokens|
         self.hold_tokens = hold_tokens
         self.hold_fleet_tokens = hold_fleet_tokens  # ...and only while the fleet's mean queue is over this
         self._prepared: dict[int, tuple[RequestView, dict[str, Any]]] = {}  # held requests: prepared once
@@ -258,7 +257,6 @@ class GatewayRouter:
 
     def finished(self, handle: _Held, cached_tokens: int, prompt_tokens: int) -> None:
         self.first_token(handle)
-        self.prediction_error += abs(handle.predicted - cached_tokens)
         self.route_.runner.release(handle.replica, handle.view, handle.decision, cached_tokens, True)
         self.route_.learn_prompt_tokens(handle.view, prompt_tokens)  # as the gateway's Attempt.release
 
@@ -705,8 +703,12 @@ def summarize(outcomes: Sequence[Outcome], n: int, options: SimOptions | None = 
         if prompt
         else 0.0,
         "refused": len(refused),
+        # mean |predicted - reported cached tokens| per prompt token, and its parts
         **(
-            {"error_split": error_split(outcomes, prompt)}
+            {
+                "prediction_error": sum(abs((o.predicted or 0) - o.cached_tokens) for o in outcomes) / prompt,
+                "error_split": error_split(outcomes, prompt),
+            }
             if prompt and any(o.predicted is not None for o in outcomes)
             else {}
         ),
@@ -842,8 +844,6 @@ def run_level(
         if predicted is not None and stats["prompt_tokens"]:
             # what the gateway told /admin/stats it expected, against what the engines reported
             stats["predicted_hit_rate"] = predicted / stats["prompt_tokens"]
-            # mean |predicted - reported cached tokens| per prompt token
-            stats["prediction_error"] = getattr(router, "prediction_error", 0) / stats["prompt_tokens"]
         stats["seconds"] = round(time.perf_counter() - t0, 2)
         out[name] = stats
     return out
