@@ -20,6 +20,7 @@ window (see :data:`DEEP_BYTES`), inside the index's byte bound.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 #: bytes one block past the window costs at most: its engine-hash entry (dict slot, a 3-item list)
@@ -45,7 +46,7 @@ class DeepBlocks:
         entry = self.blocks.get(block)
         return None if entry is None else (entry[_ANCHOR], entry[_DEPTH])
 
-    def store(self, anchor: int, depth: int, hashes: list[int | bytes]) -> int:
+    def store(self, anchor: int, depth: int, hashes: Sequence[int | bytes]) -> int:
         """Blocks ``hashes`` stored at depths ``depth + 1``... under ``anchor``; returns how many are new."""
         if not hashes:
             return 0

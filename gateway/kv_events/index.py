@@ -248,7 +248,7 @@ class PreciseIndex:
 
     def _store_deep(self, replica: _Replica, anchor: int, depth: int, hashes: Sequence[int | bytes]) -> None:
         """Blocks past the window, kept by depth under the window's last key (:mod:`gateway.kv_events.deep`)."""
-        self._deep_entries += replica.deep.store(anchor, depth, list(hashes))
+        self._deep_entries += replica.deep.store(anchor, depth, hashes)
 
     def _seed(self, replica: _Replica, event: BlockStored) -> int | None:
         """The first block's seed: base model, LoRA name and ``cache_salt`` as the engine keys them."""
