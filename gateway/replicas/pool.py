@@ -267,6 +267,7 @@ class Replica:
             None if engine is None else engine.waiting,
             self.pending_prefill_tokens + self.peer_pending_prefill_tokens,
             None if engine is None else engine.kv_cache_tokens,
+            self.block_size,
         )
 
     def set_engine(self, engine: EngineStats) -> None:

@@ -55,6 +55,9 @@ class ReplicaView:
     # The engine's prefix cache size in tokens (num_gpu_blocks x block_size from
     # vllm:cache_config_info), when a scrape has told it.
     kv_cache_tokens: int | None = None
+    # The engine's own block size (vllm:cache_config_info), when a scrape has told it: a fleet
+    # may disagree with the size its route hashes, and an engine caches whole blocks of its own.
+    block_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

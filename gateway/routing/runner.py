@@ -73,6 +73,10 @@ class LiveReplicaView:
         engine = self.replica.engine
         return None if engine is None else engine.kv_cache_tokens
 
+    @property
+    def block_size(self) -> int | None:
+        return self.replica.block_size
+
 
 @dataclass(frozen=True, slots=True)
 class FirstAttempt:

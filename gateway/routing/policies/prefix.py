@@ -381,6 +381,11 @@ class PrefixPolicy:
         if prompt_tokens:
             # vLLM always recomputes a prompt's last token, so a full hit stops one block short.
             predicted = min(predicted, (prompt_tokens - 1) // block_size * block_size)
+        # ... whole blocks of its own size: where the replica's engine uses larger blocks than
+        # the route hashes (a fleet that disagrees on --block-size), fewer tokens than matched.
+        engine_block = getattr(replicas[load.index[pick]], "block_size", None)
+        if engine_block and engine_block > block_size and engine_block % block_size == 0:
+            predicted -= predicted % engine_block
         worked = self.work.record(pick, (prompt_tokens or 0) - max(0, predicted)) if commit else None
         detail: dict[str, Any] = {
             "predicted_cached_tokens": max(0, predicted),
