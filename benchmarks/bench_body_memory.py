@@ -12,7 +12,13 @@ tracemalloc, per raw body byte:
 - **peak**: the most the request had allocated at any moment (read, join, parse, plan,
   the upstream bytes), what a burst of simultaneous arrivals costs;
 - **held**: what stays allocated while the request is in flight afterwards (its raw body,
-  parsed body and upstream payload, which the handler keeps until it finishes).
+  parsed body, plan (with a relocated body's rewritten copy) and upstream payload, which the
+  handler keeps until it finishes);
+- **retained**: what the gateway's own bounded state (indexes, learners) grew by, which
+  outlives the request.
+
+The dated system prompt takes the relocation path: the demo route moves a value once it has
+seen it change, so the gateway is first shown the template with other values (``teach``).
 
 And, with ``--in-flight N`` (on by default, 500), what a request costs a gateway process
 while it waits for its replica, whatever its body: N small chat requests held at once by a
@@ -53,10 +59,26 @@ MODEL = "demo-model"
 CHUNK = 65536  # what uvicorn hands the app at a time under flow control (its high-water mark)
 
 
+DATED = "chat, dated system prompt (relocated: a rewritten copy)"
+
+
+def dated_system(day: str = "2026-12-01", clock: str = "20:37:02", request_id: str = "4f1c9a7e") -> str:
+    return f"You are a helpful assistant. Today is {day} and the time is {clock}. Request id {request_id}."
+
+
+def teach(gateway: Gateway) -> None:
+    """The demo route moves a value once it has seen it change at its place (a template's first
+    request keeps it): show it the dated system prompt once with other values, as every later
+    request of the template finds it, so that the dated body takes the relocation path."""
+    system = dated_system("2026-11-30", "19:12:44", "9b0d3e21")
+    body = {"model": MODEL, "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
+    gateway.plan("chat", body, {}, "bench-teach")
+
+
 def bodies(size: int) -> dict[str, tuple[str, bytes]]:
     """name → (endpoint, bytes of about ``size``)."""
     words = "the quick brown fox jumps over the lazy dog "
-    system = "You are a helpful assistant. Today is 2026-12-01 and the time is 20:37:02. Request id 4f1c9a7e."
+    system = dated_system()
     text = words * (size // len(words))
     cjk = "漢字かな交じり文の長い文書。" * (size // 42)
     per_message = 60
@@ -72,7 +94,7 @@ def bodies(size: int) -> dict[str, tuple[str, bytes]]:
                 ensure_ascii=False,
             ).encode(),
         ),
-        "chat, dated system prompt (relocated: a rewritten copy)": (
+        DATED: (
             "chat",
             json.dumps(
                 {
@@ -113,39 +135,50 @@ async def _receive_from(raw: bytes) -> Any:
 
 
 def measure(gateway: Gateway, endpoint: str, raw: bytes) -> dict[str, Any]:
-    """``raw`` was allocated before tracing starts; its chunks (what the server receives) are traced."""
+    """``raw`` was allocated before tracing starts; its chunks (what the server receives) are traced.
+
+    held: what the request's own objects hold (freed when they are released); retained: what
+    stays allocated after that (the gateway's bounded indexes and learners, grown by it).  The
+    objects go into a list, not out as the coroutine's result: ``asyncio.run`` formats its
+    task's repr (the result's included) on the way out, which would count in the peak.
+    """
     size = len(raw)
     limit = gateway.config.server.max_body_bytes
     stream_usage = gateway.config.upstream.stream_usage
+    kept: list[Any] = []
 
-    async def path() -> tuple[bytes, dict[str, Any], bytes]:
+    async def path() -> None:
         receive = await _receive_from(raw)
         got = await read_body(receive, limit, str(size))
         got = as_utf8(got)
         body = parse_body(got, endpoint)
         plan = gateway.plan(endpoint, body, {}, "bench")
         payload, _ = upstream_body(got, body, plan, stream_usage)
-        return got, body, payload
+        kept.extend((got, body, plan, payload))  # what the handler keeps until the request ends
 
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    kept = asyncio.run(path())
+    asyncio.run(path())
     gc.collect()
     current, peak = tracemalloc.get_traced_memory()
+    rewritten, relocated = kept[3] is not kept[0], kept[2].body is not None
+    kept.clear()
+    gc.collect()
+    retained = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    held = current - base
-    result = {
+    held = current - base - retained
+    return {
         "body_bytes": size,
         "peak_bytes": peak - base,
         "held_bytes": held,
+        "retained_bytes": retained,
         "peak_per_body_byte": round((peak - base) / size, 2),
         "held_per_body_byte": round(held / size, 2),
-        "rewritten": kept[2] is not kept[0],
+        "retained_per_body_byte": round(retained / size, 2),
+        "rewritten": rewritten,
+        "relocated": relocated,
     }
-    del kept
-    gc.collect()
-    return result
 
 
 def _in_flight(text: str) -> int:
@@ -204,14 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     gateway = Gateway(load_config(packaged_default_config()))
     gateway._warm_pipelines()
+    teach(gateway)
     size = int(args.mib * 2**20)
     rows = {}
     for name, (endpoint, raw) in bodies(size).items():
         rows[name] = measure(gateway, endpoint, raw)
-    print(f"{'body':<58} {'MiB':>6} {'peak x':>7} {'held x':>7}  rewritten")
+    print(f"{'body':<58} {'MiB':>6} {'peak x':>7} {'held x':>7} {'retained x':>10}  rewritten  relocated")
     for name, row in rows.items():
         mib, peak, held = row["body_bytes"] / 2**20, row["peak_per_body_byte"], row["held_per_body_byte"]
-        print(f"{name:<58} {mib:>6.1f} {peak:>7} {held:>7}  {row['rewritten']}")
+        retained = row["retained_per_body_byte"]
+        print(f"{name:<58} {mib:>6.1f} {peak:>7} {held:>7} {retained:>10}  {row['rewritten']!s:<9}  {row['relocated']}")
     held = in_flight_overhead(args.in_flight) if args.in_flight else None
     if held is not None:
         print(
