@@ -34,7 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_fuzz import gateway_process  # noqa: E402
+from benchmarks.processes import serve_gateway  # noqa: E402
 from gateway.sim import DEFAULT_MODEL  # noqa: E402
 from gateway.sim.launcher import run_replicas  # noqa: E402
 
@@ -108,7 +108,7 @@ def run(minutes: float, concurrency: int, sample_s: float, affinity_mb: float | 
         run_replicas(2, log_dir=Path(tmp), **sim_options) as urls,
     ):
         config["replicas"] = [{"name": f"r{i}", "url": u} for i, u in enumerate(urls)]
-        with gateway_process(config, Path(tmp) / "gateway.log") as (url, proc):
+        with serve_gateway(config, Path(tmp) / "gateway.log") as (url, proc):
             counts: dict[str, Any] = {"ok": 0, "errors": 0}
             t0 = time.monotonic()
             stop_at = t0 + minutes * 60
