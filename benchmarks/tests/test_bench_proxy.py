@@ -1,0 +1,249 @@
+"""bench_proxy's gateway-vs-direct pairs really are: one short run of its ``main`` with every
+request counted on both sides.
+
+The run is the benchmark's own (its replicas, its gateway processes, its phases and load loops)
+with the phases' sizes shrunk (a few hundred ms each).  Wrapped to watch, not to change: each
+gateway it starts (which replica it fronts, its pid, the replica header it answers with, its
+log), each closed/open loop and stream run (the URL it loaded, what it says it sent, and how much
+every gateway's ``prefix_gateway_requests_total`` and every replica's
+``vllm:request_success_total`` moved meanwhile), and each ``cpu_seconds`` reading.  Checked:
+"direct" rows reach a replica and no gateway, "gateway" rows pass through the gateway over that
+same replica, served + errors = sent in every loop, the instant pair carries the latency and
+peak phases and the real-time pair the stream gaps, the gateway CPU columns are read from the
+gateway process, and the table and JSON carry the fields the docstring names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks import bench_proxy as bp
+from tests.polling import wait_for
+
+pytestmark = pytest.mark.slow  # two replicas, two gateway processes and a few seconds of load
+
+RATE = 40.0  # --rate: the open loop sends RATE * OPEN_S requests per side and round
+OPEN_S, ROUNDS, PEAK_S, STREAMS, STREAM_C, TOKENS = 0.25, 2, 0.3, 4, 2, 4
+
+
+def counter(url: str, name: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        total += sum(s.value for s in family.samples if s.name == name)
+    return total
+
+
+class Watch:
+    """What the run started and what each of its loops did."""
+
+    def __init__(self) -> None:
+        self.replicas: dict[str, dict[str, Any]] = {}  # url -> the options it was started with
+        self.gateways: dict[str, dict[str, Any]] = {}  # gateway url -> replica, pid, header, log
+        self.loops: list[dict[str, Any]] = []
+        self.phases: list[tuple[str, tuple[Any, ...]]] = []  # (phase, the arguments main passed)
+        self.cpu_reads: list[tuple[int, float]] = []
+
+    def counts(self) -> dict[str, float]:
+        gw = {url: counter(url, "prefix_gateway_requests_total") for url in self.gateways}
+        return gw | {url: counter(url, "vllm:request_success_total") for url in self.replicas}
+
+    def loop(self, real: Any, sent: Any) -> Any:
+        """An async load function, watched: ``sent(args, result)`` is what it says it sent."""
+
+        async def watched(url: str, *args: Any) -> dict[str, Any]:
+            base = url.removesuffix("/v1/chat/completions")
+            before = self.counts()
+            result = await real(url, *args)
+            n = sent(args, result)
+            wait_for(lambda: max(self.counts()[base] - before[base], 0) >= n, 10, what=f"{n} requests at {base}")
+            after = self.counts()
+            moved = {u: after[u] - before[u] for u in after}
+            self.loops.append({"fn": real.__name__, "base": base, "args": args, "result": result, "sent": n, **moved})
+            return result
+
+        return watched
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Watch, dict[str, Any], str]]:
+    tmp = tmp_path_factory.mktemp("proxy")
+    watch = Watch()
+    real = {name: getattr(bp, name) for name in ("run_replicas", "gateway_process", "cpu_seconds")}
+    phases = {"added": bp.phase_added_latency, "peak": bp.phase_peak, "gaps": bp.phase_stream_gaps}
+
+    @contextlib.contextmanager
+    def run_replicas(n: int, **options: Any) -> Iterator[list[str]]:
+        with real["run_replicas"](n, **options) as urls:
+            watch.replicas.update({u: options for u in urls})
+            yield urls
+
+    @contextlib.contextmanager
+    def gateway_process(replica_url: str, log_path: Path) -> Iterator[tuple[str, int]]:
+        with real["gateway_process"](replica_url, log_path) as (url, pid):
+            probe = httpx.post(f"{url}/v1/chat/completions", json=bp.SMALL_CHAT, timeout=10)
+            direct = httpx.post(f"{replica_url}/v1/chat/completions", json=bp.SMALL_CHAT, timeout=10)
+            watch.gateways[url] = {
+                "replica": replica_url,
+                "pid": pid,
+                "header": probe.headers.get("x-prefix-gateway-replica"),
+                "direct_header": direct.headers.get("x-prefix-gateway-replica"),
+            }
+            yield url, pid
+            watch.gateways[url]["log"] = log_path.read_text()
+
+    def cpu_seconds(pid: int) -> float:
+        value = real["cpu_seconds"](pid)
+        watch.cpu_reads.append((pid, value))
+        return value
+
+    def shrunk(name: str, sizes: Any) -> Any:
+        def phase(*args: Any) -> Any:
+            watch.phases.append((name, args))
+            return phases[name](*sizes(args))
+
+        return phase
+
+    with pytest.MonkeyPatch.context() as mp:
+        # main writes RESULTS and prints it relative to ROOT: both under tmp, never benchmarks/results
+        mp.setattr(bp, "ROOT", tmp)
+        mp.setattr(bp, "RESULTS", tmp / "results" / "bench_proxy.json")
+        mp.setattr(bp, "run_replicas", run_replicas)
+        mp.setattr(bp, "gateway_process", gateway_process)
+        mp.setattr(bp, "cpu_seconds", cpu_seconds)
+        mp.setattr(bp, "phase_added_latency", shrunk("added", lambda a: (*a[:3], OPEN_S, ROUNDS)))
+        mp.setattr(bp, "phase_peak", shrunk("peak", lambda a: (*a[:4], PEAK_S, a[5])))
+        mp.setattr(bp, "phase_stream_gaps", shrunk("gaps", lambda a: (a[0], a[1], STREAMS, STREAM_C, TOKENS)))
+        # every request of a loop: warm-up + timed + errors (the open loop warms up with 20)
+        mp.setattr(bp, "open_loop", watch.loop(bp.open_loop, lambda a, r: 20 + len(r["latencies"]) + r["errors"]))
+        mp.setattr(
+            bp,
+            "closed_loop",
+            watch.loop(bp.closed_loop, lambda a, r: r["warmup_requests"] + len(r["latencies"]) + r["errors"]),
+        )
+        mp.setattr(bp, "stream_gaps", watch.loop(bp.stream_gaps, lambda a, r: a[1]))  # (body, streams, conc)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = bp.main(["--quick", "--concurrency", "2", "--rate", str(RATE)])
+    assert code == 0
+    yield watch, json.loads((tmp / "results" / "bench_proxy.json").read_text()), out.getvalue()
+
+
+def gateway_over(watch: Watch, replica: str) -> str:
+    urls = [u for u, g in watch.gateways.items() if g["replica"] == replica]
+    assert len(urls) == 1, f"gateways over {replica}: {urls}"
+    return urls[0]
+
+
+def test_direct_loops_reach_only_the_replica_and_gateway_loops_pass_through_its_gateway(run) -> None:
+    watch, _, _ = run
+    assert len(watch.replicas) == 2 and len(watch.gateways) == 2
+    for url, gateway in watch.gateways.items():
+        assert gateway["replica"] in watch.replicas, f"{url} fronts no replica of the run"
+        assert gateway["header"] == "r0" and gateway["direct_header"] is None
+    assert {loop["fn"] for loop in watch.loops} == {"open_loop", "closed_loop", "stream_gaps"}
+    for loop in watch.loops:
+        base, n = loop["base"], loop["sent"]
+        if base in watch.gateways:
+            behind = watch.gateways[base]["replica"]
+            assert loop[base] == n and loop[behind] == n, f"{loop['fn']} via {base}: {loop}"
+            others = [u for u in watch.gateways if u != base] + [u for u in watch.replicas if u != behind]
+        else:
+            assert base in watch.replicas, f"{loop['fn']} loaded {base}, neither a replica nor a gateway"
+            assert loop[base] == n, f"{loop['fn']} direct to {base}: {loop}"
+            others = list(watch.gateways) + [u for u in watch.replicas if u != base]
+        assert all(loop[u] == 0 for u in others), f"{loop['fn']} at {base} also reached {others}: {loop}"
+
+
+def pairs(watch: Watch) -> tuple[str, str, str, str]:
+    """(instant replica, its gateway, real-time replica, its gateway)."""
+    instant = next(u for u, o in watch.replicas.items() if o["time_scale"] == 0)
+    realtime = next(u for u, o in watch.replicas.items() if o["time_scale"] == 1.0)
+    return instant, gateway_over(watch, instant), realtime, gateway_over(watch, realtime)
+
+
+def loops(watch: Watch, fn: str) -> list[dict[str, Any]]:
+    return [loop for loop in watch.loops if loop["fn"] == fn]
+
+
+def test_each_phase_gets_the_pair_its_docstring_names(run) -> None:
+    watch, _, _ = run
+    instant, gw_instant, realtime, gw_realtime = pairs(watch)
+    assert watch.replicas[realtime]["decode_ms_per_token"] == 20
+    assert [p[0] for p in watch.phases] == ["added", "peak", "peak", "gaps"]
+    for name, args in watch.phases:
+        expected = (realtime, gw_realtime) if name == "gaps" else (instant, gw_instant)
+        assert args[:2] == expected, f"{name}: direct/gateway were {args[:2]}"
+        if name == "peak":
+            assert args[2] == watch.gateways[gw_instant]["pid"]
+    # and each phase loads direct first, then through the gateway
+    assert [o["base"] for o in loops(watch, "open_loop")] == [instant, gw_instant] * ROUNDS
+    assert [c["base"] for c in loops(watch, "closed_loop")] == [instant, gw_instant] * 2
+    assert [g["base"] for g in loops(watch, "stream_gaps")] == [realtime] * 2 + [gw_realtime] * 2  # warm-up, timed
+    # the gateway runs its default config: one access-log line per request (the wrapper's probe too)
+    logged = watch.gateways[gw_instant]["log"].count("prefix_gateway.access: 127.0.0.1")
+    assert logged == 1 + sum(loop["sent"] for loop in watch.loops if loop["base"] == gw_instant)
+
+
+def test_every_loop_counts_every_request_and_each_column_reads_its_own_side(run) -> None:
+    watch, result, _ = run
+    instant, _, _, _ = pairs(watch)
+    opens = loops(watch, "open_loop")
+    assert all(len(o["result"]["latencies"]) + o["result"]["errors"] == int(RATE * OPEN_S) for o in opens)
+    added = result["added_latency"]
+    assert added["requests_each"] == ROUNDS * int(RATE * OPEN_S) and added["errors"] == 0
+    assert added["rounds"] == ROUNDS and len(added["per_round"]) == ROUNDS
+    for side in ("direct", "gateway"):
+        pooled = [x for o in opens if (o["base"] == instant) == (side == "direct") for x in o["result"]["latencies"]]
+        assert added[f"{side}_p50_ms"] == bp.ms(bp.pct(pooled, 0.5)), side
+        assert added[f"{side}_p99_ms"] == bp.ms(bp.pct(pooled, 0.99)), side
+    gaps = loops(watch, "stream_gaps")
+    assert [g["args"][1:] for g in gaps] == [(STREAM_C, STREAM_C), (STREAMS, STREAM_C)] * 2  # warm-up, timed
+    for side, loop in zip(("direct", "gateway"), gaps[1::2], strict=True):
+        got, row = loop["result"], result["stream_gaps"]
+        assert len(got["ttfts"]) == STREAMS, f"{side}: one first chunk per stream"
+        assert got["gaps"], f"{side}: the streams arrived in one piece each (not streamed?)"
+        assert row[f"{side}_chunks"] == len(got["gaps"]) + len(got["ttfts"])
+        assert row[f"{side}_gap_p99_ms"] == bp.ms(bp.pct(got["gaps"], 0.99))
+        assert row[f"{side}_ttft_p50_ms"] == bp.ms(bp.pct(got["ttfts"], 0.5))
+
+
+def test_the_gateway_cpu_columns_are_read_from_the_gateway_process(run) -> None:
+    watch, result, _ = run
+    _, gw_instant, _, _ = pairs(watch)
+    assert watch.cpu_reads and {p for p, _ in watch.cpu_reads} == {watch.gateways[gw_instant]["pid"]}
+    closed, peaks = loops(watch, "closed_loop"), result["peak"]
+    assert [(p["stream"], p["concurrency"]) for p in peaks] == [(False, 2), (True, 2)]
+    # per peak row: a reading before each side and one after the gateway side, whose pair makes the column
+    assert len(watch.cpu_reads) == 3 * len(peaks)
+    for i, peak in enumerate(peaks):
+        direct, through = closed[2 * i]["result"], closed[2 * i + 1]["result"]
+        assert direct["errors"] == 0 == through["errors"]
+        assert peak["direct_errors"] == 0 == peak["gateway_errors"]
+        cpu = watch.cpu_reads[3 * i + 2][1] - watch.cpu_reads[3 * i + 1][1]
+        served = len(through["latencies"]) + through["warmup_requests"]
+        assert peak["gateway_cpu_us_per_req"] == round(cpu / served * 1e6, 1)
+        assert peak["direct_rps"] == round(direct["rps"], 1)
+        assert peak["gateway_rps"] == round(through["rps"], 1)
+
+
+def test_a_short_run_writes_its_table_and_json(run) -> None:
+    _, result, text = run
+    assert {"machine", "targets", "added_latency", "peak", "stream_gaps"} <= set(result)
+    assert {"load_before", "load_after", "cpus"} <= set(result["machine"])
+    assert result["targets"] == bp.TARGETS
+    assert {"added_p50_ms", "added_p99_ms", "pooled_added_p50_ms", "direct_p99_ms", "gateway_p99_ms"} <= set(
+        result["added_latency"]
+    )
+    assert {"gap_delta_p50_ms", "gap_delta_p99_ms", "ttft_delta_p50_ms"} <= set(result["stream_gaps"])
+    assert text.count("\n| ") == 1 + 2 + 2 * len(result["peak"]) + 3  # header, latency, peak and stream rows
+    assert "non-stream peak req/s (c=2)" in text and "stream inter-chunk gap p99 (ms)" in text
+    assert "wrote results/bench_proxy.json" in text
