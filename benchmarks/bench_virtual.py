@@ -109,6 +109,10 @@ ALIGNED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # keyed with the simulator's
 # request no longer fits), so the conversation trace evicts history it is asked for again
 KV_LEVELS = {"default": 1.0, "tight": 0.5}
 KV_FRACTION = 1.0
+# --block-size: the engines' block size (bench_policies': 16, vLLM's GPU default); the caches keep
+# their size in tokens. The routes follow it (block_size: auto, from the replicas' scraped size),
+# so another engine than the one the policy was tuned on is one flag away (vLLM's CPU backend: 128)
+ENGINE_BLOCK_SIZE: int | None = None
 
 
 # -- the virtual clock ---------------------------------------------------------------------
@@ -659,6 +663,9 @@ def sim_options(oracle: bool) -> SimOptions:
         keys.update(bp.ORACLE_SIM)
     if KV_FRACTION != 1.0:
         keys["num_gpu_blocks"] = max(1, int(keys["num_gpu_blocks"] * KV_FRACTION))
+    if ENGINE_BLOCK_SIZE is not None and keys["block_size"] != ENGINE_BLOCK_SIZE:
+        keys["num_gpu_blocks"] = max(1, keys["num_gpu_blocks"] * keys["block_size"] // ENGINE_BLOCK_SIZE)
+        keys["block_size"] = ENGINE_BLOCK_SIZE
     return SimOptions(**keys)
 
 
@@ -1071,6 +1078,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kv", choices=sorted(KV_LEVELS), default="default",
                         help="per-replica KV cache size: default (bench_policies' 16,384 blocks) or tight (half: "
                         "the KV-pressure cell)")  # fmt: skip
+    parser.add_argument("--block-size", type=int, default=None, metavar="TOKENS",
+                        help="the engines' block size (default: bench_policies' 16); each cache keeps its size in "
+                        "tokens, the routes follow the engines' size")  # fmt: skip
     parser.add_argument("--salts", type=int, default=1, metavar="N",
                         help="run every gateway row on N ring instances (the same rules, the ring's points hashed "
                         "with salts 1..N-1 as rows ROW~1..): hit rates then come with their spread between equally "
@@ -1086,8 +1096,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for bench_virtual.json")
     args = parser.parse_args(argv)
     size = QUICK_SIZE if args.quick else 1.0
-    global KV_FRACTION
+    global KV_FRACTION, ENGINE_BLOCK_SIZE
     KV_FRACTION = KV_LEVELS[args.kv]
+    if args.block_size is not None and args.block_size < 1:
+        parser.error("--block-size must be >= 1")
+    ENGINE_BLOCK_SIZE = args.block_size
     levels = args.load or list(bp.LEVELS)
     variants = [(name, policy, dict(settings)) for name, policy, settings in args.variant]
     results: dict[str, Any] = {
@@ -1097,6 +1110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "closed_loop": args.closed_loop,
         "salts": args.salts,
         "kv": args.kv,
+        "block_size": sim_options(False).block_size,
         "variants": {n: [p, s] for n, p, s in variants},
         "workloads": {},
     }

@@ -126,6 +126,20 @@ def test_the_error_split_adds_up_to_the_prediction_error(agent):
     assert "error_split" not in cells["sglang_like"]  # a peer predicts nothing
 
 
+def test_another_engine_block_size_keeps_each_cache_size_in_tokens(agent, monkeypatch):
+    default = bv.sim_options(oracle=False)
+    pooled = bv.sim_options(oracle=True)
+    monkeypatch.setattr(bv, "ENGINE_BLOCK_SIZE", 128)
+    cpu = bv.sim_options(oracle=False)
+    assert (default.block_size, cpu.block_size) == (16, 128)
+    assert cpu.num_gpu_blocks * 128 == default.num_gpu_blocks * 16
+    assert bv.sim_options(oracle=True).num_gpu_blocks * 128 == pooled.num_gpu_blocks * 16
+    # the routes follow the engines' size: predictions stay in the engines' units
+    cells = bv.run_level(agent, "moderate", [row for row in bv.rows_for(agent, [], peers=False) if row[0] == "prefix"])
+    assert cells["prefix"]["hit_rate"] > 0.5
+    assert abs(cells["prefix"]["predicted_hit_rate"] - cells["prefix"]["hit_rate"]) < 0.05
+
+
 def test_alone_ttft_counts_one_engine_step_per_chunk_of_prefill():
     options = bv.sim_options(oracle=False)
     step = options.decode_ms_per_token / 1000.0
