@@ -224,6 +224,7 @@ class GatewayRouter:
         if self.gateway_model is not None:
             body = {**body, "model": self.gateway_model}
         route = self.route_
+        route.follow_engines()  # block_size: auto — the engines' own size, as Gateway.plan reads it
         prepared = route.pipeline.prepare(req.endpoint, body) if route.needs_keys(req.endpoint) else None  # type: ignore[union-attr]
         view = request_view(route.name, req.endpoint, body, prepared, headers.get(route.session_header))
         return view, (prepared.body if prepared is not None else body)

@@ -134,7 +134,12 @@ def test_another_engine_block_size_keeps_each_cache_size_in_tokens(agent, monkey
     assert (default.block_size, cpu.block_size) == (16, 128)
     assert cpu.num_gpu_blocks * 128 == default.num_gpu_blocks * 16
     assert bv.sim_options(oracle=True).num_gpu_blocks * 128 == pooled.num_gpu_blocks * 16
-    # the routes follow the engines' size: predictions stay in the engines' units
+    # the routes follow the engines' size (as Gateway.plan does: the precise index matches only
+    # keys at its engines' size), and predictions stay in the engines' units
+    router = bv.GatewayRouter("prefix", agent.normalize, {}, bv.bp.REPLICAS, gateway_model=bv.ALIGNED_MODEL)
+    req = agent.requests[0]
+    view, _ = router._view(req, {**req.body, "model": bv.bp.MODEL}, {})
+    assert view.block_size == 128
     cells = bv.run_level(agent, "moderate", [row for row in bv.rows_for(agent, [], peers=False) if row[0] == "prefix"])
     assert cells["prefix"]["hit_rate"] > 0.5
     assert abs(cells["prefix"]["predicted_hit_rate"] - cells["prefix"]["hit_rate"]) < 0.05
