@@ -3,6 +3,7 @@
     python benchmarks/bench_proxy.py                # ~1.5 min, every phase
     python benchmarks/bench_proxy.py --quick        # ~30 s smoke run
     python benchmarks/bench_proxy.py --profile      # also py-spy the gateway during the peak phase
+    python benchmarks/bench_proxy.py --out /tmp/p   # results elsewhere (a folder)
 
 Everything is measured in one run, as gateway-vs-direct pairs against the same simulator:
 
@@ -18,7 +19,10 @@ Processes: the replicas (``gateway.sim``, own processes), one gateway process
 (``prefix-gateway serve`` with a default config: access log and summary line on, logs to
 a temp file), and this process as the load generator (aiohttp on uvloop).  On a 2-core
 machine they share the CPU, and other work on the machine adds noise: read the ratios, not
-the absolute numbers.  Results: a table on stdout and ``benchmarks/results/bench_proxy.json``.
+the absolute numbers.  Results: a table on stdout and ``bench_proxy.json`` (and, with
+``--profile``, ``bench_proxy_profile.txt``) in ``--out`` (default ``benchmarks/results/``).
+Errors: every phase counts the non-200 answers and failed requests of its timed part (never
+its warm-up's) and leaves them out of the latencies, gaps and TTFTs.
 """
 
 from __future__ import annotations
@@ -49,8 +53,7 @@ from benchmarks.procstat import cpu_seconds  # noqa: E402
 from gateway.sim import DEFAULT_MODEL  # noqa: E402
 from gateway.sim.launcher import run_replicas  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results" / "bench_proxy.json"
-PROFILE = ROOT / "benchmarks" / "results" / "bench_proxy_profile.txt"
+RESULTS = ROOT / "benchmarks" / "results"  # the default --out: bench_proxy.json (and the profile) go here
 SMALL_CHAT = {
     "model": DEFAULT_MODEL,
     "messages": [{"role": "user", "content": "Hello! Can you tell me a short fact about the sea?"}],
@@ -111,6 +114,7 @@ async def open_loop(url: str, body: bytes, rate: float, duration: float) -> dict
 
         for _ in range(20):  # warm the connection pool
             await fire()
+        warmup_errors, errors = errors, 0  # the timed run's errors only, like its latencies
         latencies.clear()
         n = int(rate * duration)
         start = time.perf_counter()
@@ -121,7 +125,7 @@ async def open_loop(url: str, body: bytes, rate: float, duration: float) -> dict
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(fire()))
         await asyncio.gather(*tasks)
-    return {"latencies": latencies, "errors": errors}
+    return {"latencies": latencies, "errors": errors, "warmup_errors": warmup_errors}
 
 
 async def closed_loop(url: str, body: bytes, concurrency: int, duration: float, stream: bool) -> dict[str, Any]:
@@ -161,17 +165,24 @@ async def closed_loop(url: str, body: bytes, concurrency: int, duration: float, 
 
 
 async def stream_gaps(url: str, body: bytes, streams: int, concurrency: int) -> dict[str, Any]:
-    """Chunk inter-arrival gaps and TTFT of real-time streams."""
+    """Chunk inter-arrival gaps and TTFT of real-time streams (a non-200 answer is an error,
+    its body no first chunk)."""
     gaps: list[float] = []
     ttfts: list[float] = []
+    errors = 0
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession() as session:
 
         async def one() -> None:
+            nonlocal errors
             async with sem:
                 start = time.perf_counter()
                 last = None
                 async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
+                    if resp.status != 200:
+                        errors += 1
+                        await resp.read()
+                        return
                     async for _ in resp.content.iter_any():
                         now = time.perf_counter()
                         if last is None:
@@ -181,7 +192,7 @@ async def stream_gaps(url: str, body: bytes, streams: int, concurrency: int) -> 
                         last = now
 
         await asyncio.gather(*(one() for _ in range(streams)))
-    return {"gaps": gaps, "ttfts": ttfts}
+    return {"gaps": gaps, "ttfts": ttfts, "errors": errors}
 
 
 def run_async(coro: Any) -> Any:
@@ -277,15 +288,16 @@ def phase_stream_gaps(direct: str, through: str, streams: int, concurrency: int,
         out[f"{name}_gap_p99_ms"] = ms(pct(gaps, 0.99))
         out[f"{name}_ttft_p50_ms"] = ms(pct(ttfts, 0.5))
         out[f"{name}_chunks"] = len(gaps) + len(ttfts)
+        out[f"{name}_errors"] = result["errors"]
     out["gap_delta_p50_ms"] = round(out["gateway_gap_p50_ms"] - out["direct_gap_p50_ms"], 3)
     out["gap_delta_p99_ms"] = round(out["gateway_gap_p99_ms"] - out["direct_gap_p99_ms"], 3)
     out["ttft_delta_p50_ms"] = round(out["gateway_ttft_p50_ms"] - out["direct_ttft_p50_ms"], 3)
     return out
 
 
-def profile_gateway(pid: int, seconds: float, through: str, concurrency: int) -> list[tuple[str, float]]:
-    """py-spy the gateway under peak load; return the top functions by own (self) samples."""
-    raw = PROFILE.with_suffix(".raw")
+def profile_gateway(pid: int, seconds: float, through: str, concurrency: int, profile: Path) -> list[tuple[str, float]]:
+    """py-spy the gateway under peak load into ``profile``; return the top functions by own (self) samples."""
+    raw = profile.with_suffix(".raw")
     spy = subprocess.Popen(
         ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--format", "raw", "-o", str(raw),
          "--nonblocking", "--rate", "250"],
@@ -311,7 +323,7 @@ def profile_gateway(pid: int, seconds: float, through: str, concurrency: int) ->
     lines += [f"{count / total * 100:6.2f}%  {frame}" for frame, count in self_samples.most_common(30)]
     lines += ["", "by file (self):"]
     lines += [f"{count / total * 100:6.2f}%  {path}" for path, count in by_module.most_common(20)]
-    PROFILE.write_text("\n".join(lines) + "\n")
+    profile.write_text("\n".join(lines) + "\n")
     raw.unlink(missing_ok=True)
     return [(frame, round(count / total * 100, 2)) for frame, count in self_samples.most_common(15)] if total else []
 
@@ -358,7 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=300.0, help="open-loop rate for the added-latency phase")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="closed-loop connections")
     parser.add_argument("--profile", action="store_true", help="py-spy the gateway during a peak phase")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="folder for bench_proxy.json (and bench_proxy_profile.txt)"
+    )
     args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path, profile = args.out / "bench_proxy.json", args.out / "bench_proxy_profile.txt"
     duration, rounds, streams = (3.0, 3, 16) if args.quick else (5.0, 7, 48)
 
     results: dict[str, Any] = {
@@ -387,13 +404,13 @@ def main(argv: list[str] | None = None) -> int:
             results["stream_gaps"] = phase_stream_gaps(realtime, gw_realtime, streams, 8, 64)
             if args.profile:
                 print("[+] profiling the gateway with py-spy ...")
-                results["profile_top"] = profile_gateway(pid, 10.0, gw_instant, max(args.concurrency))
+                results["profile_top"] = profile_gateway(pid, 10.0, gw_instant, max(args.concurrency), profile)
         results["machine"]["load_after"] = os.getloadavg()
     print()
     print(table(results))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {RESULTS.relative_to(ROOT)}" + (f" and {PROFILE.relative_to(ROOT)}" if args.profile else ""))
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    shown = [path, profile] if args.profile else [path]
+    print("\nwrote " + " and ".join(str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p) for p in shown))
     return 0
 
 

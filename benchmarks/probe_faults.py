@@ -10,17 +10,24 @@ with the ``openai`` SDK (no SDK retries).  Prints the table and writes
     python benchmarks/probe_faults.py                  # every row, modest sizes
     python benchmarks/probe_faults.py --rows kill,frozen --concurrency 16 --seconds 30
 
-Columns: ``sent``; ``client failures`` (non-streaming errors + streams refused before their
-first byte + streams ended by an error event + streams cut without one); ``error events``
-(part of the previous column: the only failure the issue accepts, for streams in flight on a
-killed replica); ``gateway 5xx`` (the gateway's own ``requests_total{status_class="5xx"}``);
-``hung`` (a request that hit the 60 s client timeout); ``other`` (row-specific numbers).
+Columns: ``sent``; ``client failures`` (every request that did not get its answer:
+non-streaming errors + streams refused before their first byte + streams ended by an error
+event + streams cut without one + hung requests, so sent = answered + client failures);
+``error events`` (part of the previous column: the only failure the issue accepts, for
+streams in flight on a killed replica); ``gateway 5xx`` (the gateway's own
+``requests_total{status_class="5xx"}``); ``hung`` (also part of the client failures: a request
+that hit the 60 s client timeout is a failure its client saw, a minute late); ``other``
+(row-specific numbers).
+
+The aborts row counts where each aborted stream really stopped: ``before_headers`` (no
+response yet), ``mid_stream`` (after the headers, before the end), ``finished`` (read to the
+end: an impatient client whose 10 ms timeout never hit), ``errors`` (a non-200 answer or a
+transport error).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import signal
@@ -53,6 +60,7 @@ SIM = {
     "disable_log_stats": True,
 }
 CLIENT_TIMEOUT_S = 60.0
+GIVE_UP_S = 0.01  # the aborts row's impatient clients: every connect, write or read wait
 
 
 def gateway_config(urls: list[str], upstream: dict[str, Any] | None = None) -> Any:
@@ -94,13 +102,39 @@ def row(name: str, load: Load, gw: RunningGateway, **other: Any) -> dict[str, An
     return {
         "probe": name,
         "sent": t.done,
-        "client_failures": t.client_failures,
+        "client_failures": t.client_failures,  # hung included: sent - answered
         "error_events": sum(t.error_events.values()),
         "gateway_5xx": int(metric(gw, "prefix_gateway_requests_total", status_class="5xx")),
         "hung": t.hung,
         "detail": t.as_dict(),
         "other": other,
     }
+
+
+def abort_one(client: httpx.Client, url: str, body: dict[str, Any], stop_after: int | None) -> str:
+    """Send one stream and abort it; say where it really stopped (an aborts-row column).
+
+    ``stop_after``: close it after reading that many lines; None: read on with a ``GIVE_UP_S``
+    timeout on every wait, which may hit before the headers, mid-stream or never (the stream
+    ends first), so the label comes from how far the stream got, not from the timeout.
+    """
+    headers = False
+    try:
+        timeout = httpx.Timeout(GIVE_UP_S) if stop_after is None else httpx.USE_CLIENT_DEFAULT
+        with client.stream("POST", url, json=body, timeout=timeout) as resp:
+            headers = True
+            if resp.status_code != 200:
+                return "errors"
+            for i, _line in enumerate(resp.iter_lines()):
+                if stop_after is not None and i >= stop_after:
+                    return "mid_stream"
+        return "finished"
+    except httpx.TimeoutException:
+        if stop_after is not None:  # the 60 s client timeout: a hang, not an abort
+            return "errors"
+        return "mid_stream" if headers else "before_headers"
+    except httpx.HTTPError:
+        return "errors"
 
 
 def run_for(seconds: float, stop: threading.Event | None = None) -> None:
@@ -232,21 +266,9 @@ def probe_aborts(group: ReplicaGroup, c: int, count: int) -> dict[str, Any]:
                     "max_tokens": 60,
                     "stream": True,
                 }
-                kind = "finished"
-                try:
-                    if local.random() < 0.2:  # give up before the answer starts
-                        with contextlib.suppress(httpx.TimeoutException):
-                            httpx.post(url, json=body, timeout=0.01)
-                        kind = "before_headers"
-                    else:
-                        stop_after = local.randint(0, 40)
-                        with client.stream("POST", url, json=body) as resp:
-                            for i, _line in enumerate(resp.iter_lines()):
-                                if i >= stop_after:
-                                    kind = "mid_stream"
-                                    break
-                except httpx.HTTPError:
-                    kind = "errors"
+                # a fifth give up after GIVE_UP_S of silence: before the answer, mid-stream or never
+                stop_after = None if local.random() < 0.2 else local.randint(0, 40)
+                kind = abort_one(client, url, body, stop_after)
                 with lock:
                     aborted[kind] += 1
             client.close()
@@ -323,13 +345,14 @@ def main() -> None:
             results.append(result)
             print(json.dumps(result), flush=True)
     print()
-    print("| probe | sent | client-visible failures | of which error events | gateway 5xx | hung | other |")
+    # hung requests are client failures too (the docstring): their column sits under that one's
+    print("| probe | sent | client-visible failures | of which error events | of which hung | gateway 5xx | other |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         other = ", ".join(f"{k}={v}" for k, v in r["other"].items())
         print(
             f"| {r['probe']} | {r['sent']} | {r['client_failures']} | {r['error_events']} | "
-            f"{r['gateway_5xx']} | {r['hung']} | {other} |"
+            f"{r['hung']} | {r['gateway_5xx']} | {other} |"
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": results}, indent=2) + "\n")

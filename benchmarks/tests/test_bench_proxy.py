@@ -10,7 +10,10 @@ every gateway's ``prefix_gateway_requests_total`` and every replica's
 "direct" rows reach a replica and no gateway, "gateway" rows pass through the gateway over that
 same replica, served + errors = sent in every loop, the instant pair carries the latency and
 peak phases and the real-time pair the stream gaps, the gateway CPU columns are read from the
-gateway process, and the table and JSON carry the fields the docstring names.
+gateway process, and the table and JSON carry the fields the docstring names, written to
+``--out`` (a folder outside the repository here).  The error counts are checked apart, against a
+tiny server that fails the requests it is told to: an error answer is no stream's first chunk,
+and the open loop's warm-up errors are not the timed run's.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import bench_proxy as bp
@@ -113,9 +117,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Watch, dict[
         return phase
 
     with pytest.MonkeyPatch.context() as mp:
-        # main writes RESULTS and prints it relative to ROOT: both under tmp, never benchmarks/results
-        mp.setattr(bp, "ROOT", tmp)
-        mp.setattr(bp, "RESULTS", tmp / "results" / "bench_proxy.json")
+        # --out wins over the default folder (never written here); tmp is outside the repository
+        mp.setattr(bp, "RESULTS", tmp / "never")
         mp.setattr(bp, "run_replicas", run_replicas)
         mp.setattr(bp, "gateway_process", gateway_process)
         mp.setattr(bp, "cpu_seconds", cpu_seconds)
@@ -132,9 +135,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Watch, dict[
         mp.setattr(bp, "stream_gaps", watch.loop(bp.stream_gaps, lambda a, r: a[1]))  # (body, streams, conc)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            code = bp.main(["--quick", "--concurrency", "2", "--rate", str(RATE)])
-    assert code == 0
-    yield watch, json.loads((tmp / "results" / "bench_proxy.json").read_text()), out.getvalue()
+            code = bp.main(["--quick", "--concurrency", "2", "--rate", str(RATE), "--out", str(tmp / "out")])
+    assert code == 0 and not (tmp / "never").exists()
+    assert f"wrote {tmp / 'out' / 'bench_proxy.json'}" in out.getvalue()
+    yield watch, json.loads((tmp / "out" / "bench_proxy.json").read_text()), out.getvalue()
 
 
 def gateway_over(watch: Watch, replica: str) -> str:
@@ -214,6 +218,7 @@ def test_every_loop_counts_every_request_and_each_column_reads_its_own_side(run)
         assert row[f"{side}_chunks"] == len(got["gaps"]) + len(got["ttfts"])
         assert row[f"{side}_gap_p99_ms"] == bp.ms(bp.pct(got["gaps"], 0.99))
         assert row[f"{side}_ttft_p50_ms"] == bp.ms(bp.pct(got["ttfts"], 0.5))
+        assert got["errors"] == 0 == row[f"{side}_errors"]
 
 
 def test_the_gateway_cpu_columns_are_read_from_the_gateway_process(run) -> None:
@@ -246,4 +251,58 @@ def test_a_short_run_writes_its_table_and_json(run) -> None:
     assert {"gap_delta_p50_ms", "gap_delta_p99_ms", "ttft_delta_p50_ms"} <= set(result["stream_gaps"])
     assert text.count("\n| ") == 1 + 2 + 2 * len(result["peak"]) + 3  # header, latency, peak and stream rows
     assert "non-stream peak req/s (c=2)" in text and "stream inter-chunk gap p99 (ms)" in text
-    assert "wrote results/bench_proxy.json" in text
+    assert "\nwrote /" in text, "a path outside the repository is printed as it is"
+
+
+@contextlib.asynccontextmanager
+async def failing(fail: Callable[[int], bool]) -> AsyncIterator[tuple[str, list[int]]]:
+    """A chat endpoint answering its n-th request (from 0) with a 503 where ``fail(n)``, else a
+    200 (a three-chunk stream when asked for one); yields its URL and the numbers it failed."""
+    failed: list[int] = []
+    count = 0
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        nonlocal count
+        n, count = count, count + 1
+        body = await request.json()
+        if fail(n):
+            failed.append(n)
+            return web.json_response({"error": {"message": "overloaded", "code": 503}}, status=503)
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"message": {"content": "hi"}}]})
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for chunk in (b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"):
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}/v1/chat/completions", failed
+    finally:
+        await runner.cleanup()
+
+
+def test_errors_are_counted_apart_from_what_is_timed() -> None:
+    async def scenario() -> tuple[dict[str, Any], list[int], dict[str, Any], list[int]]:
+        streams = json.dumps({**bp.SMALL_CHAT, "stream": True}).encode()
+        async with failing(lambda n: n % 3 == 0) as (url, failed_streams):  # 2 of 6 streams
+            gaps = await bp.stream_gaps(url, streams, 6, 2)
+        # the 20 warm-up requests all fail, then 3 of the 10 timed ones
+        async with failing(lambda n: n < 23) as (url, failed_open):
+            opened = await bp.open_loop(url, json.dumps(bp.SMALL_CHAT).encode(), RATE, OPEN_S)
+        return gaps, failed_streams, opened, failed_open
+
+    gaps, failed_streams, opened, failed_open = bp.run_async(scenario())
+    assert failed_streams == [0, 3] and gaps["errors"] == 2
+    assert len(gaps["ttfts"]) == 4, "an error answer was timed as a stream's first chunk"
+    assert len(failed_open) == 23 and int(RATE * OPEN_S) == 10
+    assert opened["errors"] == 3 and len(opened["latencies"]) == 7, "errors of the timed run only"
+    assert opened["warmup_errors"] == 20

@@ -7,11 +7,17 @@ The replicas are the benchmark's own (``ReplicaGroup``, wrapped to remember what
 to read each replica's log before it stops); ``cpu_seconds`` is wrapped to note which process it
 read and, at that moment, the replica's own count of finished requests (``/metrics``): its two
 calls bracket the timed window exactly, after the warm-up and after the last timed request.
+The load loop's error count is checked apart, against a tiny server that answers 200, 503 or
+cuts the connection in turn: served and errors are counted apart, and a cut connection is an
+error, not the end of the run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +102,53 @@ def test_each_row_loads_its_own_replica_and_counts_every_request_it_served(recor
     default, quiet = by_kind["default"].logs[0], by_kind["quiet"].logs[0]
     assert access_lines(default, "/v1/chat/completions") >= results[0].requests
     assert "POST /v1/chat/completions" not in quiet and quiet.strip(), "quiet replica: no access log lines"
+
+
+def test_served_and_errors_are_counted_apart_and_a_cut_connection_is_an_error(monkeypatch) -> None:
+    """200s are served and timed; 503s and cut connections are errors, neither served nor timed."""
+    answered = {"200": 0, "503": 0, "cut": 0}
+    windows: list[dict[str, int]] = []
+
+    def cpu_seconds(pid: int) -> float:  # called right after the warm-up and after the timed run
+        windows.append(dict(answered))
+        return 0.0
+
+    monkeypatch.setattr(bs, "cpu_seconds", cpu_seconds)
+
+    async def one_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:  # keep-alive: one request after the other
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+                await reader.readexactly(int(length.group(1)) if length else 0)
+                turn = sum(answered.values()) % 4
+                if turn == 3:  # the request read, no answer: the client sees the connection cut
+                    answered["cut"] += 1
+                    return
+                status = "503" if turn == 1 else "200"
+                answered[status] += 1
+                writer.write(
+                    f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}".encode()
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def scenario() -> tuple[int, int, float, list[float], float]:
+        server = await asyncio.start_server(one_connection, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            return await bs._load(f"http://127.0.0.1:{port}/v1/chat/completions", b"{}", 2, 0.3, os.getpid())
+        finally:
+            server.close()
+
+    served, errors, _, latencies, _ = asyncio.run(scenario())
+    start, end = windows  # after the warm-up and at the end: the timed window
+    assert served == end["200"] - start["200"] > 0 and len(latencies) == served
+    assert errors == end["503"] - start["503"] + end["cut"] - start["cut"]
+    assert end["cut"] > start["cut"] and end["503"] > start["503"]
 
 
 def test_a_short_run_writes_its_table_and_json(recorded, tmp_path: Path, capsys, monkeypatch) -> None:

@@ -1,10 +1,13 @@
 """bench_soak samples what its table says: the RSS column is the gateway process's VmRSS, the
 affinity column is that gateway's own index occupancy (``/admin/stats``, admin key and all),
 every request is counted (the gateway saw exactly the run's ok + errors), the prefixes really
-are unique (the gateway never routed one by affinity), and a short run writes its table and
-JSON; the verdict (flat RSS over the last half, no errors) is checked on a made-up run.
+are unique (the gateway never routed one by affinity), the index fills up to its byte bound
+(``--affinity-mb``), not to the far smaller model of the replicas' KV caches that
+``replica_cache_tokens: auto`` would apply, and a short run writes its table and JSON; the
+verdict (flat RSS over the last half, no errors) is checked on a made-up run.
 
-The live run is the benchmark's own ``main`` for three seconds, with ``serve_gateway``,
+The live run is the benchmark's own ``main`` for three seconds with a 3 MiB index (a bound
+above the KV cache model's that a short run fills), with ``serve_gateway``,
 ``rss_mb`` and ``affinity_keys`` wrapped to note which process and endpoint they read; the
 wrapper also reads the gateway's request counter and stats just before it stops.
 """
@@ -24,8 +27,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import bench_soak as bs
+from gateway.routing.affinity import ENTRY_BYTES
+from gateway.routing.policies.prefix_settings import PrefixPolicySettings
+from gateway.sim.options import SimOptions
 
 MINUTES, SAMPLE_S, CONCURRENCY = 0.05, 0.5, 4  # a 3 s run, a sample every 0.5 s
+# 5,616 (key, replica) pairs at 560 bytes: above the ~4,200 the KV cache model would allow, and
+# full after ~800 requests (a second or so here)
+AFFINITY_MB = 3.0
 
 
 def gateway_requests(url: str) -> float:
@@ -68,6 +77,7 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, A
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             args = ["--minutes", str(MINUTES), "--sample", str(SAMPLE_S), "--concurrency", str(CONCURRENCY)]
+            args += ["--affinity-mb", str(AFFINITY_MB)]
             code = bs.main(args)
     yield seen, json.loads((tmp / "bench_soak.json").read_text()), out.getvalue(), code
 
@@ -86,12 +96,34 @@ def test_affinity_occupancy_is_the_gateways_own_and_every_prefix_is_new(soak) ->
     seen, result, _, _ = soak
     (gateway,) = seen["gateways"]
     assert set(seen["stats_urls"]) == {gateway["url"]}
-    assert gateway["config"]["routes"] == [{"name": "soak", "policy": "prefix"}]  # the default 64 MiB index
+    assert [(r["name"], r["policy"]) for r in gateway["config"]["routes"]] == [("soak", "prefix")]
     entries = [s["affinity_entries"] for s in result["samples"]]
     assert None not in entries, "a sample missed /admin/stats (admin key or the stats' shape)"
     assert all(e > 0 for e in entries)
     # a prefix no other request shares: no request was ever routed by affinity, each one went to the ring
     assert gateway["route"]["reasons"] == {"ring": result["requests"]}
+
+
+@pytest.mark.slow
+def test_the_index_fills_to_its_byte_bound_not_to_a_model_of_the_replicas_kv_caches(soak) -> None:
+    seen, result, _, _ = soak
+    (gateway,) = seen["gateways"]
+    max_bytes = int(AFFINITY_MB * 1024 * 1024)
+    (route,) = gateway["config"]["routes"]
+    assert route["policy_settings"] == {"replica_cache_tokens": None, "affinity_max_bytes": max_bytes}
+    affinity = gateway["route"]["policy_state"]["affinity"]
+    assert affinity["modelled_cache_tokens"] == {}, "a KV cache model caps each replica's share"
+    # the byte bound's pairs per replica (AffinityIndex.capacity: the dicts' fixed overhead aside)
+    replicas = len(gateway["config"]["replicas"])
+    per_replica = (max_bytes - 100 * (2 * replicas + 1)) // ENTRY_BYTES // replicas
+    assert affinity["capacity_per_replica"] == per_replica
+    # what the default replica_cache_tokens: auto would hold: each simulator's KV cache in keys
+    sim, prefix = SimOptions(), PrefixPolicySettings()
+    kv_model = replicas * sim.num_gpu_blocks // prefix.affinity_stride_blocks
+    entries = [s["affinity_entries"] for s in result["samples"]]
+    assert max(entries) > kv_model * 1.2, f"the index stopped near the KV cache model's {kv_model}: {entries}"
+    assert affinity["entries"] == replicas * per_replica, "the index is full at its byte bound, and no fuller"
+    assert max(entries) <= replicas * per_replica
 
 
 @pytest.mark.slow
@@ -118,7 +150,7 @@ def test_a_short_run_writes_its_table_and_json(soak) -> None:
         "minutes": MINUTES,
         "concurrency": CONCURRENCY,
         "sample_s": SAMPLE_S,
-        "affinity_mb": None,
+        "affinity_mb": AFFINITY_MB,
     }
     lines = text.splitlines()
     assert lines[0].split() == ["t", "(s)", "requests", "req/s", "errors", "RSS", "MB", "affinity", "entries"]

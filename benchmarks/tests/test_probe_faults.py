@@ -9,23 +9,29 @@ row's fixed 3 s before and after the freeze are shortened to 0.5 s.  The gateway
 gateway and every ``metric`` read are noted too.  Checked per row: the fault is on the replica
 the row names while it runs and gone after it, sent = answered + client failures (nothing in
 flight or lost), the error-event and hung columns are the tally's, "gateway 5xx" is that row's
-gateway's own ``requests_total{status_class="5xx"}``; and ``main`` writes its table and JSON.
+gateway's own ``requests_total{status_class="5xx"}``; and ``main`` writes its table and JSON,
+with hung requests under the client failures they are part of.  The aborts row's labels are
+checked on streams stopped at a known place (``abort_one`` straight to a replica made slow
+to answer or stalling mid-stream), and the row counts each stream as ``abort_one`` labelled it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
 from benchmarks import probe_faults as pf
+from benchmarks.faultload import Tally
 from gateway.sim.faults import FaultSettings
 from gateway.sim.launcher import ReplicaGroup
 
@@ -170,10 +176,20 @@ def test_the_streams_row_stalls_r0_and_drops_r1_after_three_events(group, watch)
     check_reset(group)
 
 
-def test_the_aborts_row_counts_every_abort(group, watch) -> None:
+def test_the_aborts_row_counts_every_abort(group, watch, monkeypatch) -> None:
+    labelled: collections.Counter[str] = collections.Counter()
+    real = pf.abort_one
+
+    def abort_one(*args: Any) -> str:
+        kind = real(*args)
+        labelled[kind] += 1
+        return kind
+
+    monkeypatch.setattr(pf, "abort_one", abort_one)
     row = pf.probe_aborts(group, 2, 10)
     detail, other = row["detail"], row["other"]
     assert row["sent"] == sum(detail.values()) == 10
+    assert {k: v for k, v in detail.items() if v} == dict(labelled), "each stream counted where it stopped"
     # a stream read for at most 40 lines of a 60-token answer never finishes: each one is aborted
     assert detail["finished"] == 0 and detail["mid_stream"] > 0
     (gateway,) = watch["gateways"]
@@ -182,6 +198,65 @@ def test_the_aborts_row_counts_every_abort(group, watch) -> None:
     assert other["aborts_counted_499"] == fours[0][3]
     assert detail["mid_stream"] <= other["aborts_counted_499"] <= 10  # each abort the gateway saw is a 499
     check_reset(group)
+
+
+def test_an_abort_is_labelled_where_the_stream_really_stopped(group, monkeypatch) -> None:
+    """Before the headers, mid-stream, or not at all: the give-up timeout alone says nothing."""
+    monkeypatch.setattr(pf, "GIVE_UP_S", 0.5)  # well apart from the replicas' 10 ms per token
+    slow, stalling, plain = group.urls[:3]
+    body = {"model": "demo-model", "messages": [{"role": "user", "content": "abort me"}], "stream": True}
+    httpx.post(f"{slow}/sim/faults", json={"extra_latency_ms": 2000}).raise_for_status()  # no headers yet
+    httpx.post(f"{stalling}/sim/faults", json={"stall_after_chunks": 2}).raise_for_status()  # headers, 2 events
+    try:
+        with httpx.Client(timeout=pf.CLIENT_TIMEOUT_S) as client:
+            gave_up = {
+                name: pf.abort_one(client, f"{url}/v1/chat/completions", {**body, "max_tokens": 3}, None)
+                for name, url in (("slow", slow), ("stalling", stalling), ("plain", plain))
+            }
+            long = {**body, "max_tokens": 60}
+            read = [pf.abort_one(client, f"{plain}/v1/chat/completions", long, n) for n in (0, 5)]
+            bad = pf.abort_one(client, f"{plain}/v1/chat/completions", {**body, "model": "no-such-model"}, 5)
+    finally:
+        for url in (slow, stalling):
+            httpx.post(f"{url}/sim/faults", json={"reset": True}).raise_for_status()
+    assert gave_up == {"slow": "before_headers", "stalling": "mid_stream", "plain": "finished"}
+    assert read == ["mid_stream", "mid_stream"]
+    assert bad == "errors", "an error answer is no abort"
+    check_reset(group)
+
+
+def test_hung_requests_are_client_failures_in_the_row_and_in_the_table(monkeypatch, tmp_path, capsys) -> None:
+    tally = Tally(sent=7, ok=3, stream_ok=1, hung=2)
+    tally.failed["503"] = 1
+    monkeypatch.setattr(pf, "metric", lambda gw, name, **labels: 0.0)
+    made = pf.row("made up", SimpleNamespace(tally=tally), None)
+    assert made["client_failures"] == 3 == made["sent"] - tally.ok - tally.stream_ok and made["hung"] == 2
+
+    class NoGroup:  # main's replicas, never used: the row is made up
+        def __init__(self, *args: Any, **options: Any) -> None:
+            self.replicas: list[Any] = []
+
+        def __enter__(self) -> NoGroup:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def dead(self) -> list[int]:
+            return []
+
+        def wait_healthy(self, timeout: float) -> None:
+            pass
+
+    monkeypatch.setattr(pf, "ReplicaGroup", NoGroup)
+    monkeypatch.setattr(pf, "probe_kill", lambda group, c, seconds: made)
+    monkeypatch.setattr(sys, "argv", ["probe_faults.py", "--rows", "kill", "--out", str(tmp_path / "p.json")])
+    pf.main()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    header, values = ([cell.strip() for cell in line.strip("|").split("|")] for line in lines)
+    cells = dict(zip(header, values, strict=True))
+    assert cells["client-visible failures"] == "3" and cells["of which hung"] == "2"
+    assert cells["of which error events"] == "0" and cells["gateway 5xx"] == "0"
 
 
 def test_main_runs_the_rows_asked_for_and_writes_its_table_and_json(group, monkeypatch, tmp_path, capsys) -> None:
@@ -206,8 +281,11 @@ def test_main_runs_the_rows_asked_for_and_writes_its_table_and_json(group, monke
     assert row["probe"] == "6 streams aborted at random points (c=2)"  # 2 x --concurrency clients
     assert set(row) == {"probe", "sent", "client_failures", "error_events", "gateway_5xx", "hung", "detail", "other"}
     text = capsys.readouterr().out
-    assert "| probe | sent | client-visible failures | of which error events | gateway 5xx | hung | other |" in text
-    assert f"| {row['probe']} | 6 | None | None | {row['gateway_5xx']} | 0 |" in text
+    assert (
+        "| probe | sent | client-visible failures | of which error events | of which hung | gateway 5xx | other |"
+        in text
+    )
+    assert f"| {row['probe']} | 6 | None | None | 0 | {row['gateway_5xx']} |" in text
     assert f"wrote {out}" in text
     monkeypatch.setattr(sys, "argv", ["probe_faults.py", "--rows", "kill,nope"])
     with pytest.raises(SystemExit):
