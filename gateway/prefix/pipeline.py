@@ -197,6 +197,24 @@ class PrefixPipeline:
             label = self._labels[alignment.key] = units_label(alignment, self.block)
         return label, alignment.exact
 
+    def units_on(self, model: str, engine_block_size: int | None) -> str:
+        """The units label of a prediction for a replica whose engine uses ``engine_block_size``
+        (None: not scraped yet): where the route's replicas disagree on the block size, the
+        replicas at the route's own size are not the ones whose blocks the keys miss, so only the
+        others are labelled with the mismatch (:meth:`units` is the route's label: every
+        mismatch named)."""
+        block = self.block
+        if not block.mismatched or not engine_block_size:
+            return self.units(model)[0]
+        wt = self.tokens.for_model(model)
+        alignment = wt.alignment  # type: ignore[attr-defined]
+        key = f"{alignment.key}@{engine_block_size}"
+        label = self._labels.get(key)
+        if label is None:
+            own = BlockSizeChoice(block.size, block.setting, block.source, {"engine": engine_block_size})
+            label = self._labels[key] = units_label(alignment, own)
+        return label
+
     def warm(self, models: Iterable[str]) -> None:
         """Load each model's vocabulary and chat template now, not on its first request.
 

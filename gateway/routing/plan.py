@@ -54,8 +54,16 @@ class Plan:
 
     @property
     def predicted_units(self) -> str | None:
-        """What the prediction is counted in (see :mod:`gateway.tokens.alignment`), when there is one."""
-        return self.prepared.units if self.prepared is not None else None
+        """What the prediction is counted in (see :mod:`gateway.tokens.alignment`), when there is
+        one: for the replica it went to (in a fleet that disagrees on the block size, a replica
+        at the route's own size is not mislabelled with the others' mismatch)."""
+        prepared = self.prepared
+        if prepared is None:
+            return None
+        pipeline = self.route.pipeline
+        if pipeline is None or not pipeline.block.mismatched or prepared.base_model is None:
+            return prepared.units
+        return pipeline.units_on(prepared.base_model, self.replica.block_size)
 
     @property
     def predicted_cached_tokens(self) -> int | None:

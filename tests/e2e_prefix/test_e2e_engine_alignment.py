@@ -154,11 +154,20 @@ def test_replicas_that_disagree_are_named_in_stats_explain_and_doctor() -> None:
         assert block["disagree"] and block["size"] == 128 and block["mismatched"] == ["r1"]
         assert "16: r1; 128: r0, r2" in block["note"]
         sdk = client(gw)
-        sdk.chat.completions.create(
-            model=LLAMA, messages=[{"role": "user", "content": system_prompt("kelp", 300)}], max_tokens=4
-        )
-        view = wait_for(lambda: (v := route_stats(gw)).get("predicted_requests") and v, what="a prediction")
-        assert view["predicted_units"] == "approximate (llama3): block size 128 vs engine 16"
+        # new prompts are placed by load: soon on r1 (at 16) and on a replica at the route's 128
+        for i in range(12):
+            sdk.chat.completions.create(
+                model=LLAMA, messages=[{"role": "user", "content": system_prompt(f"kelp{i}", 300)}], max_tokens=4
+            )
+            view = wait_for(lambda n=i: (v := route_stats(gw)).get("predicted_requests", 0) > n and v, what="it")
+            served = {name for name, row in view["replicas"].items() if row.get("predicted_requests")}
+            if "r1" in served and served & {"r0", "r2"}:
+                break
+        units = {name: row.get("predicted_units") for name, row in view["replicas"].items()}
+        # each prediction is labelled for the engine it went to: only r1's blocks are not the keys'
+        assert units["r1"] == "approximate (llama3): block size 128 vs engine 16"
+        assert {units[name] for name in ("r0", "r2") if units.get(name)} == {"exact (llama3)"}
+        assert view["predicted_units"].startswith("mixed: ") and view["predicted_exact"] is False
         with admin(gw, ADMIN_KEY) as api:
             explained = api.post(
                 "/admin/explain", json={"model": LLAMA, "messages": [{"role": "user", "content": "hello"}]}

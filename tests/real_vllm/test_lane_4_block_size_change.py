@@ -5,7 +5,8 @@ The route hashes its replicas' own block size (``block_size: auto``, scraped fro
 the fleet disagree: the route follows (ties: the smallest, 64) and says which replica uses which
 size, and each prediction still equals what vLLM reports: the replica at 64 from its KV events
 (precise), the one at 128 from the approximate model, cut to whole 128-token blocks as its engine
-caches them. Runs last (a replica restart, about a minute; the replica keeps its new size).
+caches them; each prediction's units label names the engine it went to. Runs last (a replica
+restart, about a minute; the replica keeps its new size).
 """
 
 from __future__ import annotations
@@ -63,5 +64,10 @@ def test_a_replica_restarted_with_another_block_size_is_still_predicted_exactly(
             break
     assert set(repeats) == set(SIZES), f"both replicas served a repeat: {sorted(repeats)}"
     assert telling is not None, "no repeat on r0 ended inside one of its 128-token blocks"
-    modes = {name: tally.get("kv_mode") for name, tally in real_front.tallies().items()}
+    tallies = real_front.tallies()
+    modes = {name: tally.get("kv_mode") for name, tally in tallies.items()}
     assert modes == {"r0": "approximate", "r1": "precise"}, modes
+    # each prediction is labelled for its engine: r1 at the route's size exact (as it was all
+    # along), r0's blocks named as not the keys' (its tally also holds the earlier tests' exact ones)
+    assert tallies["r1"]["predicted_units"] == "exact (llama3)", tallies["r1"]
+    assert "block size 64 vs engine 128" in tallies["r0"]["predicted_units"], tallies["r0"]
