@@ -18,7 +18,7 @@ import json
 import logging
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.prefix.anchors import PromptAnchors
@@ -29,6 +29,7 @@ from gateway.prefix.identity import ModelIdentities
 from gateway.prefix.normalize import Kept, Normalizer, NormalizeResult, Relocation
 from gateway.prefix.settings import NormalizeSettings, PrefixSettings
 from gateway.prefix.volatile import BLOCK_OPEN, our_blocks
+from gateway.tokens.chat_template import Alignment
 from gateway.tokens.window import ModelWindows
 
 log = logging.getLogger("prefix_gateway")
@@ -115,8 +116,7 @@ class PrefixPipeline:
         # which names are LoRA adapters of which base model (learned from the replicas' /v1/models)
         self.identities = identities if identities is not None else ModelIdentities()
         # the block size hashed with: the setting, or (auto) the replicas' own (follow_engines)
-        self.block: BlockSizeChoice = choose(prefix.block_size, {})
-        self._labels: dict[str, str] = {}  # alignment key -> units label under the current block choice
+        self.block = choose(prefix.block_size, {})
         # (engine view version, replica list) when the block choice was last re-read (Route.follow_engines)
         self.engine_stamp: tuple[int, object] | None = None
         # whether text chunks get fork prints now (set by Route.attach_precise: while a replica
@@ -149,6 +149,20 @@ class PrefixPipeline:
         return pipeline
 
     @property
+    def block(self) -> BlockSizeChoice:
+        """The block size choice hashed with now."""
+        return self._block
+
+    @block.setter
+    def block(self, choice: BlockSizeChoice) -> None:
+        self._block = choice
+        # whether some replica's engine uses another size, kept: asked per request
+        # (Plan.predicted_units), and the choice names every replica
+        self.block_mismatched = bool(choice.mismatched)
+        # (alignment key, the engine's block size or None: the route's) -> units label under it
+        self._labels: dict[tuple[str, int | None], str] = {}
+
+    @property
     def block_size(self) -> int:
         """Tokens per hashed block right now."""
         return self.block.size
@@ -169,7 +183,6 @@ class PrefixPipeline:
                     ", ".join(f"{name}={size}" for name, size in sorted(engines.items())) or "no engine known",
                 )
             self.block = choice
-            self._labels = {}
         return choice
 
     def share_view(self, other: PrefixPipeline) -> None:
@@ -178,7 +191,6 @@ class PrefixPipeline:
         self.identities = other.identities
         if self.block != other.block:
             self.block = other.block
-            self._labels = {}
 
     def identity(self, model: str, salt: object = None) -> tuple[str, str | None, int]:
         """(base model, LoRA adapter or None, first-block seed) of a request, as the engine keys it."""
@@ -190,12 +202,8 @@ class PrefixPipeline:
 
     def units(self, model: str) -> tuple[str, bool]:
         """The units label of a (base) model's predictions and whether its tokens are the model's own."""
-        wt = self.tokens.for_model(model)
-        alignment = wt.alignment  # type: ignore[attr-defined]
-        label = self._labels.get(alignment.key)
-        if label is None:
-            label = self._labels[alignment.key] = units_label(alignment, self.block)
-        return label, alignment.exact
+        alignment = self.tokens.for_model(model).alignment  # type: ignore[attr-defined]
+        return self._label(alignment, None), alignment.exact
 
     def units_on(self, model: str, engine_block_size: int | None) -> str:
         """The units label of a prediction for a replica whose engine uses ``engine_block_size``
@@ -203,16 +211,20 @@ class PrefixPipeline:
         replicas at the route's own size are not the ones whose blocks the keys miss, so only the
         others are labelled with the mismatch (:meth:`units` is the route's label: every
         mismatch named)."""
-        block = self.block
-        if not block.mismatched or not engine_block_size:
+        if not self.block_mismatched or not engine_block_size:
             return self.units(model)[0]
-        wt = self.tokens.for_model(model)
-        alignment = wt.alignment  # type: ignore[attr-defined]
-        key = f"{alignment.key}@{engine_block_size}"
+        return self._label(self.tokens.for_model(model).alignment, engine_block_size)  # type: ignore[attr-defined]
+
+    def _label(self, alignment: Alignment, engine_block_size: int | None) -> str:
+        """:func:`units_label` under the current choice, as the route sees its engines (None) or
+        as one engine using ``engine_block_size`` does; cached until the choice changes."""
+        key = (alignment.key, engine_block_size)
         label = self._labels.get(key)
         if label is None:
-            own = BlockSizeChoice(block.size, block.setting, block.source, {"engine": engine_block_size})
-            label = self._labels[key] = units_label(alignment, own)
+            block = self.block
+            if engine_block_size is not None:
+                block = replace(block, engines={"engine": engine_block_size})
+            label = self._labels[key] = units_label(alignment, block)
         return label
 
     def warm(self, models: Iterable[str]) -> None:

@@ -61,7 +61,7 @@ class Plan:
         if prepared is None:
             return None
         pipeline = self.route.pipeline
-        if pipeline is None or not pipeline.block.mismatched or prepared.base_model is None:
+        if pipeline is None or not pipeline.block_mismatched or prepared.base_model is None:
             return prepared.units
         return pipeline.units_on(prepared.base_model, self.replica.block_size)
 
