@@ -32,6 +32,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from gateway.kv_events.ingest import Ingestor
 from gateway.kv_events.text_tail import TextTail
@@ -44,6 +45,7 @@ _SPEC_MAX_KEYS = 500_000  # (key, replica) speculative entries at most (~50 MB);
 _KEYS_PER_ENTRY = 12  # a choice's full key chain (8 bytes a key) counts against that bound as 1 entry per 12 keys
 _PINNED_TTL_S = 600.0  # a request in flight counts as pinning its blocks at most this long
 _COMPACT_MIN = 1024  # Pinned: ended requests' entries the expiry queue may keep before a compaction
+_K = TypeVar("_K")  # a counted key (_count_down)
 _MODES_EVERY_S = 0.1  # the set of precise replicas is recomputed this often (its staleness is seconds)
 
 
@@ -202,6 +204,15 @@ def _shared(chain: Sequence[int], keys: Sequence[int], depth: int) -> int:
     return depth
 
 
+def _count_down(counts: dict[_K, int], key: _K) -> None:
+    """One fewer of ``key`` in ``counts``; gone at 0."""
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
 class Pinned:
     """Requests in flight per replica, by their token keys: their blocks are pinned there.
 
@@ -311,21 +322,14 @@ class Pinned:
         if not kept:
             return  # released already (it ended, then its ttl passed)
         first = self._first.get(kept[0])
-        if first is not None and name in first:
-            if first[name] > 1:
-                first[name] -= 1
-            else:
-                del first[name]
-                if not first:
-                    del self._first[kept[0]]
+        if first is not None:
+            _count_down(first, name)
+            if not first:
+                del self._first[kept[0]]
         held = self._keys.get(name)
         if held is not None:
             for key in kept:
-                count = held.get(key, 0) - 1
-                if count > 0:
-                    held[key] = count
-                else:
-                    held.pop(key, None)
+                _count_down(held, key)
         kept.clear()  # the queue's reference sees it released
 
     def _compact(self) -> None:
