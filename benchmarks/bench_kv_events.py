@@ -15,6 +15,8 @@ busy engine's (vLLM 0.32's tagged maps, 64-bit integer hashes), one scheduler st
 - ``decode_steps``: one block stored and one removed per step (long decodes filling blocks).
 - ``past_window``: ``gpu_prefill`` with the index keying only each prompt's first 64 blocks
   (a 1,024-token window): the rest are kept by depth alone, not re-hashed.
+- ``cpu_keyed_16``: ``cpu_prefill`` under a route hashing 16-token blocks, so each 128-token
+  engine block is keyed as eight of the route's (``PreciseIndex.key_at``).
 
 And what precise matching adds to a routing decision: the ``prefix`` policy's ``choose`` on
 full-window (4,096-token) prompts held by the replicas' engines, with the precise matcher
@@ -58,7 +60,10 @@ SCENARIOS = {
     "cpu_prefill": (128, 1, 8),
     "decode_steps": (16, 1, 1),
     "past_window": (16, 1, 32),
+    "cpu_keyed_16": (128, 1, 8),
 }
+# the block size a route asks the index to key at, per scenario (default: the engine's own)
+KEYED_AT = {"cpu_keyed_16": 16}
 # the index's reach in tokens per scenario (default: every block is keyed); past_window keys the
 # first 64 blocks of each prompt and keeps the rest by depth alone (gateway/kv_events/deep.py)
 REACH = {"past_window": 64 * 16}
@@ -111,6 +116,8 @@ def ingest(name: str, messages: list[list[bytes]]) -> tuple[Ingestor, float, flo
     ingestor, and the CPU seconds decoding and applying took."""
     index = PreciseIndex(256 * 1024 * 1024, max_depth_tokens=REACH.get(name, 1 << 20))
     index.add("r0", "meta-llama/Llama-3.1-8B-Instruct")
+    if name in KEYED_AT:
+        index.key_at("r0", "route", KEYED_AT[name])
     ingestor = Ingestor(index)
     start = time.thread_time()
     decoded = [decode_frames(frames) for frames in messages]

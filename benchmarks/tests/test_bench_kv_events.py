@@ -12,7 +12,7 @@ import pytest
 from benchmarks import bench_kv_events as bk
 
 
-@pytest.mark.parametrize("name", ["gpu_prefill", "cpu_prefill", "decode_steps", "past_window"])
+@pytest.mark.parametrize("name", ["gpu_prefill", "cpu_prefill", "decode_steps", "past_window", "cpu_keyed_16"])
 def test_every_scenario_applies_every_event_it_times(name: str) -> None:
     block_size, low, high = bk.SCENARIOS[name]
     messages, events, _blocks = bk._messages(block_size, low, high, 300, seed=0)
@@ -25,6 +25,9 @@ def test_every_scenario_applies_every_event_it_times(name: str) -> None:
     assert 0 < index.blocks("r0") <= 4096  # the scenario's cache: evicted as stored past 4,096 blocks
     # past_window keys 64 blocks of each prompt and keeps the rest by depth; the others key them all
     assert (index.skipped["deep"] > 0) == (name == "past_window")
+    # cpu_keyed_16 keys each 128-token engine block as eight of the route's 16-token keys
+    assert index.keyed_size("r0") == bk.KEYED_AT.get(name, block_size)
+    assert index.memory_bytes() // index.entry_bytes() >= index.blocks("r0") * (block_size // index.keyed_size("r0"))
     assert decode_s > 0 and apply_s > 0
 
 

@@ -20,12 +20,21 @@ match with its own records (see :mod:`gateway.kv_events.routing`); the blocks th
 by depth alone under the window's last key (:mod:`gateway.kv_events.deep`), which bounds what
 those records may credit.
 
+**Keys at the route's block size.**  A route hashes one block size; an engine at a multiple
+of it (a fleet mid-way through a ``--block-size`` change, or a size set by hand under 128-token
+CPU engines) would never match keys at its own size.  :meth:`PreciseIndex.key_at` asks for a
+replica's blocks keyed at the route's size: each engine block then gets ``engine / route``
+keys (every one chained, as the request side chains them), all dropped when it is removed.
+A replica's keys have one size at a time (:meth:`PreciseIndex.keyed_size`); a change of
+size re-keys nothing (the tokens are gone), so the replica's entries are dropped and
+relearned from its next events.
+
 Only full-attention groups are indexed (sliding-window or Mamba groups hold blocks that do
 not make a prefix hit on their own), on the ``GPU`` medium (offload tiers are not the
 prefix cache a request hits).
 
-Memory is bounded in bytes: every indexed (replica, engine hash) costs :data:`ENTRY_BYTES`
-at most; over ``max_bytes``, the replica holding the most entries loses its oldest ones
+Memory is bounded in bytes: every indexed key of a (replica, engine hash) costs
+:data:`ENTRY_BYTES` at most; over ``max_bytes``, the replica holding the most keys loses its oldest ones
 (first stored).  The engine still holds them, so the index then under-predicts that
 replica (a shorter match, never a longer one); size ``max_bytes`` to the fleet's caches
 (see docs/kv_events.md).  Not thread-safe: one event loop feeds and reads it.
@@ -33,8 +42,9 @@ replica (a shorter match, never a longer one); size ``max_bytes`` to the fleet's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.kv_events.decoder import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from gateway.kv_events.deep import DEEP_BYTES, DeepBlocks
@@ -48,7 +58,7 @@ ENTRY_BYTES = 400
 LRU_BYTES = 100
 _FIXED_BYTES = 2048  # per replica: its dicts and sets, empty
 
-_KEY, _DEPTH, _COPIES = 0, 1, 2
+_KEY, _DEPTH, _COPIES, _FINER = 0, 1, 2, 3
 _AGE_WEIGHT = 1 / 64  # the eviction age's moving mean: over the last few hundred evictions
 PROBE_STRIDE = 8  # leading(): keys probed per stretch (see there)
 FULL_KINDS = (None, "full_attention")
@@ -61,13 +71,16 @@ SKIP_REASONS = ("group", "medium", "bad_tokens", "unchained", "deep", "multimoda
 class _Replica:
     slot: int
     base_model: str | None = None
-    engine: dict[int | bytes, list[int]] = field(default_factory=dict)  # engine hash -> [our key, depth, copies]
+    # engine hash -> [our (last) key, depth in engine blocks, copies] (+ every key of the block, keyed finer)
+    engine: dict[int | bytes, list[Any]] = field(default_factory=dict)
     refs: dict[int, int] = field(default_factory=dict)  # our key -> engine hashes naming it
     block_size: int | None = None  # of its last BlockStored
+    unit: int | None = None  # tokens per key of its entries (None: nothing stored yet)
+    keys: int = 0  # our keys its entries hold (an entry keyed finer holds several)
     # The projection (see PreciseIndex.surviving): the engine's free queue as an age per key.
     stamp: dict[int, int] = field(default_factory=dict)  # our key -> the clock at its last store/touch
-    clock: int = 0  # blocks the engine stored so far (each allocation pushes its LRU one block)
-    evict_age: float | None = None  # blocks stored between a key's last use and its eviction (mean)
+    clock: int = 0  # keys' worth of blocks the engine stored so far (each allocation pushes its LRU)
+    evict_age: float | None = None  # keys' worth stored between a key's last use and its eviction (mean)
     deep: DeepBlocks = field(default_factory=DeepBlocks)  # its blocks past the window, by depth alone
     deep_dropped: bool = False  # ... dropped for the byte bound: past the window it says nothing until a clear
     full_groups: set[int] = field(default_factory=set)
@@ -88,6 +101,8 @@ class PreciseIndex:
         self._entries = 0
         self._deep_entries = 0  # blocks past the window, over all replicas (DeepBlocks)
         self.generation = 0  # moves whenever a slot is given or taken: masks from mask_of() expire
+        self.keying = 0  # moves whenever a replica's key size changes (keyed_size)
+        self._wants: dict[str, dict[str, int]] = {}  # replica -> route -> the block size it hashes (key_at)
         self.evicted = 0
         # Keep the LRU clock's stamps (the projection, kv_events.project_evictions): set by the
         # router that projects; off, stores cost no stamp
@@ -142,7 +157,8 @@ class PreciseIndex:
                 holders[key] = mask
             else:
                 holders.pop(key, None)
-        self._entries -= len(replica.engine)
+        self._entries -= replica.keys
+        replica.keys = 0
         self._deep_entries -= replica.deep.clear()
         replica.deep_dropped = False
         replica.engine = {}
@@ -153,6 +169,52 @@ class PreciseIndex:
 
     def knows(self, name: str) -> bool:
         return name in self._replicas
+
+    # -- key size --------------------------------------------------------------------------
+    def key_at(self, name: str, route: str, block_size: int | None) -> None:
+        """``route`` hashes ``block_size``-token blocks (None: it left): ``name``'s blocks are
+        keyed at that size where its engine's is a multiple of it (the smallest such size
+        asked, when routes disagree), else at the engine's own (see the module doc)."""
+        wants = self._wants.setdefault(name, {})
+        if block_size:
+            wants[route] = block_size
+        else:
+            wants.pop(route, None)
+            if not wants:
+                del self._wants[name]
+        replica = self._replicas.get(name)
+        if replica is not None and replica.block_size is not None:
+            self._rekey(name, replica, replica.block_size)
+
+    def keep_routes(self, routes: Container[str]) -> None:
+        """Only ``routes`` exist now (a reload): other routes' sizes no longer count."""
+        for name, wants in list(self._wants.items()):
+            for route in [route for route in wants if route not in routes]:
+                self.key_at(name, route, None)
+
+    def keyed_size(self, name: str) -> int | None:
+        """Tokens per key of ``name``'s entries (None: nothing stored yet): a route hashing
+        another size finds none of them."""
+        replica = self._replicas.get(name)
+        return None if replica is None else replica.unit
+
+    def keys_per_block(self, name: str) -> int:
+        """Our keys per engine block of ``name`` (1 unless keyed finer than its engine)."""
+        replica = self._replicas.get(name)
+        if replica is None or not replica.unit or not replica.block_size:
+            return 1
+        return max(1, replica.block_size // replica.unit)
+
+    def _rekey(self, name: str, replica: _Replica, engine_size: int) -> int:
+        """The key size for ``engine_size``-token blocks; a change drops what was keyed at the old one."""
+        wants = self._wants.get(name, {}).values()
+        unit = min((size for size in wants if engine_size % size == 0), default=engine_size)
+        if unit != replica.unit:
+            if replica.unit is not None and (replica.engine or len(replica.deep)):
+                self.clear(name, lost=False)  # the engine still holds them; no event reproduces the tokens
+            replica.unit = unit
+            self.keying += 1
+        return unit
 
     # -- ingestion -------------------------------------------------------------------------
     def apply(self, name: str, events: Iterable[Event]) -> None:
@@ -187,11 +249,17 @@ class PreciseIndex:
         size = event.block_size
         hashes = event.block_hashes
         tokens = event.token_ids
+        changed = size != replica.block_size
         replica.block_size = size
         if len(tokens) != len(hashes) * size:
             self._skip("bad_tokens")
             return
-        replica.clock += len(hashes)  # every block it stored took one from its free queue
+        name = self._names[replica.slot]
+        unit = replica.unit
+        if unit is None or changed:
+            unit = self._rekey(name, replica, size)
+        per = size // unit  # our keys per engine block
+        replica.clock += len(hashes) * per  # every block it stored took one from its free queue
         parent_hash = event.parent_block_hash
         if parent_hash is None:
             seed = self._seed(replica, event)
@@ -219,32 +287,41 @@ class PreciseIndex:
                 self._store_deep(replica, parent, 0, hashes[:plain])
             return
         try:
-            keys = chain_block_keys(tokens, size, parent, take)
+            keys = chain_block_keys(tokens, unit, parent, take * per)
         except (OverflowError, TypeError, ValueError):  # ids that are not u32 ints
             self._skip("bad_tokens")
             return
         if take == window - depth and plain > take:  # the window ends inside this event
-            self._store_deep(replica, keys[take - 1], 0, hashes[take:plain])
+            self._store_deep(replica, keys[-1], 0, hashes[take:plain])
         if self.on_stored is not None:
-            self.on_stored(self._names[replica.slot], keys)
-        engine, refs, holders, stamp = replica.engine, replica.refs, self._holders, replica.stamp
+            self.on_stored(name, keys)
+        if self.track_lru:
+            stamp, now = replica.stamp, replica.clock
+            for key in keys:
+                stamp[key] = now  # computed (again): at the back of the free queue once freed
+        engine, refs, holders = replica.engine, replica.refs, self._holders
         bit = 1 << replica.slot
-        now, track = replica.clock, self.track_lru
+        added = 0
         for i in range(take):
             block = hashes[i]
-            key = keys[i]
-            if track:
-                stamp[key] = now  # computed (again): at the back of the free queue once freed
             entry = engine.get(block)
             if entry is not None:
                 entry[_COPIES] += 1
                 continue
-            engine[block] = [key, depth + i + 1, 1]
-            self._entries += 1
-            held = refs.get(key, 0)
-            refs[key] = held + 1
-            if not held:
-                holders[key] = holders.get(key, 0) | bit
+            if per == 1:
+                named = keys[i : i + 1]
+                engine[block] = [keys[i], depth + i + 1, 1]
+            else:
+                named = tuple(keys[i * per : (i + 1) * per])
+                engine[block] = [named[-1], depth + i + 1, 1, named]
+            added += per
+            for key in named:
+                held = refs.get(key, 0)
+                refs[key] = held + 1
+                if not held:
+                    holders[key] = holders.get(key, 0) | bit
+        replica.keys += added
+        self._entries += added
 
     def _store_deep(self, replica: _Replica, anchor: int, depth: int, hashes: Sequence[int | bytes]) -> None:
         """Blocks past the window, kept by depth under the window's last key (:mod:`gateway.kv_events.deep`)."""
@@ -288,10 +365,19 @@ class PreciseIndex:
                     age = max(0, replica.clock - at)
                     mean = replica.evict_age
                     replica.evict_age = age if mean is None else mean + (age - mean) * _AGE_WEIGHT
-                self._drop_key(replica, entry[_KEY])
+                self._drop_entry(replica, entry)
+
+    def _drop_entry(self, replica: _Replica, entry: list[Any]) -> None:
+        """An engine block is gone: each of our keys it named loses one reference."""
+        if len(entry) > _FINER:
+            for key in entry[_FINER]:
+                self._drop_key(replica, key)
+        else:
+            self._drop_key(replica, entry[_KEY])
 
     def _drop_key(self, replica: _Replica, key: int) -> None:
         self._entries -= 1
+        replica.keys -= 1
         refs = replica.refs
         held = refs.get(key, 0) - 1
         if held > 0:
@@ -316,15 +402,14 @@ class PreciseIndex:
         budget = (self.max_bytes - _FIXED_BYTES * len(self._replicas)) // self.entry_bytes()
         target = max(0, budget - max(1, budget // 64))  # a little room, so eviction runs in batches
         while self._entries > target:
-            replica = max(self._replicas.values(), key=lambda r: len(r.engine))
+            replica = max(self._replicas.values(), key=lambda r: r.keys)
             engine = replica.engine
             if not engine:
                 break
-            for _ in range(min(len(engine), self._entries - target)):
-                block = next(iter(engine))
-                entry = engine.pop(block)
+            while engine and self._entries > target:
+                entry = engine.pop(next(iter(engine)))
                 self.evicted += 1
-                self._drop_key(replica, entry[_KEY])
+                self._drop_entry(replica, entry)
 
     # -- reading ---------------------------------------------------------------------------
     def mask_of(self, names: Iterable[str] | None = None) -> int:
@@ -443,17 +528,17 @@ class PreciseIndex:
     def blocks(self, name: str | None = None) -> int:
         """Indexed (replica, engine hash) pairs, of one replica or all."""
         if name is None:
-            return self._entries
+            return sum(len(replica.engine) for replica in self._replicas.values())
         replica = self._replicas.get(name)
         return 0 if replica is None else len(replica.engine)
 
     def reach_past(self, name: str, anchor: int) -> int | None:
-        """Blocks ``name``'s engine holds past the window's last key ``anchor``, along its
-        deepest chain there (None: ``anchor`` is not held there, or not a window's end)."""
+        """Keys' worth of blocks ``name``'s engine holds past the window's last key ``anchor``,
+        along its deepest chain there (None: ``anchor`` is not held there, or not a window's end)."""
         replica = self._replicas.get(name)
         if replica is None or replica.deep_dropped or not self.holds(name, anchor):
             return None
-        return replica.deep.reach(anchor)
+        return replica.deep.reach(anchor) * self.keys_per_block(name)
 
     def holds(self, name: str, key: int) -> bool:
         replica = self._replicas.get(name)

@@ -229,3 +229,87 @@ def test_leading_finds_each_replicas_first_miss_between_probes() -> None:
     assert index.leading(keys) == {"r0": 20, "r1": 11}
     assert index.leading(keys, mask=index.mask_of(["r1"])) == {"r1": 11}
     assert index.leading(keys[:9]) == {"r0": 9, "r1": 9}
+
+
+# -- an engine at a multiple of the route's block size, keyed at the route's -------------------
+BIG = 4 * BS  # the engine's blocks: four of the route's
+
+
+def test_an_engine_at_a_multiple_of_the_routes_size_is_keyed_at_the_routes() -> None:
+    index = _index()
+    index.key_at("r0", "chat", BS)
+    tokens = list(range(3 * BIG))
+    hashes = hashes_for(3)
+    index.apply("r0", _events(stored(hashes[:2], tokens[: 2 * BIG], BIG)))
+    index.apply("r0", _events(stored(hashes[2:], tokens[2 * BIG :], BIG, parent=hashes[1])))  # chains on
+    assert index.keyed_size("r0") == BS and index.keys_per_block("r0") == 4
+    keys = _keys([*tokens, 1, 2])
+    assert index.leading(keys) == {"r0": 12}  # every route key of the three engine blocks
+    assert index.leading(_keys(tokens[: 2 * BIG + BS])) == {"r0": 9}  # a prompt ending inside a block
+    assert index.blocks("r0") == 3 and index.memory_bytes() == 12 * ENTRY_BYTES + 2 * 2048  # each key counts
+    # a block stored again is a copy; removed once it is still held, twice it goes with all its keys
+    index.apply("r0", _events(stored(hashes[2:], tokens[2 * BIG :], BIG, parent=hashes[1])))
+    index.apply("r0", _events(removed(hashes[2:])))
+    assert index.leading(keys) == {"r0": 12}
+    index.apply("r0", _events(removed(hashes[2:])))
+    assert index.leading(keys) == {"r0": 8}
+    assert index.memory_bytes() == 8 * ENTRY_BYTES + 2 * 2048
+    index.apply("r0", _events(cleared()))
+    assert index.leading(keys) == {} and index.memory_bytes() == 2 * 2048
+
+
+def test_the_key_size_is_the_smallest_asked_that_divides_the_engines_and_a_change_drops_the_entries() -> None:
+    index = _index()
+    tokens = list(range(2 * BIG))
+    index.apply("r0", _events(stored(hashes_for(2), tokens, BIG)))
+    assert index.keyed_size("r0") == BIG and index.blocks("r0") == 2  # no route asked: the engine's own
+    generation = index.keying
+    index.key_at("r0", "chat", 2 * BS)
+    # no event names the tokens again: keyed at the old size, the entries go, relearned from here on
+    assert index.keyed_size("r0") == 2 * BS and index.blocks("r0") == 0 and index.keying > generation
+    index.key_at("r0", "batch", BS)  # two routes: the finer serves one of them
+    index.key_at("r0", "odd", 3 * BS)  # not a divisor of 64: never chosen
+    assert index.keyed_size("r0") == BS
+    index.apply("r0", _events(stored(hashes_for(2, 70), tokens, BIG)))
+    assert index.leading(_keys(tokens)) == {"r0": 8}
+    index.keep_routes({"chat", "odd"})  # a reload without "batch"
+    assert index.keyed_size("r0") == 2 * BS
+    index.key_at("r0", "chat", None)
+    assert index.keyed_size("r0") == BIG
+    index.key_at("r1", "chat", 3 * BS)  # before any event: decided by the first block size seen
+    assert index.keyed_size("r1") is None
+    index.apply("r1", _events(stored(hashes_for(1, 90), list(range(BIG)), BIG)))
+    assert index.keyed_size("r1") == BIG
+
+
+def test_keyed_finer_the_window_the_bound_past_it_and_the_clock_count_in_route_keys() -> None:
+    index = _index(max_depth_tokens=2 * BIG)
+    index.track_lru = True
+    index.key_at("r0", "chat", BS)
+    tokens = list(range(5 * BIG))
+    hashes = hashes_for(5)
+    index.apply("r0", _events(stored(hashes, tokens, BIG)))
+    keys = _keys(tokens)
+    assert index.leading(keys) == {"r0": 8}  # the window: two engine blocks, eight route keys
+    assert index.reach_past("r0", keys[7]) == 12  # three engine blocks past it, in route keys
+    index.apply("r0", _events(removed(hashes[4:])))
+    assert index.reach_past("r0", keys[7]) == 8
+    # the clock counts route keys (the routes' allocations and capacities are in them): the
+    # window was stamped at 20, one more engine block makes it 24, so a cache of 40 keys holds
+    # the window until 36 more are allocated
+    index.apply("r0", _events(stored(hashes_for(1, 80), [5] * BIG, BIG)))
+    assert index.surviving("r0", keys, 8, 36, 40) == 8
+    assert index.surviving("r0", keys, 8, 37, 40) == 0
+
+
+def test_keyed_finer_memory_stays_under_the_byte_bound() -> None:
+    bound = 200 * ENTRY_BYTES + 2 * 2048
+    index = _index(max_bytes=bound)
+    index.key_at("r0", "chat", BS)
+    for i in range(30):
+        tokens = [i] * (2 * BIG)
+        index.apply("r0", _events(stored(hashes_for(2, 10_000 + 10 * i), tokens, BIG)))
+        assert index.memory_bytes() <= bound
+    assert index.evicted > 0
+    assert index.leading(_keys([29] * (2 * BIG))) == {"r0": 8}  # its newest kept, every key of them
+    assert index.leading(_keys([0] * (2 * BIG))) == {}
