@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -388,7 +388,7 @@ class PreciseRouting:
         self._modes_epoch = -1  # the ingestor's modes_epoch when the live set was last computed
         self._live: frozenset[str] = frozenset()
         self._version = 0
-        self._masks: dict[tuple[int, int, int, int], tuple[int, dict[int, str]]] = {}
+        self._masks: dict[tuple[int, int, int, int, int], tuple[int, dict[int, str]]] = {}
         # (affinity index, its generation, live version, index generation, affinity mask) -> the
         # names and the precise index's mask
         self._eligible: dict[tuple[int, int, int, int, int], tuple[set[str], int]] = {}
@@ -430,21 +430,32 @@ class PreciseRouting:
         if feed is None:
             return "approximate", "not_subscribed"
         mode, reason = feed.mode(self.clock(), self.stale_s)
-        if mode == "precise" and block_size and self.index.block_size(name) not in (None, block_size):
+        if mode == "precise" and block_size and self.index.keyed_size(name) not in (None, block_size):
             return "approximate", "block_size_mismatch"
         return mode, reason
+
+    def key_route(self, route: str, block_size: int, names: Iterable[str]) -> None:
+        """``route`` hashes ``block_size``-token blocks over replicas ``names``: key their
+        engines' blocks at that size where theirs is a multiple of it (``PreciseIndex.key_at``),
+        so a replica at a larger block size is matched from its events too."""
+        for name in names:
+            self.index.key_at(name, route, block_size)
+
+    def keep_routes(self, routes: Container[str]) -> None:
+        """Only ``routes`` exist now (a reload): other routes' block sizes no longer count."""
+        self.index.keep_routes(routes)
 
     def _precise_mask(self, affinity: AffinityIndex, block_size: int) -> tuple[int, dict[int, str]]:
         """The affinity bits of the precise replicas for this block size, and bit → name."""
         live = self.live()
-        cache_key = (id(affinity), affinity.generation, self._version, block_size)
+        cache_key = (id(affinity), affinity.generation, self._version, self.index.keying, block_size)
         cached = self._masks.get(cache_key)
         if cached is not None:
             return cached
         mask, names = 0, {}
         for name in live:
             slot = affinity.slot_of(name)
-            if slot is None or self.index.block_size(name) not in (None, block_size):
+            if slot is None or self.index.keyed_size(name) not in (None, block_size):
                 continue
             mask |= 1 << slot
             names[slot] = name
@@ -731,12 +742,17 @@ class PreciseRouting:
             forks = request.key_forks
             after = keys[blocks - 1] if blocks else None
             self.text_tail.record(name, keys[blocks:], forks.prints if forks is not None else (), after)
-        reach = min(blocks, self.index.max_depth_tokens // max(1, request.block_size or 1))
+        # the engine stores whole blocks of its own size: keyed finer, the last keys of a
+        # prompt that ends inside one of its blocks are never stored (nor waited for)
+        per = self.index.keys_per_block(name)
+        whole = blocks - blocks % per
+        reach = min(whole, self.index.max_depth_tokens // max(1, request.block_size or 1))
+        reach -= reach % per
         confirm = keys[reach - 1] if reach > 0 else None
         if confirm is None or not self.index.holds(name, confirm):  # held already: nothing to wait for
             self.speculative.record(name, keys, confirm)
         feed = self.ingestor.feeds.get(name)
-        if feed is not None and blocks and not self.index.holds(name, keys[blocks - 1]):
+        if feed is not None and whole and not self.index.holds(name, keys[whole - 1]):
             feed.routed(self.clock())
 
     def finished(self, name: str, request: RequestView) -> None:

@@ -61,6 +61,8 @@ class KvEvents:
         blocks as deep as the deepest route window (unless ``max_depth_tokens`` is set)."""
         if max_depth_tokens and not self.settings.max_depth_tokens:
             self.index.max_depth_tokens = max_depth_tokens
+        routes = list(routes)
+        self.routing.keep_routes({route.name for route in routes})
         for route in routes:
             route.attach_precise(self.routing if self.enabled else None)
 

@@ -9,11 +9,12 @@ follows its replicas:
 - no replica has published a block size yet: 16 (vLLM's GPU default);
 - all that published agree: that size;
 - they disagree: the most common size among them (ties: the smallest), and the route says
-  which replicas use which size (stats, explain and the doctor).  Keys at that size match the
-  KV events of only the replicas that use it; the others are routed by the approximate model
-  (the gateway's own record of what it sent there), their predictions cut to whole blocks of
-  their own size where it is a multiple of the route's (``gateway.routing.policies.prefix``)
-  and labelled with the mismatch (``PrefixPipeline.units_on``).
+  which replicas use which size (stats, explain and the doctor).  A replica at a multiple of
+  the route's size has its engine's blocks keyed at the route's (``PreciseIndex.key_at``), so
+  it is still matched from its KV events, its predictions cut to whole blocks of its own size
+  (``gateway.routing.policies.prefix``); a replica at any other size is routed by the
+  approximate model (the gateway's own record of what it sent there).  Both are labelled with
+  the mismatch (``PrefixPipeline.units_on``).
 
 An integer setting always wins (``source: config``); the engines' sizes are still shown so
 a mismatch is visible.  Changing size changes every key, so keys learned at the old size

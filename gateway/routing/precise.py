@@ -9,7 +9,7 @@ and holds a matcher once the gateway attaches one (``PrefixPolicy.attach_precise
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from gateway.routing.affinity import AffinityIndex
@@ -59,3 +59,7 @@ class PreciseMatcher(Protocol):
 
     def mode_of(self, name: str, block_size: int | None = None) -> tuple[str, str | None]:
         """("precise", None) or ("approximate", why)."""
+
+    def key_route(self, route: str, block_size: int, names: Iterable[str]) -> None:
+        """``route`` hashes ``block_size``-token blocks over replicas ``names`` (its engines'
+        blocks are keyed at that size where theirs is a multiple of it)."""

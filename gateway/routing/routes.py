@@ -51,6 +51,7 @@ class Route:
         attach(matcher)
         if self.pipeline is not None:
             self.pipeline.fork_gate = None if matcher is None else (lambda: bool(matcher.live()))
+            self.pipeline.engine_stamp = None  # the next follow_engines tells the matcher the block size
 
     def follow_engines(self) -> None:
         """Let the pipeline re-choose its block size from the replicas' scraped ones
@@ -64,7 +65,10 @@ class Route:
         if stamp is not None and stamp[0] == Replica.block_size_epoch and stamp[1] is replicas:
             return
         pipeline.engine_stamp = (Replica.block_size_epoch, replicas)
-        pipeline.follow_engines(engine_block_sizes(replicas))
+        choice = pipeline.follow_engines(engine_block_sizes(replicas))
+        precise = getattr(self.runner.policy, "precise", None)
+        if precise is not None:  # replicas at a multiple of the route's size are keyed at it
+            precise.key_route(self.name, choice.size, [replica.name for replica in replicas])
 
     def learn_prompt_tokens(self, request: RequestView, prompt_tokens: int | None) -> None:
         """A served request's reply counted its prompt: past the token window, where the

@@ -198,6 +198,34 @@ def test_a_route_hashing_another_block_size_is_not_matched_precisely() -> None:
     assert events.routing.mode_of("r1", 16) == ("precise", None)  # no store seen: nothing to disagree with
 
 
+def test_a_replica_at_a_multiple_of_the_routes_block_size_is_matched_from_its_events() -> None:
+    policy, events, clock = _setup(speculative_s=10, stale_s=5)
+    big = 4 * BS
+    views = [ReplicaView("r0", block_size=big), ReplicaView("r1")]
+    events.routing.key_route("route", BS, ["r0", "r1"])  # what Route.follow_engines tells it
+    tokens = _tokens(8, 10)  # 160 tokens: two engine blocks of 64 and half of a third
+    events.ingestor.ingest("r0", 0, 1, _events(stored(hashes_for(2, 800), tokens[: 2 * big], big)))
+    assert events.mode_of("r0", BS) == ("precise", None)
+    decision = policy.peek(_request(tokens), views)
+    assert decision.replica == "r0" and decision.detail["kv_mode"] == "precise"
+    assert decision.detail["predicted_cached_tokens"] == 2 * big
+    # the engine evicts its second block: the prediction follows its word, not the model's
+    events.ingestor.ingest("r0", 0, 2, _events(removed(hashes_for(2, 800)[1:])))
+    assert policy.peek(_request(tokens), views).detail["predicted_cached_tokens"] == big
+    # chosen there, the choice waits for the engine's last whole block (keys 5-8), not key 10,
+    # which ends inside a block the engine never stores
+    policy.choose(_request(tokens), views)
+    assert len(events.routing.speculative) > 0
+    again = stored(hashes_for(1, 900), tokens[big : 2 * big], big, parent=hashes_for(1, 800)[0])
+    events.ingestor.ingest("r0", 0, 3, _events(again))
+    assert len(events.routing.speculative) == 0
+    # a prompt whose new part ends inside an engine block stores nothing: no events are owed
+    clock.now += 1
+    policy.choose(_request(tokens[: 2 * big + 2 * BS]), views)
+    clock.now += 10
+    assert events.mode_of("r0", BS) == ("precise", None)
+
+
 def test_the_engines_word_ends_a_speculative_choice_so_its_evictions_count_at_once() -> None:
     policy, events, clock = _setup(speculative_s=10, stale_s=1000)
     tokens = _tokens(7, 4)

@@ -183,3 +183,52 @@ def test_two_questions_on_one_document_are_predicted_to_where_they_part_inside_a
     chunked = _fork_gap(sims, 0, "quarry")  # chunk resolution
     assert abs(printed) <= 48, (printed, chunked)  # within a piece (~32 tokens) and a block of where they part
     assert chunked >= 150, (printed, chunked)  # chunk resolution: the chunk before
+
+
+@pytest.fixture(scope="module")
+def big_block_sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaGroup]:
+    """Two replicas whose engines use 64-token blocks (as after a ``--block-size`` change)."""
+    options = {"served_model_name": MODEL, "time_scale": 0, "max_output_tokens": 4, "block_size": 64}
+    with shared_group(tmp_path_factory, "kv-pub-sims-64", 2, kv_events=True, **options) as group:
+        yield group
+
+
+def test_engines_at_a_multiple_of_the_routes_block_size_are_routed_from_their_events(
+    big_block_sims: ReplicaGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A route hashing 16-token blocks (set by hand) over engines at 64: each engine block is
+    keyed as four of the route's, so the replicas are matched from their events (precise), and
+    every prediction is what the engine reports, in whole 64-token blocks."""
+    monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", ADMIN_KEY)
+    route = {"name": "main", "policy": "prefix", "prefix": {"block_size": 16}}
+    with (
+        serve_in_thread(gateway_config(big_block_sims.urls, routes=[route])) as gw,
+        httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30) as api,
+    ):
+        sdk = openai_client(gw.openai_base_url, api_key="unused", timeout=30)
+        wait_for(lambda: all(row.get("endpoints") for row in _kv(api).values()), 15, what="publishers discovered")
+        seen: list[tuple[str, str, int, int]] = []
+        for topic in ("tides", "moss", "gears", "lichen"):
+            messages = [
+                {"role": "system", "content": f"You answer about {topic}. " + f"Cite the {topic} ledger. " * 40},
+                {"role": "user", "content": "What changed?"},
+            ]
+            raw = sdk.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+            first = raw.headers["x-prefix-gateway-replica"]
+            wait_for(lambda first=first: _kv(api)[first]["indexed_blocks"] > 0 and _kv(api)[first]["mode"] == "precise",
+                     10, what="the engine's BlockStored")  # fmt: skip
+            plan = api.post("/admin/explain", json={"model": MODEL, "messages": messages}).json()
+            raw = sdk.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+            usage = raw.parse().usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            cached = usage.prompt_tokens_details.cached_tokens or 0
+            where = raw.headers["x-prefix-gateway-replica"]
+            assert plan["decision"]["replica"] == where == first
+            mode = plan["detail"].get("kv_mode")  # how the chosen replica was matched
+            seen.append((where, mode, plan["decision"]["predicted_cached_tokens"], cached))
+        stats = api.get("/admin/stats").json()
+    assert all(mode == "precise" for _, mode, _, _ in seen), seen
+    assert all(predicted == cached > 0 and cached % 64 == 0 for _, _, predicted, cached in seen), seen
+    block = stats["routes"]["main"]["block_size"]
+    assert block["size"] == 16 and block["mismatched"] == ["r0", "r1"]  # still said: the keys are not the engine's
+    assert {row["mode"] for row in stats["kv_events"]["replicas"].values()} == {"precise"}

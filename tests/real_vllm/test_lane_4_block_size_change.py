@@ -3,10 +3,11 @@
 The route hashes its replicas' own block size (``block_size: auto``, scraped from
 ``vllm:cache_config_info``). A replica restarted with ``--block-size 64`` beside one at 128 makes
 the fleet disagree: the route follows (ties: the smallest, 64) and says which replica uses which
-size, and each prediction still equals what vLLM reports: the replica at 64 from its KV events
-(precise), the one at 128 from the approximate model, cut to whole 128-token blocks as its engine
-caches them; each prediction's units label names the engine it went to. Runs last (a replica
-restart, about a minute; the replica keeps its new size).
+size, and each prediction still equals what vLLM reports, both replicas matched from their KV
+events (precise): the one at 128 has each of its blocks keyed as two of the route's 64-token
+keys, its predictions cut to whole 128-token blocks as its engine caches them; each prediction's
+units label names the engine it went to. Runs last (a replica restart, about a minute; the
+replica keeps its new size).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def test_a_replica_restarted_with_another_block_size_is_still_predicted_exactly(
     assert telling is not None, "no repeat on r0 ended inside one of its 128-token blocks"
     tallies = real_front.tallies()
     modes = {name: tally.get("kv_mode") for name, tally in tallies.items()}
-    assert modes == {"r0": "approximate", "r1": "precise"}, modes
+    assert modes == {"r0": "precise", "r1": "precise"}, modes  # r0's 128-token blocks keyed at 64
     # each prediction is labelled for its engine: r1 at the route's size exact (as it was all
     # along), r0's blocks named as not the keys' (its tally also holds the earlier tests' exact ones)
     assert tallies["r1"]["predicted_units"] == "exact (llama3)", tallies["r1"]
