@@ -54,6 +54,7 @@ class KvEvents:
         self._collector: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._restarts_seen: dict[str, int] = {}  # per replica: engine restarts its scrapes showed
+        self._routes: list[Any] = []  # the routes attached (follow_routes)
 
     # -- routes ------------------------------------------------------------------------------
     def attach(self, routes: Iterable[Any], max_depth_tokens: int | None = None) -> None:
@@ -61,10 +62,17 @@ class KvEvents:
         blocks as deep as the deepest route window (unless ``max_depth_tokens`` is set)."""
         if max_depth_tokens and not self.settings.max_depth_tokens:
             self.index.max_depth_tokens = max_depth_tokens
-        routes = list(routes)
-        self.routing.keep_routes({route.name for route in routes})
-        for route in routes:
+        self._routes = list(routes)
+        self.routing.keep_routes({route.name for route in self._routes})
+        for route in self._routes:
             route.attach_precise(self.routing if self.enabled else None)
+
+    def follow_routes(self) -> None:
+        """Let each route re-choose its block size from its replicas' last scrape now, not on
+        its next request: the index keys their events at that size from the first one
+        (``PreciseIndex.key_at``; a later change of key size drops what was learned)."""
+        for route in self._routes:
+            route.follow_engines()
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -99,6 +107,7 @@ class KvEvents:
 
     def reconcile(self) -> None:
         """Subscribe to replicas that joined, unsubscribe (and forget) those that left."""
+        self.follow_routes()
         current = self.replicas()
         for name in [n for n in self._subs if n not in current]:
             self._subs.pop(name).cancel()

@@ -3,12 +3,14 @@ choices, past-the-window extension, block-size mismatch and the stale fallback."
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from gateway.kv_events.service import KvEvents
 from gateway.kv_events.settings import KvEventsSettings
 from gateway.prefix.blocks import chain_block_keys, engine_seed
 from gateway.replicas.engine import EngineStats
+from gateway.replicas.pool import Replica
 from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings
 from gateway.service import Gateway
@@ -390,3 +392,32 @@ def test_a_replica_is_precise_as_soon_as_its_first_events_arrive() -> None:
     clock.now += 0.01  # well within the live set's 0.1 s
     events.ingestor.ingest("r1", 0, 0, [])
     assert events.routing.live() == frozenset({"r0", "r1"})
+
+
+def test_the_routes_block_size_reaches_the_index_before_any_request() -> None:
+    """A replica at a multiple of its route's block size: the route's size is told to the index
+    as soon as the KV-event subsystem reconciles (before it subscribes), so its first events
+    are keyed at the route's size, not at the engine's and dropped at the first request."""
+    urls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    gw = Gateway(gateway_config(urls, routes=[{"name": "main", "policy": "prefix", "prefix": {"block_size": BS}}]))
+    route = gw.routes.routes[0]  # hashing 16 (set by hand), under engines at 64
+    for replica in route.runner.replicas:
+        replica.block_size = 4 * BS
+    Replica.block_size_epoch += 1
+    calls: list[str] = []
+
+    async def subscribe(replica: Any) -> None:
+        calls.append(replica.name)
+
+    async def reconcile_once() -> None:
+        gw.kv_events._subscribe = subscribe  # type: ignore[method-assign]
+        gw.kv_events.reconcile()
+        await asyncio.gather(*gw.kv_events._subs.values())
+
+    asyncio.run(reconcile_once())
+    assert sorted(calls) == ["r0", "r1"]
+    index = gw.kv_events.index
+    index.add("r0", MODEL)
+    tokens = _tokens(9, 8)
+    index.apply("r0", _events(stored(hashes_for(2, 990), tokens, 4 * BS)))
+    assert index.keyed_size("r0") == BS and index.leading(_request(tokens).block_keys) == {"r0": 8}
