@@ -172,6 +172,8 @@ def tokenizer_misalignment(corpus: Corpus, info: RouteInfo, live: dict[str, Any]
     disagree = len(block_sizes) > 1
     hashed = block.get("size") if isinstance(block.get("size"), int) else info.block_size
     wrong_block = sorted(b for b in block_sizes if b != hashed)
+    # engines at a multiple of the route's size are keyed at it: matched and predicted exactly
+    unmatched = [b for b in wrong_block if not isinstance(hashed, int) or hashed <= 0 or b % hashed]
     if disagree:
         groups: dict[int, list[str]] = {}
         for name, size in sorted(engines.items()):
@@ -180,7 +182,13 @@ def tokenizer_misalignment(corpus: Corpus, info: RouteInfo, live: dict[str, Any]
         evidence.append(
             "the route's replicas use different block sizes: "
             + "; ".join(f"{size} on {', '.join(names)}" for size, names in sorted(groups.items()))
-            + f"; the route hashes {hashed}-token blocks, so the others are routed as if their cache were cold"
+            + f"; the route hashes {hashed}-token blocks"
+            + (
+                f", so the replicas at {unmatched} are routed by the approximate model and predicted at its granularity"
+                if unmatched
+                else ", which each engine's is a multiple of: every replica is matched from its own blocks, "
+                "at the cost of more keys per block on the larger ones"
+            )
         )
     elif wrong_block:
         evidence.append(f"the engines use block size {wrong_block}, the route hashes {hashed}-token blocks")
@@ -231,7 +239,7 @@ def tokenizer_misalignment(corpus: Corpus, info: RouteInfo, live: dict[str, Any]
                 yaml=None if disagree else route_yaml(info.name, {"prefix": prefix}),
                 patch=None if disagree else {"route": info.name, "prefix": prefix},
             ),
-            severity=max(gap or 0.0, 0.5 if wrong_block else 0.0),
+            severity=max(gap or 0.0, 0.5 if unmatched else 0.2 if wrong_block else 0.0),
             data={
                 "gap": None if gap is None else round(gap, 4),
                 "engine_block_sizes": sorted(block_sizes),

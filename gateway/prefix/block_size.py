@@ -8,13 +8,18 @@ follows its replicas:
 
 - no replica has published a block size yet: 16 (vLLM's GPU default);
 - all that published agree: that size;
-- they disagree: the most common size among them (ties: the smallest), and the route says
-  which replicas use which size (stats, explain and the doctor).  A replica at a multiple of
-  the route's size has its engine's blocks keyed at the route's (``PreciseIndex.key_at``), so
-  it is still matched from its KV events, its predictions cut to whole blocks of its own size
-  (``gateway.routing.policies.prefix``); a replica at any other size is routed by the
-  approximate model (the gateway's own record of what it sent there).  Both are labelled with
-  the mismatch (``PrefixPipeline.units_on``).
+- they disagree: the largest size every one of theirs is a multiple of (their greatest
+  common divisor: 32 for 32 and 128, 16 for 48 and 64), unless that is under 16 tokens; then
+  the most common size (ties: the smallest).  The route says which replicas use which size
+  (stats, explain and the doctor).  A replica at a multiple of the route's size has its
+  engine's blocks keyed at the route's (``PreciseIndex.key_at``), so it is still matched from
+  its KV events, its predictions cut to whole blocks of its own size
+  (``gateway.routing.policies.prefix``): with the common divisor, that is every replica.  A
+  replica at any other size is routed by the approximate model (the gateway's own record of
+  what it sent there).  Both are labelled with the mismatch (``PrefixPipeline.units_on``).
+  Why not the most common size first: keys at 128 over an engine at 32 under-predict it by up
+  to 96 tokens and cannot match its events; keys at 32 over an engine at 128 cost four keys
+  per engine block and lose nothing.
 
 An integer setting always wins (``source: config``); the engines' sizes are still shown so
 a mismatch is visible.  Changing size changes every key, so keys learned at the old size
@@ -24,6 +29,7 @@ from a block it does not share.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -67,7 +73,12 @@ class BlockSizeChoice:
             return None
         groups = "; ".join(f"{size}: {', '.join(names)}" for size, names in self.engine_sizes().items())
         if self.disagree:
-            how = "configured" if self.source == "config" else "the most common"
+            if self.source == "config":
+                how = "configured"
+            elif all(size % self.size == 0 for size in self.engines.values()):
+                how = "every replica's is a multiple of it"
+            else:
+                how = "the most common"
             return (
                 f"the replicas use different block sizes ({groups}); the route hashes {self.size}-token blocks ({how})"
             )
@@ -94,9 +105,11 @@ def choose(setting: int | str, engines: Mapping[str, int]) -> BlockSizeChoice:
         return BlockSizeChoice(setting, setting, "config", known)
     if not known:
         return BlockSizeChoice(DEFAULT_BLOCK_SIZE, setting, "default", known)
-    counts = Counter(known.values())
-    size = min(counts, key=lambda s: (-counts[s], s))
-    return BlockSizeChoice(size, setting, "engines", known)
+    common = math.gcd(*known.values())
+    if common < DEFAULT_BLOCK_SIZE:  # e.g. 24 and 32: keys of 8 tokens would cost 4x the default's
+        counts = Counter(known.values())
+        common = min(counts, key=lambda s: (-counts[s], s))
+    return BlockSizeChoice(common, setting, "engines", known)
 
 
 def validate_setting(value: Any) -> int | str:

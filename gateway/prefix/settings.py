@@ -180,8 +180,10 @@ class PrefixSettings(BaseModel):
     block_size: int | Literal["auto"] = Field(
         "auto",
         description="tokens per hashed block: auto (the default) follows the replicas' own block size as they "
-        "publish it in vllm:cache_config_info (16 until one is known; when they disagree, the most common, ties "
-        "to the smallest, and stats/explain/doctor name which replicas use which), or an integer (vLLM's "
+        "publish it in vllm:cache_config_info (16 until one is known; when they disagree, the largest size every "
+        "one of theirs is a multiple of, so each engine's blocks are keyed at it and matched from its KV events; "
+        "under 16, the most common, ties to the smallest; stats/explain/doctor name which replicas use which), "
+        "or an integer (vLLM's "
         "--block-size; always wins)",
     )
     lora_from_model: bool = Field(

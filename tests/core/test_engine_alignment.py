@@ -37,12 +37,22 @@ def test_auto_follows_the_engines_and_says_when_they_disagree() -> None:
     assert choose("auto", {}).source == "default"
     agreed = choose("auto", {"a": 128, "b": 128})
     assert (agreed.size, agreed.source, agreed.disagree, agreed.describe()) == (128, "engines", False, None)
+    # they disagree: the largest size every engine's is a multiple of, though most use 128 (each
+    # of their blocks is keyed as eight of the route's; keys at 128 would over-cut b's 16s)
     split = choose("auto", {"a": 128, "b": 16, "c": 128})
-    assert split.size == 128 and split.disagree and split.mismatched == {"b": 16}
+    assert split.size == 16 and split.disagree and split.mismatched == {"a": 128, "c": 128}
     assert split.describe() == (
-        "the replicas use different block sizes (16: b; 128: a, c); the route hashes 128-token blocks (the most common)"
+        "the replicas use different block sizes (16: b; 128: a, c); "
+        "the route hashes 16-token blocks (every replica's is a multiple of it)"
     )
-    assert choose("auto", {"a": 32, "b": 64}).size == 32  # a tie: the smallest
+    assert choose("auto", {"a": 32, "b": 64}).size == 32
+    assert choose("auto", {"a": 48, "b": 64, "c": 64}).size == 16  # no engine's own, but a divisor of each
+    # under 16 tokens a key would cost more than the GPU default's: the most common, then the smallest
+    odd = choose("auto", {"a": 24, "b": 32, "c": 32})
+    assert odd.size == 32 and odd.describe() == (
+        "the replicas use different block sizes (24: a; 32: b, c); the route hashes 32-token blocks (the most common)"
+    )
+    assert choose("auto", {"a": 24, "b": 32}).size == 24  # a tie: the smallest
     explicit = choose(16, {"a": 128})
     assert explicit.size == 16 and explicit.source == "config" and explicit.mismatched == {"a": 128}
     assert "the route hashes 16-token blocks (configured)" in (explicit.describe() or "")
@@ -74,8 +84,8 @@ def test_exact_only_when_tokenizer_template_and_block_size_all_match() -> None:
     assert units_label(llama, choose(16, {"r0": 128})) == "approximate (llama3): block size 16 vs engine 128"
     assert units_label(llama, choose("auto", {})) == "approximate (llama3): engine block size unknown (16 assumed)"
     assert (
-        units_label(llama, choose("auto", {"a": 16, "b": 128, "c": 128}))
-        == "approximate (llama3): block size 128 vs engine 16"
+        units_label(llama, choose("auto", {"a": 24, "b": 128, "c": 128}))
+        == "approximate (llama3): block size 128 vs engine 24"
     )
     guessed = alignment_for_family("cl100k_base")  # an unknown model name
     assert units_label(guessed, choose("auto", {"r0": 16})) == (

@@ -122,6 +122,21 @@ def test_tokenizer_misalignment_from_predicted_vs_reported() -> None:
     assert "tokenizer_mismatch" not in _causes(Corpus("test", stats=healthy))
 
 
+def test_replicas_that_disagree_are_named_and_those_the_route_cannot_key_are_singled_out() -> None:
+    def finding(engines: dict[str, int], hashed: int) -> dict[str, Any]:
+        block = {"size": hashed, "setting": "auto", "engines": engines}
+        stats = _stats(block_size=block, engines={n: {"block_size": b} for n, b in engines.items()})
+        return _causes(Corpus("test", stats=stats))["tokenizer_mismatch"]
+
+    # 16 and 128: the route hashes 16, each 128-token block is keyed as eight of its keys
+    keyed = finding({"r0": 16, "r1": 128}, 16)
+    assert any("which each engine's is a multiple of" in line for line in keyed["evidence"]), keyed["evidence"]
+    # 24 beside 32s: the route hashes 32, and the replica at 24 is only modelled
+    modelled = finding({"r0": 24, "r1": 32, "r2": 32}, 32)
+    assert any("replicas at [24] are routed by the approximate model" in line for line in modelled["evidence"])
+    assert modelled["severity"] > keyed["severity"] > 0
+
+
 def test_the_route_line_names_the_prediction_error_where_the_hit_rates_hide_it() -> None:
     stats = _stats(hit_rate_predicted=0.5, hit_rate_reported=0.5, predicted_requests=40, prediction_error=0.083)
     diagnosis = diagnose(Corpus("test", stats=stats))

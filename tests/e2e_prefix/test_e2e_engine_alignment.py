@@ -151,32 +151,42 @@ def test_replicas_that_disagree_are_named_in_stats_explain_and_doctor() -> None:
     with sims(128, 16, 128) as urls, gateway(urls, routes=[ROUTE]) as gw:
         block = route_stats(gw)["block_size"]
         assert block["engines"] == {"r0": 128, "r1": 16, "r2": 128}
-        assert block["disagree"] and block["size"] == 128 and block["mismatched"] == ["r1"]
+        # the route hashes the size every engine's is a multiple of (16), not the most common (128)
+        assert block["disagree"] and block["size"] == 16 and block["mismatched"] == ["r0", "r2"]
         assert "16: r1; 128: r0, r2" in block["note"]
         sdk = client(gw)
-        # new prompts are placed by load: soon on r1 (at 16) and on a replica at the route's 128
+        # new prompts are placed by load: soon on r1 (at the route's 16) and on a replica at 128;
+        # each asked twice, so the second is a hit to predict
         for i in range(12):
-            sdk.chat.completions.create(
-                model=LLAMA, messages=[{"role": "user", "content": system_prompt(f"kelp{i}", 300)}], max_tokens=4
+            messages = [{"role": "user", "content": system_prompt(f"kelp{i}", 300)}]
+            for _ in range(2):
+                sdk.chat.completions.create(model=LLAMA, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+            view = wait_for(
+                lambda n=i: (v := route_stats(gw)).get("predicted_requests", 0) > 2 * n + 1 and v, what="it"
             )
-            view = wait_for(lambda n=i: (v := route_stats(gw)).get("predicted_requests", 0) > n and v, what="it")
             served = {name for name, row in view["replicas"].items() if row.get("predicted_requests")}
             if "r1" in served and served & {"r0", "r2"}:
                 break
         units = {name: row.get("predicted_units") for name, row in view["replicas"].items()}
-        # each prediction is labelled for the engine it went to: only r1's blocks are not the keys'
-        assert units["r1"] == "approximate (llama3): block size 128 vs engine 16"
-        assert {units[name] for name in ("r0", "r2") if units.get(name)} == {"exact (llama3)"}
+        # each prediction is labelled for the engine it went to: r0's and r2's blocks are not the keys'
+        assert units["r1"] == "exact (llama3)"
+        assert {units[name] for name in ("r0", "r2") if units.get(name)} == {
+            "approximate (llama3): block size 16 vs engine 128"
+        }
         assert view["predicted_units"].startswith("mixed: ") and view["predicted_exact"] is False
+        # ... and every prediction is what the engine reported: r1 to its 16s, r0 and r2 cut to
+        # their whole 128s (with the most common size, r1's hits were cut to 128s: under by up to 112)
+        errors = {name: row.get("prediction_error") for name, row in view["replicas"].items() if name in served}
+        assert errors and set(errors.values()) == {0}, errors
         with admin(gw, ADMIN_KEY) as api:
             explained = api.post(
                 "/admin/explain", json={"model": LLAMA, "messages": [{"role": "user", "content": "hello"}]}
             ).json()
         prefix = explained["prefix"]
-        assert prefix["block_size"] == 128 and prefix["block_size_source"] == "engines"
+        assert prefix["block_size"] == 16 and prefix["block_size_source"] == "engines"
         assert prefix["engine_block_sizes"] == {"r0": 128, "r1": 16, "r2": 128}
         assert "16: r1" in prefix["block_size_note"]
-        assert prefix["units"] == "approximate (llama3): block size 128 vs engine 16"
+        assert prefix["units"] == "approximate (llama3): block size 16 vs engine 128"
         report = to_dict(diagnose(from_gateway(gw.url, ADMIN_KEY)))
         found = [f for f in report["findings"] if f["cause"] == "tokenizer_mismatch"]
         assert found, report["findings"]

@@ -2,7 +2,7 @@
 
 The route hashes its replicas' own block size (``block_size: auto``, scraped from
 ``vllm:cache_config_info``). A replica restarted with ``--block-size 64`` beside one at 128 makes
-the fleet disagree: the route follows (ties: the smallest, 64) and says which replica uses which
+the fleet disagree: the route follows (64, which 128 is a multiple of) and says which replica uses which
 size, and each prediction still equals what vLLM reports, both replicas matched from their KV
 events (precise): the one at 128 has each of its blocks keyed as two of the route's 64-token
 keys, its predictions cut to whole 128-token blocks as its engine caches them; each prediction's
