@@ -22,7 +22,8 @@ machine they share the CPU, and other work on the machine adds noise: read the r
 the absolute numbers.  Results: a table on stdout and ``bench_proxy.json`` (and, with
 ``--profile``, ``bench_proxy_profile.txt``) in ``--out`` (default ``benchmarks/results/``).
 Errors: every phase counts the non-200 answers and failed requests of its timed part (never
-its warm-up's) and leaves them out of the latencies, gaps and TTFTs.
+its warm-up's) and leaves them out of the latencies, gaps and TTFTs.  A failed warm-up request
+does not end the warm-up: the peak rows count them apart (``*_warmup_errors`` in the JSON).
 """
 
 from __future__ import annotations
@@ -146,10 +147,17 @@ async def closed_loop(url: str, body: bytes, concurrency: int, duration: float, 
                     latencies.append(latency)
 
         warm: list[float] = []
+        warmup_errors = 0
 
         async def warmup(stop_at: float) -> None:
+            # a failed warm-up request is counted and the warm-up goes on: one error must
+            # neither end it early (the timed part would start cold) nor count as a timed one
+            nonlocal warmup_errors
             while time.perf_counter() < stop_at:
-                warm.append(await _one(session, url, body, stream))
+                try:
+                    warm.append(await _one(session, url, body, stream))
+                except Exception:
+                    warmup_errors += 1
 
         await asyncio.gather(*(warmup(time.perf_counter() + min(1.0, duration / 4)) for _ in range(concurrency)))
         start = time.perf_counter()
@@ -160,7 +168,8 @@ async def closed_loop(url: str, body: bytes, concurrency: int, duration: float, 
         "latencies": latencies,
         "errors": errors,
         "seconds": elapsed,
-        "warmup_requests": len(warm),
+        "warmup_requests": len(warm),  # served ones; the failed ones are warmup_errors
+        "warmup_errors": warmup_errors,
     }
 
 
@@ -266,6 +275,7 @@ def phase_peak(
         out[f"{name}_p50_ms"] = ms(pct(result["latencies"], 0.5))
         out[f"{name}_p99_ms"] = ms(pct(result["latencies"], 0.99))
         out[f"{name}_errors"] = result["errors"]
+        out[f"{name}_warmup_errors"] = result["warmup_errors"]  # apart: never in the timed figures
         if name == "gateway":
             cpu = cpu_seconds(gateway_pid) - cpu0
             out["gateway_cpu_pct"] = round(cpu / wall * 100, 1)

@@ -13,7 +13,8 @@ peak phases and the real-time pair the stream gaps, the gateway CPU columns are 
 gateway process, and the table and JSON carry the fields the docstring names, written to
 ``--out`` (a folder outside the repository here).  The error counts are checked apart, against a
 tiny server that fails the requests it is told to: an error answer is no stream's first chunk,
-and the open loop's warm-up errors are not the timed run's.
+and the open and closed loops' warm-up errors are not the timed run's (a failed warm-up request
+does not end the closed loop's warm-up).
 """
 
 from __future__ import annotations
@@ -130,7 +131,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Watch, dict[
         mp.setattr(
             bp,
             "closed_loop",
-            watch.loop(bp.closed_loop, lambda a, r: r["warmup_requests"] + len(r["latencies"]) + r["errors"]),
+            watch.loop(
+                bp.closed_loop,
+                lambda a, r: r["warmup_requests"] + r["warmup_errors"] + len(r["latencies"]) + r["errors"],
+            ),
         )
         mp.setattr(bp, "stream_gaps", watch.loop(bp.stream_gaps, lambda a, r: a[1]))  # (body, streams, conc)
         out = io.StringIO()
@@ -306,3 +310,24 @@ def test_errors_are_counted_apart_from_what_is_timed() -> None:
     assert len(failed_open) == 23 and int(RATE * OPEN_S) == 10
     assert opened["errors"] == 3 and len(opened["latencies"]) == 7, "errors of the timed run only"
     assert opened["warmup_errors"] == 20
+
+
+def test_a_failed_warm_up_request_neither_ends_the_warm_up_nor_counts_as_timed() -> None:
+    """The closed loop's first three requests fail (one connection, so all in its warm-up)."""
+    seen: list[int] = []
+
+    def fail(n: int) -> bool:
+        seen.append(n)
+        return n < 3
+
+    async def scenario() -> tuple[dict[str, Any], list[int]]:
+        async with failing(fail) as (url, failed):
+            # warm-up min(1.0, 1.0 / 4) = 0.25 s, then 1 s timed
+            return await bp.closed_loop(url, json.dumps(bp.SMALL_CHAT).encode(), 1, 1.0, False), failed
+
+    result, failed = bp.run_async(scenario())
+    assert failed == [0, 1, 2]
+    assert result["warmup_errors"] == 3 and result["errors"] == 0, "warm-up errors are apart from the timed ones"
+    assert result["warmup_requests"] >= 1, "the warm-up stopped at its errors"
+    assert len(result["latencies"]) > 0
+    assert result["warmup_requests"] + result["warmup_errors"] + len(result["latencies"]) == len(seen)
