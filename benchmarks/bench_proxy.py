@@ -174,8 +174,9 @@ async def closed_loop(url: str, body: bytes, concurrency: int, duration: float, 
 
 
 async def stream_gaps(url: str, body: bytes, streams: int, concurrency: int) -> dict[str, Any]:
-    """Chunk inter-arrival gaps and TTFT of real-time streams (a non-200 answer is an error,
-    its body no first chunk)."""
+    """Chunk inter-arrival gaps and TTFT of real-time streams.  A non-200 answer is an error, its
+    body no first chunk; so is a failed connection (refused, closed before the headers, or cut
+    mid-stream), and the chunks such a stream got before it broke are not timed either."""
     gaps: list[float] = []
     ttfts: list[float] = []
     errors = 0
@@ -186,19 +187,31 @@ async def stream_gaps(url: str, body: bytes, streams: int, concurrency: int) -> 
             nonlocal errors
             async with sem:
                 start = time.perf_counter()
+                first: float | None = None  # this stream's TTFT and gaps, kept only if it ends well
+                mine: list[float] = []
                 last = None
-                async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
-                    if resp.status != 200:
-                        errors += 1
-                        await resp.read()
-                        return
-                    async for _ in resp.content.iter_any():
-                        now = time.perf_counter()
-                        if last is None:
-                            ttfts.append(now - start)
+                ok = False
+                try:
+                    async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
+                        if resp.status != 200:
+                            await resp.read()
                         else:
-                            gaps.append(now - last)
-                        last = now
+                            async for _ in resp.content.iter_any():
+                                now = time.perf_counter()
+                                if last is None:
+                                    first = now - start
+                                else:
+                                    mine.append(now - last)
+                                last = now
+                            ok = True
+                except (aiohttp.ClientError, OSError):  # OSError: TimeoutError and a refused connect too
+                    ok = False
+                if not ok:
+                    errors += 1
+                    return
+                if first is not None:
+                    ttfts.append(first)
+                gaps.extend(mine)
 
         await asyncio.gather(*(one() for _ in range(streams)))
     return {"gaps": gaps, "ttfts": ttfts, "errors": errors}

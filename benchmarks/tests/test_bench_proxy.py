@@ -14,14 +14,19 @@ gateway process, and the table and JSON carry the fields the docstring names, wr
 ``--out`` (a folder outside the repository here).  The error counts are checked apart, against a
 tiny server that fails the requests it is told to: an error answer is no stream's first chunk,
 and the open and closed loops' warm-up errors are not the timed run's (a failed warm-up request
-does not end the closed loop's warm-up).
+does not end the closed loop's warm-up); and against a raw server that closes connections before
+the answer or mid-stream, and a port that refuses them: each is a stream error, none is timed,
+and the run goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
+import re
+import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -331,3 +336,71 @@ def test_a_failed_warm_up_request_neither_ends_the_warm_up_nor_counts_as_timed()
     assert result["warmup_requests"] >= 1, "the warm-up stopped at its errors"
     assert len(result["latencies"]) > 0
     assert result["warmup_requests"] + result["warmup_errors"] + len(result["latencies"]) == len(seen)
+
+
+@contextlib.asynccontextmanager
+async def breaking(modes: Callable[[int], str]) -> AsyncIterator[tuple[str, dict[str, int]]]:
+    """A raw HTTP server whose n-th connection (from 0, one request each) gets ``modes(n)``:
+    "stream" (a whole three-chunk SSE stream), "cut" (the request read, the connection closed
+    before any answer) or "cut_mid" (the headers and one chunk, then closed: an incomplete chunked
+    body); yields its URL and how many of each it answered."""
+    answered = {"stream": 0, "cut": 0, "cut_mid": 0}
+    count = 0
+
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    async def one_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal count
+        n, count = count, count + 1
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+            await reader.readexactly(int(length.group(1)) if length else 0)
+            mode = modes(n)
+            answered[mode] += 1
+            if mode == "cut":
+                return
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n" + chunk(b'data: {"n": 1}\n\n')
+            )
+            await writer.drain()
+            if mode == "cut_mid":
+                return
+            writer.write(chunk(b'data: {"n": 2}\n\n') + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(one_connection, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1/chat/completions", answered
+    finally:
+        server.close()
+
+
+def test_stream_gaps_counts_failed_connections_as_errors_and_times_none_of_them() -> None:
+    body = json.dumps({**bp.SMALL_CHAT, "stream": True}).encode()
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, int], dict[str, Any]]:
+        modes = ("stream", "cut", "cut_mid")
+        async with breaking(lambda n: modes[n % 3]) as (url, answered):
+            broken = await bp.stream_gaps(url, body, 9, 3)
+        # a port nobody listens on (bound, never listening): every connect is refused
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            refused = await bp.stream_gaps(
+                f"http://127.0.0.1:{closed.getsockname()[1]}/v1/chat/completions", body, 3, 2
+            )
+        return broken, dict(answered), refused
+
+    broken, answered, refused = bp.run_async(scenario())
+    assert answered == {"stream": 3, "cut": 3, "cut_mid": 3}
+    assert broken["errors"] == 6, "a connection closed before the answer or mid-stream is an error"
+    assert len(broken["ttfts"]) == 3, "a stream cut after its first chunk was timed"
+    assert len(broken["gaps"]) <= 2 * 3
+    assert refused == {"gaps": [], "ttfts": [], "errors": 3}
