@@ -9,7 +9,8 @@ read and, at that moment, the replica's own count of finished requests (``/metri
 calls bracket the timed window exactly, after the warm-up and after the last timed request.
 The load loop's error count is checked apart, against a tiny server that answers 200, 503 or
 cuts the connection in turn: served and errors are counted apart, and a cut connection is an
-error, not the end of the run.
+error, not the end of the run.  docs/simulator.md's figures are checked to be of this counting
+(dated no earlier than its change, saying what is counted) and its quoted commands to run.
 """
 
 from __future__ import annotations
@@ -183,3 +184,33 @@ def test_a_short_run_writes_its_table_and_json(recorded, tmp_path: Path, capsys,
     assert all(f"| {r['scenario']:<46} | {r['concurrency']:>4} |" in text for r in rows)
     assert ("-> PASS" if result["passed"] else "-> FAIL") in text
     assert f"wrote {out}" in text
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "simulator.md"
+COUNTING_SINCE = "2026-12-06"  # since then only 200s are requests and a failed connection is an error
+
+
+def doc_figures() -> str:
+    """docs/simulator.md's bench_sim paragraph and its table: "## Performance" to the table's end."""
+    section = DOC.read_text().split("\n## Performance\n", 1)[1].split("\n## ", 1)[0]
+    head, table = section.split("\n|", 1)
+    return head + "\n|" + table.split("\n\n", 1)[0]
+
+
+def test_the_simulator_doc_quotes_working_commands_and_figures_counted_as_now(monkeypatch, tmp_path) -> None:
+    """The commands the doc quotes run (the load stubbed out); its figures are dated no earlier
+    than the counting change, name the machine's cores, and the paragraph says what is counted."""
+    text = doc_figures()
+    commands = re.findall(r"`python3? benchmarks/bench_sim\.py([^`]*)`", text)
+    flags = re.findall(r"`(--(?:quick|duration|concurrency|out)\b[^`]*)`", text)
+    assert commands and "--quick" in flags
+    row = bs.Result("chat, small, non-stream", "default", 8, 100, 0, 1.0, 2000.0, 1.0, 2.0, 50.0, 4000.0, True)
+    runs: list[tuple[float, list[int], bool]] = []
+    monkeypatch.setattr(bs, "run", lambda *args: runs.append(args) or [row])
+    for argv in [c.split() for c in commands] + [f.split() for f in flags]:
+        assert bs.main([*argv, "--out", str(tmp_path / "sim.json")]) == 0, argv
+    assert runs[-1] == (2.0, [8, 64], True) and runs[0] == (5.0, [8, 64], False)
+    dates = re.findall(r"\b20\d\d-\d\d-\d\d\b", text)
+    assert dates and min(dates) >= COUNTING_SINCE, f"figures dated {dates}, before bench_sim counted 200s only"
+    assert re.search(r"\b2-core\b|\b2 cores\b", text), "the machine's cores"
+    assert "answered 200" in text and "`errors`" in text, "what the columns count"
