@@ -193,6 +193,7 @@ class KvEvents:
             row["mode"], row["reason"] = self.mode_of(name)
             row["indexed_blocks"] = self.index.blocks(name)
             row["block_size"] = self.index.block_size(name)
+            row["keyed_at"] = self.index.keyed_size(name)  # tokens per key: the route's where it divides block_size
             replicas[name] = row
         return {
             "enabled": self.settings.enabled,

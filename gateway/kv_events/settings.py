@@ -99,9 +99,9 @@ class KvEventsSettings(BaseModel):
     max_bytes: int = Field(
         128 * 1024 * 1024,
         ge=64 * 1024,
-        description="memory bound of the precise index, all replicas together (~400 bytes per indexed block, 500 "
-        "with project_evictions); "
-        "over it the replica with most entries forgets its oldest",
+        description="memory bound of the precise index, all replicas together (~400 bytes per indexed key, 500 "
+        "with project_evictions: one key per engine block, or engine/route keys where an engine's block size is a "
+        "multiple of its route's); over it the replica with most keys forgets its oldest blocks",
     )
     max_depth_tokens: int | None = Field(
         None,

@@ -231,4 +231,5 @@ def test_engines_at_a_multiple_of_the_routes_block_size_are_routed_from_their_ev
     assert all(predicted == cached > 0 and cached % 64 == 0 for _, _, predicted, cached in seen), seen
     block = stats["routes"]["main"]["block_size"]
     assert block["size"] == 16 and block["mismatched"] == ["r0", "r1"]  # still said: the keys are not the engine's
-    assert {row["mode"] for row in stats["kv_events"]["replicas"].values()} == {"precise"}
+    rows = stats["kv_events"]["replicas"].values()
+    assert {(row["mode"], row["block_size"], row["keyed_at"]) for row in rows} == {("precise", 64, 16)}
