@@ -95,6 +95,7 @@ class PromptBuilder:
             if specials
             else None
         )
+        self._bracketed = bool(specials) and all(_is_bracketed(s) for s in specials)
         self._template = _compiled(self.family) if self.family else None
         bos = _BOS.get(tokenizer.name)
         self._bos = [specials[bos]] if bos and bos in specials else []
@@ -103,6 +104,8 @@ class PromptBuilder:
         """Tokenize a whole string with special tokens parsed (split first, then BPE per run)."""
         if self._special_re is None:
             return self._encode(text)
+        if self._bracketed:
+            return self._with_bracketed_specials(text)
         out: list[int] = []
         specials = self.tokenizer.specials
         for piece in self._special_re.split(text):
@@ -113,6 +116,33 @@ class PromptBuilder:
                 out.append(special)
             else:
                 out.extend(self._encode(piece))
+        return out
+
+    def _with_bracketed_specials(self, text: str) -> list[int]:
+        """:meth:`with_specials` when every special is ``<...>`` with no other ``<`` or ``>``
+        (all bundled vocabularies): the same split, found faster.
+
+        A special that starts at a ``<`` can only end at the next ``>`` (and only if no ``<``
+        comes first), so the spans ``<[^<>]*>`` are the only candidates and a dict lookup
+        decides; no special can start inside a candidate that is not one (it has no ``<``).
+        The alternation of all specials tries every one of them (259 for llama3) at each
+        ``<|``, which made splitting a rendered chat cost more than its BPE.
+        """
+        specials = self.tokenizer.specials
+        encode = self._encode
+        out: list[int] = []
+        pos = 0
+        for match in _BRACKETED.finditer(text):
+            special = specials.get(match.group())
+            if special is None:
+                continue
+            start = match.start()
+            if start > pos:
+                out.extend(encode(text[pos:start]))
+            out.append(special)
+            pos = match.end()
+        if pos < len(text):
+            out.extend(encode(text[pos:]))
         return out
 
     def completion(self, text: str) -> list[int]:
@@ -169,6 +199,19 @@ def _compiled(family: str) -> Any:
     env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
     return env.from_string((TEMPLATES / _JINJA[family]).read_text(encoding="utf-8"))
+
+
+_BRACKETED = re.compile(r"<[^<>]*>")
+
+
+def _is_bracketed(special: str) -> bool:
+    return (
+        len(special) >= 2
+        and special[0] == "<"
+        and special[-1] == ">"
+        and "<" not in special[1:]
+        and ">" not in special[:-1]
+    )
 
 
 def _compact(value: Any) -> str:
