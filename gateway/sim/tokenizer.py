@@ -198,7 +198,12 @@ def _compiled(family: str) -> Any:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string((TEMPLATES / _JINJA[family]).read_text(encoding="utf-8"))
+    template = env.from_string((TEMPLATES / _JINJA[family]).read_text(encoding="utf-8"))
+    # jinja2 keeps a template's globals as a ChainMap over the environment's, and copies it
+    # into a dict on every render (Python-level iteration: ~40% of rendering a short chat).
+    # Nothing changes this private environment's globals after this point: a flat copy is the same.
+    template.globals = dict(template.globals)
+    return template
 
 
 _BRACKETED = re.compile(r"<[^<>]*>")

@@ -51,6 +51,7 @@ def test_rendered_chat_tokens_match_the_alternation(vocab: str) -> None:
         {"role": "user", "content": "Hello! <b>bold</b> a<|b|>c"},
     ]
     template = _compiled(vocab)
+    assert isinstance(template.globals, dict)  # flattened once, not a ChainMap per render
     text = template.render(messages=messages, add_generation_prompt=True, tools=None)
     assert builder.with_specials(text) == _reference(builder, text)
     rendered = template.render(messages=messages, tools=None, add_generation_prompt=True, **_TEMPLATE_TOKENS[vocab])
