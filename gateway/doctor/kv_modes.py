@@ -16,7 +16,8 @@ _HOW = {
     "no_events_yet": "subscribed, nothing received yet (an idle engine publishes nothing)",
     "not_subscribed": "no publisher found",
     "stale": "events stopped while it was served requests",
-    "block_size_mismatch": "its events' block size differs from the route's prefix.block_size",
+    "block_size_mismatch": "its events' block size is neither the route's prefix.block_size nor a multiple of it "
+    "(or another route over it is keyed at its own size)",
     "disabled": "kv_events.enabled is false",
 }
 

@@ -186,8 +186,9 @@ def tokenizer_misalignment(corpus: Corpus, info: RouteInfo, live: dict[str, Any]
             + (
                 f", so the replicas at {unmatched} are routed by the approximate model and predicted at its granularity"
                 if unmatched
-                else ", which each engine's is a multiple of: every replica is matched from its own blocks, "
-                "at the cost of more keys per block on the larger ones"
+                else ", which each engine's is a multiple of: every replica's predictions are cut to its own "
+                "whole blocks (and where it publishes KV events it is matched from them), at the cost of more "
+                "keys per block on the larger ones"
             )
         )
     elif wrong_block:

@@ -76,6 +76,7 @@ class _Replica:
     refs: dict[int, int] = field(default_factory=dict)  # our key -> engine hashes naming it
     block_size: int | None = None  # of its last BlockStored
     unit: int | None = None  # tokens per key of its entries (None: nothing stored yet)
+    unit_for: int | None = None  # the engine block size ``unit`` was chosen for
     keys: int = 0  # our keys its entries hold (an entry keyed finer holds several)
     # The projection (see PreciseIndex.surviving): the engine's free queue as an age per key.
     stamp: dict[int, int] = field(default_factory=dict)  # our key -> the clock at its last store/touch
@@ -135,7 +136,8 @@ class PreciseIndex:
         self.add(name, base_model)
 
     def forget(self, name: str) -> None:
-        """``name`` left: drop it and its slot."""
+        """``name`` left: drop it and its slot (and the routes' sizes for it: it left them too)."""
+        self._wants.pop(name, None)
         if name not in self._replicas:
             return
         self.clear(name, lost=False)
@@ -183,8 +185,17 @@ class PreciseIndex:
             if not wants:
                 del self._wants[name]
         replica = self._replicas.get(name)
-        if replica is not None and replica.block_size is not None:
-            self._rekey(name, replica, replica.block_size)
+        if replica is not None and replica.unit_for is not None:
+            self._rekey(name, replica, replica.unit_for)
+
+    def key_route(self, route: str, block_size: int, names: Iterable[str]) -> None:
+        """``route`` hashes ``block_size``-token blocks over exactly ``names`` now: :meth:`key_at`
+        for each, and the route's size withdrawn from the replicas that left it."""
+        members = set(names)
+        for name in [name for name, wants in self._wants.items() if route in wants and name not in members]:
+            self.key_at(name, route, None)
+        for name in members:
+            self.key_at(name, route, block_size)
 
     def keep_routes(self, routes: Container[str]) -> None:
         """Only ``routes`` exist now (a reload): other routes' sizes no longer count."""
@@ -206,13 +217,23 @@ class PreciseIndex:
         return max(1, replica.block_size // replica.unit)
 
     def _rekey(self, name: str, replica: _Replica, engine_size: int) -> int:
-        """The key size for ``engine_size``-token blocks; a change drops what was keyed at the old one."""
+        """The key size for ``engine_size``-token blocks; a change drops what was keyed at the old one.
+
+        The engine's own size where a route hashes it (that route's keys match one to one; a
+        route asking a finer size over the same replica is routed by the model there), else
+        the smallest size asked that divides it — only while the index's window is a whole
+        number of engine blocks: a finer-keyed window that ended inside an engine block would
+        never hold a request's whole window (nor the bound past it)."""
         wants = self._wants.get(name, {}).values()
-        unit = min((size for size in wants if engine_size % size == 0), default=engine_size)
+        unit = engine_size
+        if engine_size not in wants and self.max_depth_tokens % engine_size == 0:
+            unit = min((size for size in wants if engine_size % size == 0), default=engine_size)
+        replica.unit_for = engine_size
         if unit != replica.unit:
             if replica.unit is not None and (replica.engine or len(replica.deep)):
                 self.clear(name, lost=False)  # the engine still holds them; no event reproduces the tokens
             replica.unit = unit
+            replica.evict_age = None  # counted in keys of the old size
             self.keying += 1
         return unit
 
@@ -249,14 +270,13 @@ class PreciseIndex:
         size = event.block_size
         hashes = event.block_hashes
         tokens = event.token_ids
-        changed = size != replica.block_size
-        replica.block_size = size
-        if len(tokens) != len(hashes) * size:
-            self._skip("bad_tokens")
+        if size < 1 or len(tokens) != len(hashes) * size:
+            self._skip("bad_tokens")  # its size says nothing about the engine's blocks either
             return
+        replica.block_size = size
         name = self._names[replica.slot]
         unit = replica.unit
-        if unit is None or changed:
+        if unit is None or replica.unit_for != size:
             unit = self._rekey(name, replica, size)
         per = size // unit  # our keys per engine block
         replica.clock += len(hashes) * per  # every block it stored took one from its free queue
@@ -295,33 +315,45 @@ class PreciseIndex:
             self._store_deep(replica, keys[-1], 0, hashes[take:plain])
         if self.on_stored is not None:
             self.on_stored(name, keys)
-        if self.track_lru:
-            stamp, now = replica.stamp, replica.clock
-            for key in keys:
-                stamp[key] = now  # computed (again): at the back of the free queue once freed
-        engine, refs, holders = replica.engine, replica.refs, self._holders
+        engine, refs, holders, stamp = replica.engine, replica.refs, self._holders, replica.stamp
         bit = 1 << replica.slot
-        added = 0
-        for i in range(take):
+        now, track = replica.clock, self.track_lru
+        if per == 1:
+            for i in range(take):
+                block = hashes[i]
+                key = keys[i]
+                if track:
+                    stamp[key] = now  # computed (again): at the back of the free queue once freed
+                entry = engine.get(block)
+                if entry is not None:
+                    entry[_COPIES] += 1
+                    continue
+                engine[block] = [key, depth + i + 1, 1]
+                self._entries += 1
+                replica.keys += 1
+                held = refs.get(key, 0)
+                refs[key] = held + 1
+                if not held:
+                    holders[key] = holders.get(key, 0) | bit
+            return
+        if track:
+            for key in keys:
+                stamp[key] = now
+        for i in range(take):  # keyed finer: each engine block names ``per`` of our keys
             block = hashes[i]
             entry = engine.get(block)
             if entry is not None:
                 entry[_COPIES] += 1
                 continue
-            if per == 1:
-                named = keys[i : i + 1]
-                engine[block] = [keys[i], depth + i + 1, 1]
-            else:
-                named = tuple(keys[i * per : (i + 1) * per])
-                engine[block] = [named[-1], depth + i + 1, 1, named]
-            added += per
-            for key in named:
+            finer = tuple(keys[i * per : (i + 1) * per])
+            engine[block] = [finer[-1], depth + i + 1, 1, finer]
+            self._entries += per
+            replica.keys += per
+            for key in finer:
                 held = refs.get(key, 0)
                 refs[key] = held + 1
                 if not held:
                     holders[key] = holders.get(key, 0) | bit
-        replica.keys += added
-        self._entries += added
 
     def _store_deep(self, replica: _Replica, anchor: int, depth: int, hashes: Sequence[int | bytes]) -> None:
         """Blocks past the window, kept by depth under the window's last key (:mod:`gateway.kv_events.deep`)."""
@@ -365,7 +397,10 @@ class PreciseIndex:
                     age = max(0, replica.clock - at)
                     mean = replica.evict_age
                     replica.evict_age = age if mean is None else mean + (age - mean) * _AGE_WEIGHT
-                self._drop_entry(replica, entry)
+                if len(entry) > _FINER:
+                    self._drop_entry(replica, entry)
+                else:
+                    self._drop_key(replica, entry[_KEY])
 
     def _drop_entry(self, replica: _Replica, entry: list[Any]) -> None:
         """An engine block is gone: each of our keys it named loses one reference."""

@@ -438,8 +438,7 @@ class PreciseRouting:
         """``route`` hashes ``block_size``-token blocks over replicas ``names``: key their
         engines' blocks at that size where theirs is a multiple of it (``PreciseIndex.key_at``),
         so a replica at a larger block size is matched from its events too."""
-        for name in names:
-            self.index.key_at(name, route, block_size)
+        self.index.key_route(route, block_size, names)
 
     def keep_routes(self, routes: Container[str]) -> None:
         """Only ``routes`` exist now (a reload): other routes' block sizes no longer count."""
@@ -735,13 +734,15 @@ class PreciseRouting:
         if not keys:
             return
         blocks = token_blocks(request)
-        if blocks and self.project:
-            self.index.touch(name, keys[:blocks], -(-pending_tokens // max(1, request.block_size or 1)))
-            self.pinned.pin(name, keys[:blocks])
         if len(keys) > blocks:
             forks = request.key_forks
             after = keys[blocks - 1] if blocks else None
             self.text_tail.record(name, keys[blocks:], forks.prints if forks is not None else (), after)
+        if self.index.keyed_size(name) not in (None, request.block_size):
+            return  # its events are keyed at another size than this route's: nothing to wait for or touch
+        if blocks and self.project:
+            self.index.touch(name, keys[:blocks], -(-pending_tokens // max(1, request.block_size or 1)))
+            self.pinned.pin(name, keys[:blocks])
         # the engine stores whole blocks of its own size: keyed finer, the last keys of a
         # prompt that ends inside one of its blocks are never stored (nor waited for)
         per = self.index.keys_per_block(name)

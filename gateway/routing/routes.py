@@ -67,7 +67,9 @@ class Route:
         pipeline.engine_stamp = (Replica.block_size_epoch, replicas)
         choice = pipeline.follow_engines(engine_block_sizes(replicas))
         precise = getattr(self.runner.policy, "precise", None)
-        if precise is not None:  # replicas at a multiple of the route's size are keyed at it
+        # replicas at a multiple of the route's size are keyed at it; not on the default's guess
+        # (no scrape yet): events keyed at 16 would all be dropped once the engines say 128
+        if precise is not None and choice.source != "default":
             precise.key_route(self.name, choice.size, [replica.name for replica in replicas])
 
     def learn_prompt_tokens(self, request: RequestView, prompt_tokens: int | None) -> None:

@@ -313,3 +313,46 @@ def test_keyed_finer_memory_stays_under_the_byte_bound() -> None:
     assert index.evicted > 0
     assert index.leading(_keys([29] * (2 * BIG))) == {"r0": 8}  # its newest kept, every key of them
     assert index.leading(_keys([0] * (2 * BIG))) == {}
+
+
+def test_a_malformed_event_at_another_size_neither_moves_the_key_size_nor_breaks_the_next_event() -> None:
+    index = _index()
+    tokens = list(range(4 * BIG))
+    index.apply("r0", _events(stored(hashes_for(1), tokens[:BIG], BIG)))
+    assert index.keyed_size("r0") == BIG
+    bad = stored(hashes_for(1, 40), tokens[:10], 2 * BS)  # 10 tokens for a 32-token block
+    index.apply("r0", _events(bad))
+    assert index.skipped["bad_tokens"] == 1 and index.block_size("r0") == BIG  # its size is not believed
+    # the engine really runs at 32 now (restarted): re-keyed at its size, no crash
+    index.apply("r0", _events(stored(hashes_for(2, 50), tokens[: 4 * BS], 2 * BS)))
+    assert index.keyed_size("r0") == 2 * BS
+    assert index.leading(chain_block_keys(tokens[: 4 * BS], 2 * BS, engine_seed(MODEL, None, None))) == {"r0": 2}
+
+
+def test_finer_keys_only_where_the_window_is_whole_engine_blocks_and_the_engines_own_size_wins() -> None:
+    odd = _index(max_depth_tokens=3 * BIG + BS)  # a window ending inside an engine block
+    odd.key_at("r0", "chat", BS)
+    odd.apply("r0", _events(stored(hashes_for(1), list(range(BIG)), BIG)))
+    assert odd.keyed_size("r0") == BIG  # keyed finer, it would never hold a request's whole window
+    index = _index()
+    index.key_at("r0", "fine", BS)
+    index.key_at("r0", "own", BIG)  # a route hashing the engine's own size keeps its one-to-one keys
+    index.apply("r0", _events(stored(hashes_for(1), list(range(BIG)), BIG)))
+    assert index.keyed_size("r0") == BIG
+    index.key_route("own", BIG, ["r1"])  # r0 left that route: only the finer one asks for it now
+    assert index.keyed_size("r0") == BS
+    index.forget("r0")  # gone from the gateway: no route's size is kept for it
+    index.add("r0", MODEL)
+    index.apply("r0", _events(stored(hashes_for(1, 60), list(range(BIG)), BIG)))
+    assert index.keyed_size("r0") == BIG
+
+
+def test_a_new_key_size_forgets_the_eviction_age_counted_in_the_old_keys() -> None:
+    index = _index(max_bytes=1 << 24)
+    index.track_lru = True
+    for i in range(4):  # store and evict: an eviction age in 64-token keys
+        index.apply("r0", _events(stored(hashes_for(1, 100 + i), [i] * BIG, BIG)))
+        index.apply("r0", _events(removed(hashes_for(1, 100 + i))))
+    assert index._replicas["r0"].evict_age is not None
+    index.key_at("r0", "chat", BS)
+    assert index.keyed_size("r0") == BS and index._replicas["r0"].evict_age is None

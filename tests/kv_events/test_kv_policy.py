@@ -421,3 +421,37 @@ def test_the_routes_block_size_reaches_the_index_before_any_request() -> None:
     tokens = _tokens(9, 8)
     index.apply("r0", _events(stored(hashes_for(2, 990), tokens, 4 * BS)))
     assert index.keyed_size("r0") == BS and index.leading(_request(tokens).block_keys) == {"r0": 8}
+
+
+def test_a_route_whose_keys_its_replica_is_not_indexed_at_owes_no_events_and_leaves_the_other_precise() -> None:
+    """Two routes over one replica: one hashes the engine's size (its keys are the index's), the
+    other a finer size (routed by the model there). The finer route's choices never find their
+    keys in the index; counted as blocks the engine should report, they would turn the replica
+    stale for both routes."""
+    policy, events, clock = _setup(speculative_s=10, stale_s=5)
+    big = 4 * BS
+    events.routing.key_route("own", big, ["r0"])
+    events.routing.key_route("route", BS, ["r0"])  # _request's route: 16-token keys
+    events.ingestor.ingest("r0", 0, 1, _events(stored(hashes_for(1, 700), _tokens(3, 4), big)))
+    assert events.mode_of("r0", big) == ("precise", None)
+    assert events.mode_of("r0", BS) == ("approximate", "block_size_mismatch")
+    views = [ReplicaView("r0", block_size=big)]
+    for i in range(3):
+        policy.choose(_request(_tokens(20 + i, 8)), views)
+    clock.now += 10
+    assert events.mode_of("r0", big) == ("precise", None)
+
+
+def test_the_default_guess_is_not_sent_to_the_index_before_the_engines_are_scraped() -> None:
+    urls = ["http://127.0.0.1:9"]
+    gw = Gateway(gateway_config(urls, routes=[{"name": "main", "policy": "prefix"}]))  # block_size: auto
+    gw.kv_events.follow_routes()  # no scrape yet: the route guesses 16
+    assert gw.routes.routes[0].pipeline.block.source == "default"
+    index = gw.kv_events.index
+    index.add("r0", MODEL)
+    index.apply("r0", _events(stored(hashes_for(1, 980), _tokens(9, 8), 8 * BS)))
+    assert index.keyed_size("r0") == 8 * BS  # the engine's own: kept when the scrape says 128
+    gw.routes.routes[0].runner.replicas[0].block_size = 8 * BS
+    Replica.block_size_epoch += 1
+    gw.kv_events.follow_routes()
+    assert index.keyed_size("r0") == 8 * BS and index.blocks("r0") == 1
