@@ -38,7 +38,9 @@ def test_bracketed_split_matches_the_alternation(vocab: str) -> None:
     for _ in range(3000):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24)))
         assert builder.with_specials(text) == _reference(builder, text), repr(text)
-    for text in ("", "<", ">", "<>", "<<|eot_id|>>", "<|im_start|><|im_start|", "x" * 300 + "<|endoftext|>" + "y"):
+    markup = "<b>x</b> a < b " * 40 + specials[0]  # past _BRACKETED_MAX "<": the alternation's C scan
+    fixed = ("", "<", ">", "<>", "<<|eot_id|>>", "<|im_start|><|im_start|", "x" * 300 + "<|endoftext|>" + "y")
+    for text in (*fixed, markup):
         assert builder.with_specials(text) == _reference(builder, text), repr(text)
 
 
