@@ -200,12 +200,14 @@ CONFIG_ENV = "PREFIX_GATEWAY_REAL_VLLM_GATEWAY"
 
 
 @contextlib.contextmanager
-def front(replicas: Sequence[Replica]) -> Iterator[Front]:
-    """The gateway with its defaults (replicas listed; no routes, no prefix settings) in a thread."""
+def front(replicas: Sequence[Replica], settings: dict[str, Any] | None = None) -> Iterator[Front]:
+    """The gateway with its defaults (replicas listed; no routes, no prefix settings) in a thread;
+    ``settings``: what a test sets on top (merged like :data:`CONFIG_ENV`, which still wins)."""
     data: dict[str, Any] = {
         "server": {"port": 0},
         "replicas": [{"name": f"r{i}", "url": r.url} for i, r in enumerate(replicas)],
     }
+    data.update(settings or {})
     data.update(json.loads(os.environ.get(CONFIG_ENV) or "{}"))
     config = parse_config(data, "<real lane>")
     saved = os.environ.get("PREFIX_GATEWAY_ADMIN_KEY")

@@ -6,8 +6,8 @@ the fleet disagree: the route follows (64, which 128 is a multiple of) and says 
 size, and each prediction still equals what vLLM reports, both replicas matched from their KV
 events (precise): the one at 128 has each of its blocks keyed as two of the route's 64-token
 keys, its predictions cut to whole 128-token blocks as its engine caches them; each prediction's
-units label names the engine it went to. Runs last (a replica restart, about a minute; the
-replica keeps its new size).
+units label names the engine it went to. Runs after tests 1-3 (a replica restart, about a minute;
+the replica keeps its new size, which test 5 accepts).
 """
 
 from __future__ import annotations
