@@ -814,6 +814,13 @@ def rows_for(
         name, settings = parse_flow_variant(spec)
         router = partial(FlowGatewayRouter, "prefix", wl.normalize, {}, n, flow=settings)
         gateway_rows.append((name, router))
+        if precise and project:  # ... and behind every other default (the shipped row's variant)
+            from benchmarks.virtual_flow import SHIPPED_ROW, ShippedGatewayRouter
+
+            variant = partial(ShippedGatewayRouter, "prefix", wl.normalize, {}, n, flow=settings)
+            gateway_rows.append(
+                (SHIPPED_ROW + name.removeprefix("prefix"), partial(variant, gateway_model=ALIGNED_MODEL))
+            )
     for spec in hold:
         tokens, _, fleet = str(spec).partition(":")
         name = f"prefix_hold{float(tokens):g}" + (f"_fleet{float(fleet):g}" if fleet else "")

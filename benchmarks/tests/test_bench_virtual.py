@@ -222,6 +222,20 @@ def test_the_flow_row_finishes_every_request_and_reports_each_tenant():
     assert "flow" not in plain
 
 
+def test_a_flow_variant_also_gets_a_shipped_row_with_its_settings_when_every_default_is_on():
+    wl = build("tenants", size=0.2)
+    low = "low:saturation.queued_prefill_tokens=4096"
+    names = [row[0] for row in bv.rows_for(wl, [], peers=False, flow=True, flow_variants=[low])]
+    assert "prefix+low" in names and "shipped+low" not in names  # no events: no shipped row
+    rows = {
+        row[0]: row for row in bv.rows_for(wl, [], False, precise=True, project=True, flow=True, flow_variants=[low])
+    }
+    assert {"shipped", "shipped+low", "prefix+low"} <= set(rows)
+    router = rows["shipped+low"][1]()
+    assert router.flow.saturation.queued_prefill_tokens == 4096 and router.flow.enabled
+    assert rows["shipped"][1]().flow.saturation.queued_prefill_tokens != 4096
+
+
 def test_the_verdict_reads_medians_against_the_prefix_row():
     def cell(p50: float, p90: float, hit: float) -> dict[str, float]:
         return {"ttft_p50_ms": p50, "ttft_p90_ms": p90, "hit_rate": hit}
