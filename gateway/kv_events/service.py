@@ -63,9 +63,12 @@ class KvEvents:
         if max_depth_tokens and not self.settings.max_depth_tokens:
             self.index.max_depth_tokens = max_depth_tokens
         self._routes = list(routes)
-        self.routing.keep_routes({route.name for route in self._routes})
         for route in self._routes:
             route.attach_precise(self.routing if self.enabled else None)
+        # the new routes' block sizes first, then the old routes' go: a route renamed by a reload
+        # (same replicas, same size) re-keys nothing
+        self.follow_routes()
+        self.routing.keep_routes({route.name for route in self._routes})
 
     def follow_routes(self) -> None:
         """Let each route re-choose its block size from its replicas' last scrape now, not on

@@ -455,3 +455,24 @@ def test_the_default_guess_is_not_sent_to_the_index_before_the_engines_are_scrap
     Replica.block_size_epoch += 1
     gw.kv_events.follow_routes()
     assert index.keyed_size("r0") == 8 * BS and index.blocks("r0") == 1
+
+
+def test_a_route_renamed_by_a_reload_re_keys_nothing() -> None:
+    """The new routes tell their sizes before the old routes' are dropped: a replica keyed finer
+    for a route that is only renamed keeps its entries."""
+    urls = ["http://127.0.0.1:9"]
+    routes = [{"name": "main", "policy": "prefix", "prefix": {"block_size": BS}}]
+    gw = Gateway(gateway_config(urls, routes=routes))
+    replica = gw.routes.routes[0].runner.replicas[0]
+    replica.block_size = 4 * BS
+    Replica.block_size_epoch += 1
+    gw.kv_events.follow_routes()
+    index = gw.kv_events.index
+    index.add("r0", MODEL)
+    index.apply("r0", _events(stored(hashes_for(2, 990), _tokens(9, 8), 4 * BS)))
+    assert index.keyed_size("r0") == BS and index.blocks("r0") == 2
+    renamed = Gateway(gateway_config(urls, routes=[{**routes[0], "name": "chat"}])).routes.routes
+    renamed[0].runner.replicas[0].block_size = 4 * BS
+    gw.kv_events.attach(renamed)  # what a reload does with its new routes
+    assert index.keyed_size("r0") == BS and index.blocks("r0") == 2
+    assert index._wants["r0"] == {"chat": BS}
