@@ -32,7 +32,11 @@ def kv_mode_notes(stats: dict[str, Any] | None) -> list[str]:
     rows = _section(stats).get("replicas")
     if not isinstance(rows, dict) or not rows:
         return []
-    precise = sorted(name for name, row in rows.items() if isinstance(row, dict) and row.get("mode") == "precise")
+    precise = [
+        name + _keyed_finer(row)
+        for name, row in sorted(rows.items())
+        if isinstance(row, dict) and row.get("mode") == "precise"
+    ]
     approximate = []
     for name, row in sorted(rows.items()):
         if isinstance(row, dict) and row.get("mode") != "precise":
@@ -44,6 +48,15 @@ def kv_mode_notes(stats: dict[str, Any] | None) -> list[str]:
     if approximate:
         parts.append("approximate (the gateway's model) on " + ", ".join(approximate))
     return ["kv events: " + "; ".join(parts)]
+
+
+def _keyed_finer(row: dict[str, Any]) -> str:
+    """`` (keyed at 16 of its 128)`` for a replica whose engine blocks are indexed as several of
+    its route's keys (``keyed_at`` below its ``block_size``), else nothing."""
+    keyed, size = row.get("keyed_at"), row.get("block_size")
+    if isinstance(keyed, int) and isinstance(size, int) and 0 < keyed < size:
+        return f" (keyed at {keyed} of its {size})"
+    return ""
 
 
 def kv_fallbacks(route: str, live: dict[str, Any], stats: dict[str, Any] | None) -> list[Finding]:

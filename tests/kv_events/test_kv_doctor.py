@@ -41,6 +41,14 @@ def test_the_doctor_says_which_replicas_are_precise_and_flags_stopped_events() -
     assert "--kv-events-config" in finding.fix.summary
 
 
+def test_the_doctor_says_which_precise_replicas_are_keyed_finer_than_their_engine() -> None:
+    stats = _stats()
+    stats["kv_events"]["replicas"]["r0"].update(block_size=128, keyed_at=16)
+    stats["kv_events"]["replicas"]["r3"] = {"mode": "precise", "reason": None, "block_size": 16, "keyed_at": 16}
+    notes = diagnose(Corpus(source="gateway", stats=stats)).notes
+    assert any("precise (matched from KV events) on r0 (keyed at 16 of its 128), r3;" in note for note in notes), notes
+
+
 def test_with_events_required_a_replica_without_them_is_a_finding_too() -> None:
     diagnosis = diagnose(Corpus(source="gateway", stats=_stats(enabled=True)))
     [finding] = [f for f in diagnosis.findings if f.cause == "kv_events_fallback"]
