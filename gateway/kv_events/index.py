@@ -74,9 +74,8 @@ class _Replica:
     # engine hash -> [our (last) key, depth in engine blocks, copies] (+ every key of the block, keyed finer)
     engine: dict[int | bytes, list[Any]] = field(default_factory=dict)
     refs: dict[int, int] = field(default_factory=dict)  # our key -> engine hashes naming it
-    block_size: int | None = None  # of its last BlockStored
+    block_size: int | None = None  # of its last (well-formed) BlockStored: the size ``unit`` was chosen for
     unit: int | None = None  # tokens per key of its entries (None: nothing stored yet)
-    unit_for: int | None = None  # the engine block size ``unit`` was chosen for
     keys: int = 0  # our keys its entries hold (an entry keyed finer holds several)
     # The projection (see PreciseIndex.surviving): the engine's free queue as an age per key.
     stamp: dict[int, int] = field(default_factory=dict)  # our key -> the clock at its last store/touch
@@ -185,8 +184,8 @@ class PreciseIndex:
             if not wants:
                 del self._wants[name]
         replica = self._replicas.get(name)
-        if replica is not None and replica.unit_for is not None:
-            self._rekey(name, replica, replica.unit_for)
+        if replica is not None and replica.block_size is not None:
+            self._rekey(name, replica, replica.block_size)
 
     def key_route(self, route: str, block_size: int, names: Iterable[str]) -> None:
         """``route`` hashes ``block_size``-token blocks over exactly ``names`` now: :meth:`key_at`
@@ -228,7 +227,6 @@ class PreciseIndex:
         unit = engine_size
         if engine_size not in wants and self.max_depth_tokens % engine_size == 0:
             unit = min((size for size in wants if engine_size % size == 0), default=engine_size)
-        replica.unit_for = engine_size
         if unit != replica.unit:
             if replica.unit is not None and (replica.engine or len(replica.deep)):
                 self.clear(name, lost=False)  # the engine still holds them; no event reproduces the tokens
@@ -273,11 +271,11 @@ class PreciseIndex:
         if size < 1 or len(tokens) != len(hashes) * size:
             self._skip("bad_tokens")  # its size says nothing about the engine's blocks either
             return
-        replica.block_size = size
         name = self._names[replica.slot]
         unit = replica.unit
-        if unit is None or replica.unit_for != size:
+        if unit is None or size != replica.block_size:
             unit = self._rekey(name, replica, size)
+        replica.block_size = size
         per = size // unit  # our keys per engine block
         replica.clock += len(hashes) * per  # every block it stored took one from its free queue
         parent_hash = event.parent_block_hash
@@ -397,10 +395,7 @@ class PreciseIndex:
                     age = max(0, replica.clock - at)
                     mean = replica.evict_age
                     replica.evict_age = age if mean is None else mean + (age - mean) * _AGE_WEIGHT
-                if len(entry) > _FINER:
-                    self._drop_entry(replica, entry)
-                else:
-                    self._drop_key(replica, entry[_KEY])
+                self._drop_entry(replica, entry)
 
     def _drop_entry(self, replica: _Replica, entry: list[Any]) -> None:
         """An engine block is gone: each of our keys it named loses one reference."""

@@ -440,10 +440,6 @@ class PreciseRouting:
         so a replica at a larger block size is matched from its events too."""
         self.index.key_route(route, block_size, names)
 
-    def keep_routes(self, routes: Container[str]) -> None:
-        """Only ``routes`` exist now (a reload): other routes' block sizes no longer count."""
-        self.index.keep_routes(routes)
-
     def _precise_mask(self, affinity: AffinityIndex, block_size: int) -> tuple[int, dict[int, str]]:
         """The affinity bits of the precise replicas for this block size, and bit → name."""
         live = self.live()
@@ -744,11 +740,11 @@ class PreciseRouting:
             self.index.touch(name, keys[:blocks], -(-pending_tokens // max(1, request.block_size or 1)))
             self.pinned.pin(name, keys[:blocks])
         # the engine stores whole blocks of its own size: keyed finer, the last keys of a
-        # prompt that ends inside one of its blocks are never stored (nor waited for)
+        # prompt that ends inside one of its blocks are never stored (nor waited for); the
+        # index's window is whole engine blocks wherever it keys finer (PreciseIndex._rekey)
         per = self.index.keys_per_block(name)
         whole = blocks - blocks % per
         reach = min(whole, self.index.max_depth_tokens // max(1, request.block_size or 1))
-        reach -= reach % per
         confirm = keys[reach - 1] if reach > 0 else None
         if confirm is None or not self.index.holds(name, confirm):  # held already: nothing to wait for
             self.speculative.record(name, keys, confirm)

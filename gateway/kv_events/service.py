@@ -68,7 +68,7 @@ class KvEvents:
         # the new routes' block sizes first, then the old routes' go: a route renamed by a reload
         # (same replicas, same size) re-keys nothing
         self.follow_routes()
-        self.routing.keep_routes({route.name for route in self._routes})
+        self.index.keep_routes({route.name for route in self._routes})
 
     def follow_routes(self) -> None:
         """Let each route re-choose its block size from its replicas' last scrape now, not on
