@@ -101,38 +101,26 @@ class PromptBuilder:
         self._bos = [specials[bos]] if bos and bos in specials else []
 
     def with_specials(self, text: str) -> list[int]:
-        """Tokenize a whole string with special tokens parsed (split first, then BPE per run)."""
+        """Tokenize a whole string with special tokens parsed (split first, then BPE per run).
+
+        The specials are found by the alternation of all of them (longest first) or, when
+        every special is ``<...>`` with no other ``<`` or ``>`` (all bundled vocabularies) and
+        the text has few ``<``, by the spans ``<[^<>]*>`` and a dict lookup: a special that
+        starts at a ``<`` can only end at the next ``>``, so those spans are the only
+        candidates, and no special can start inside one that is not one (it has no ``<``).
+        The alternation tries every special (259 for llama3) at each ``<|``, which made
+        splitting a rendered chat cost more than its BPE; the spans loop in Python, which
+        costs more past :data:`_BRACKETED_MAX` ``<`` (markup, code).
+        """
         if self._special_re is None:
             return self._encode(text)
-        if self._bracketed and text.count("<") <= _BRACKETED_MAX:
-            return self._with_bracketed_specials(text)
-        out: list[int] = []
-        specials = self.tokenizer.specials
-        for piece in self._special_re.split(text):
-            if not piece:
-                continue
-            special = specials.get(piece)
-            if special is not None:
-                out.append(special)
-            else:
-                out.extend(self._encode(piece))
-        return out
-
-    def _with_bracketed_specials(self, text: str) -> list[int]:
-        """:meth:`with_specials` when every special is ``<...>`` with no other ``<`` or ``>``
-        (all bundled vocabularies): the same split, found faster.
-
-        A special that starts at a ``<`` can only end at the next ``>`` (and only if no ``<``
-        comes first), so the spans ``<[^<>]*>`` are the only candidates and a dict lookup
-        decides; no special can start inside a candidate that is not one (it has no ``<``).
-        The alternation of all specials tries every one of them (259 for llama3) at each
-        ``<|``, which made splitting a rendered chat cost more than its BPE.
-        """
+        bracketed = self._bracketed and text.count("<") <= _BRACKETED_MAX
+        candidates = (_BRACKETED if bracketed else self._special_re).finditer(text)
         specials = self.tokenizer.specials
         encode = self._encode
         out: list[int] = []
         pos = 0
-        for match in _BRACKETED.finditer(text):
+        for match in candidates:
             special = specials.get(match.group())
             if special is None:
                 continue
