@@ -16,7 +16,9 @@ tiny server that fails the requests it is told to: an error answer is no stream'
 and the open and closed loops' warm-up errors are not the timed run's (a failed warm-up request
 does not end the closed loop's warm-up); and against a raw server that closes connections before
 the answer or mid-stream, and a port that refuses them: each is a stream error, none is timed,
-and the run goes on.
+and the run goes on.  A closed loop against a replica that fails or refuses every request backs
+off (no hot loop: at most what its back-off schedule allows, each error a request sent), never
+past its deadline, and pauses only after errors.
 """
 
 from __future__ import annotations
@@ -336,6 +338,89 @@ def test_a_failed_warm_up_request_neither_ends_the_warm_up_nor_counts_as_timed()
     assert result["warmup_requests"] >= 1, "the warm-up stopped at its errors"
     assert len(result["latencies"]) > 0
     assert result["warmup_requests"] + result["warmup_errors"] + len(result["latencies"]) == len(seen)
+
+
+def test_backoff_doubles_from_a_millisecond_to_its_cap() -> None:
+    assert [bp.backoff_s(n) for n in (1, 2, 3, 7)] == [0.001, 0.002, 0.004, 0.064]
+    assert bp.backoff_s(8) == bp.backoff_s(100) == bp.BACKOFF_CAP_S == 0.1
+
+
+def most_errors(window: float) -> int:
+    """The most errors one closed-loop connection can count in ``window`` seconds when every
+    request fails at once: one per pause of its back-off schedule that starts inside the window,
+    and 1 more: the event loop's timers may fire a little early (libuv reads its clock once a
+    turn), so the pauses can add up to a little less than the schedule."""
+    n, spent = 0, 0.0
+    while spent < window:
+        n += 1
+        spent += bp.backoff_s(n)
+    return n + 1
+
+
+def test_a_closed_loop_against_a_replica_that_fails_everything_backs_off_and_counts_each_error() -> None:
+    """A 503 at once for every request, and a port that refuses every connect: retried at once, each
+    connection made thousands of errors a second; backing off, at most ``most_errors`` of them."""
+    body, concurrency, duration = json.dumps(bp.SMALL_CHAT).encode(), 2, 1.0
+
+    async def scenario() -> tuple[dict[str, Any], list[int], dict[str, Any]]:
+        async with failing(lambda n: True) as (url, failed):
+            with socket.socket() as closed:  # bound, never listening: every connect is refused
+                closed.bind(("127.0.0.1", 0))
+                refusing = f"http://127.0.0.1:{closed.getsockname()[1]}/v1/chat/completions"
+                answered, refused = await asyncio.gather(
+                    bp.closed_loop(url, body, concurrency, duration, False),
+                    bp.closed_loop(refusing, body, concurrency, duration, False),
+                )
+        return answered, failed, refused
+
+    answered, failed, refused = bp.run_async(scenario())
+    warm_s = min(1.0, duration / 4)
+    for result in (answered, refused):
+        assert result["latencies"] == [] and result["rps"] == 0 and result["warmup_requests"] == 0
+        assert concurrency < result["warmup_errors"] <= concurrency * most_errors(warm_s), result["warmup_errors"]
+        # more than one error per connection: each went on trying to its deadline
+        assert 3 * concurrency < result["errors"] <= concurrency * most_errors(duration), result["errors"]
+    assert len(failed) == answered["warmup_errors"] + answered["errors"], "each error counted is a request sent"
+
+
+def test_a_closed_loops_back_off_never_runs_past_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 5 s back-off, cut at the warm-up's end and then at the timed part's: one error each."""
+    monkeypatch.setattr(bp, "BACKOFF_FIRST_S", 5.0)
+    monkeypatch.setattr(bp, "BACKOFF_CAP_S", 5.0)
+
+    async def scenario() -> dict[str, Any]:
+        async with failing(lambda n: True) as (url, _):
+            return await bp.closed_loop(url, json.dumps(bp.SMALL_CHAT).encode(), 2, 0.4, False)
+
+    result = bp.run_async(scenario())
+    assert result["warmup_errors"] == 2 and result["errors"] == 2
+    assert result["seconds"] < 2.0, "a pause ran past the timed part's deadline"
+
+
+def test_a_closed_loop_pauses_only_after_errors_and_a_success_resets_its_back_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Requests 0, 1 and 3 fail (one connection): pauses after 1, 2, then 1 error in a row; an
+    error-free loop never pauses, so its latencies and req/s are what they were before the back-off."""
+    asked: list[int] = []
+    real = bp.backoff_s
+
+    def recorded(failures: int) -> float:
+        asked.append(failures)
+        return real(failures)
+
+    monkeypatch.setattr(bp, "backoff_s", recorded)
+    body = json.dumps(bp.SMALL_CHAT).encode()
+
+    async def scenario(fail: Callable[[int], bool]) -> dict[str, Any]:
+        async with failing(fail) as (url, _):
+            return await bp.closed_loop(url, body, 1, 0.4, False)
+
+    some = bp.run_async(scenario(lambda n: n in (0, 1, 3)))
+    assert asked == [1, 2, 1] and some["warmup_errors"] + some["errors"] == 3
+    asked.clear()
+    clean = bp.run_async(scenario(lambda n: False))
+    assert asked == [] and clean["errors"] == clean["warmup_errors"] == 0 and clean["latencies"]
 
 
 @contextlib.asynccontextmanager
