@@ -74,6 +74,8 @@ from benchmarks.bench_prefix_path import pct  # noqa: E402
 from benchmarks.replay import wire_body  # noqa: E402
 from benchmarks.workloads import TENANT_HEADER, BenchRequest, Workload, build  # noqa: E402
 from gateway.config import HealthSettings, ReplicaConfig, RouteConfig  # noqa: E402
+from gateway.flow.classify import named_flow  # noqa: E402
+from gateway.flow.settings import FlowControlSettings  # noqa: E402
 from gateway.kv_events.decoder import decode_events  # noqa: E402
 from gateway.kv_events.index import PreciseIndex  # noqa: E402
 from gateway.kv_events.ingest import Ingestor  # noqa: E402
@@ -176,6 +178,9 @@ class _Held:
     answered: bool = False
 
 
+FLOW_SETTINGS = FlowControlSettings()  # the fairness headers a gateway reads by default
+
+
 class GatewayRouter:
     """One gateway route (the real pipeline, policy and runner) over ``n`` replicas.
 
@@ -226,7 +231,8 @@ class GatewayRouter:
         route = self.route_
         route.follow_engines()  # block_size: auto — the engines' own size, as Gateway.plan reads it
         prepared = route.pipeline.prepare(req.endpoint, body) if route.needs_keys(req.endpoint) else None  # type: ignore[union-attr]
-        view = request_view(route.name, req.endpoint, body, prepared, headers.get(route.session_header))
+        flow = named_flow(FLOW_SETTINGS, headers)  # the tenant's fairness header, as Gateway.prepare reads it
+        view = request_view(route.name, req.endpoint, body, prepared, headers.get(route.session_header), flow=flow)
         return view, (prepared.body if prepared is not None else body)
 
     def holds(self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]) -> bool:

@@ -26,6 +26,7 @@ from gateway.config.reload import Reloader
 from gateway.discovery.build import build_sources
 from gateway.discovery.membership import Membership
 from gateway.errors import ModelNotFound
+from gateway.flow.classify import named_flow
 from gateway.flow.gate import FlowControl
 from gateway.http.capacity import BodyReservation, Capacity, Slot
 from gateway.kv_events.metrics import KvEventsCollector
@@ -381,6 +382,7 @@ class Gateway:
         request_id: str = "",
         *,
         dry_run: bool = False,
+        key_hash: str | None = None,
     ) -> Plan:
         """Route, prepare (normalize/tokenize/hash when the policy needs keys) and decide:
         :meth:`prepare` then :meth:`decide` (the proxy calls them apart, with flow control's
@@ -392,7 +394,8 @@ class Gateway:
         ``dry_run`` (``/admin/explain``): then nothing advances or is recorded, and the next
         real request is decided as if this plan had never been made.
         """
-        return self.decide(self.prepare(endpoint, body, headers, request_id, dry_run=dry_run), dry_run=dry_run)
+        draft = self.prepare(endpoint, body, headers, request_id, dry_run=dry_run, key_hash=key_hash)
+        return self.decide(draft, dry_run=dry_run)
 
     def prepare(
         self,
@@ -402,15 +405,19 @@ class Gateway:
         request_id: str = "",
         *,
         dry_run: bool = False,
+        key_hash: str | None = None,
     ) -> Draft:
-        """Route and prepare, deciding nothing (see :meth:`plan`)."""
+        """Route and prepare, deciding nothing (see :meth:`plan`); ``key_hash``: the client key
+        presented (its sha256 hex), which names the request's flow when no fairness header does."""
         model = body["model"]
         route = self.route_for(endpoint, model, headers)
         prepared = None
         if route.needs_keys(endpoint):
             route.follow_engines()  # block_size: auto — the replicas' own, as last scraped
             prepared = route.pipeline.prepare(endpoint, body, learn=not dry_run)  # type: ignore[union-attr]
-        request = request_view(route.name, endpoint, body, prepared, headers.get(route.session_header), request_id)
+        session = headers.get(route.session_header)
+        flow = named_flow(self.flow.settings, headers, key_hash)
+        request = request_view(route.name, endpoint, body, prepared, session, request_id, flow)
         return Draft(route, endpoint, prepared, request)
 
     #: place a prepared request (see :func:`gateway.routing.plan.decide`)

@@ -49,15 +49,20 @@ def classify(
         priority = settings.api_key_priorities.get(key_hash)
     if priority is None:
         priority = route_default if route_default is not None else 0
-    flow = None
+    flow = named_flow(settings, headers, key_hash) or "route:" + route
+    return Classified(priority, flow, objective)
+
+
+def named_flow(settings: FlowControlSettings, headers: Mapping[str, str], key_hash: str | None = None) -> str | None:
+    """The flow a client named: its fairness header's value, else its API key; None for an
+    anonymous request (its route's one flow).  Routing reads it too (a shared head is not
+    copied to spread one flow's burst, see ``gateway.routing.policies.prefix``), whether or not
+    flow control is on."""
     for name in settings.fairness_headers:
         value = headers.get(name)
         if value and value.strip():
-            flow = "id:" + value.strip()[:MAX_FLOW_ID]
-            break
-    if flow is None:
-        flow = "key:" + key_hash[:16] if key_hash else "route:" + route
-    return Classified(priority, flow, objective)
+            return "id:" + value.strip()[:MAX_FLOW_ID]
+    return "key:" + key_hash[:16] if key_hash else None
 
 
 def vllm_priority(priority: int) -> str:

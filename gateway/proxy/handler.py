@@ -284,7 +284,7 @@ class Exchange:
         body = self.body = parse_body(raw, self.endpoint)
         if gw.config.logging.log_prompts and log.isEnabledFor(logging.DEBUG):
             log.debug("request %s body: %s", self.request_id, raw[:8192].decode("utf-8", "replace"))
-        draft = gw.prepare(self.endpoint, body, self.headers, self.request_id)
+        draft = gw.prepare(self.endpoint, body, self.headers, self.request_id, key_hash=matched)
         o = self.outcome
         o.route, o.policy, o.stream = draft.route.name, draft.route.policy, draft.request.stream
         if draft.prepared is not None and draft.prepared.normalized:

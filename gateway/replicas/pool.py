@@ -148,6 +148,7 @@ class PrefillCharge(int):
     """
 
     ticket: int
+    flow: str | None  # the named flow charged (RequestView.flow), None: anonymous
 
 
 class Replica:
@@ -199,6 +200,8 @@ class Replica:
         # this process's open prefill charges, oldest first (ticket -> tokens; see PrefillCharge)
         self._charges: dict[int, int] = {}
         self._tickets = 0
+        # of this process's queued prefill here, each named flow's (see ReplicaView.pending_prefill_by_flow)
+        self.pending_prefill_by_flow: dict[str, int] = {}
         self.engine: EngineStats | None = None
         # first bytes this process saw from the replica (or attempts that ended before one), in
         # all and as of the last scrape: how far the scraped waiting queue has moved since
@@ -268,6 +271,7 @@ class Replica:
             self.pending_prefill_tokens + self.peer_pending_prefill_tokens,
             None if engine is None else engine.kv_cache_tokens,
             self.block_size,
+            dict(self.pending_prefill_by_flow),
         )
 
     def set_engine(self, engine: EngineStats) -> None:
@@ -297,14 +301,18 @@ class Replica:
         ):
             self.engine_baseline = (engine.prefix_cache_hits, engine.prefix_cache_queries)
 
-    def charge_prefill(self, tokens: int) -> PrefillCharge:
-        """Queue ``tokens`` of prefill work here (``pending_prefill_tokens``) until
-        :meth:`discharge_prefill` hands the returned charge back."""
+    def charge_prefill(self, tokens: int, flow: str | None = None) -> PrefillCharge:
+        """Queue ``tokens`` of prefill work here (``pending_prefill_tokens``, and the named
+        ``flow``'s share) until :meth:`discharge_prefill` hands the returned charge back."""
         charge = PrefillCharge(tokens)
         self._tickets += 1
         charge.ticket = self._tickets
+        charge.flow = flow
         if tokens > 0:
             self._charges[charge.ticket] = tokens
+            if flow is not None:
+                by_flow = self.pending_prefill_by_flow
+                by_flow[flow] = by_flow.get(flow, 0) + tokens
             self.pending_prefill_tokens += tokens
         return charge
 
@@ -313,6 +321,14 @@ class Replica:
         ticket = getattr(charged, "ticket", None)
         if ticket is not None:
             self._charges.pop(ticket, None)
+        flow = getattr(charged, "flow", None)
+        if flow is not None and charged > 0:
+            by_flow = self.pending_prefill_by_flow
+            left = by_flow.get(flow, 0) - charged
+            if left > 0:
+                by_flow[flow] = left
+            else:
+                by_flow.pop(flow, None)  # a flow's entry lives only while it has work queued here
         self.pending_prefill_tokens = max(0, self.pending_prefill_tokens - charged)
 
     @property

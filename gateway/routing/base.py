@@ -38,6 +38,9 @@ class RequestView:
     token_blocks: int | None = None  # leading keys that are token blocks (None: all of them)
     key_tokens: tuple[int, ...] = ()  # per key past the token blocks: prompt tokens up to its end (estimated)
     key_forks: TextForks | None = None  # per key past the token blocks: its chunk's prints (where one can part)
+    # The flow the client named (fairness header, else API key: gateway.flow.classify.named_flow);
+    # None: anonymous, its route's one flow.  A head is not copied to spread one flow's own burst.
+    flow: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,9 @@ class ReplicaView:
     # The engine's own block size (vllm:cache_config_info), when a scrape has told it: a fleet
     # may disagree with the size its route hashes, and an engine caches whole blocks of its own.
     block_size: int | None = None
+    # Of ``pending_prefill_tokens``, this gateway process's share per named flow (RequestView.flow):
+    # how much of the wait ahead is the requesting flow's own work.
+    pending_prefill_by_flow: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

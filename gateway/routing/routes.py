@@ -97,6 +97,7 @@ def request_view(
     prepared: PreparedPrompt | None,
     session_key: str | None = None,
     request_id: str = "",
+    flow: str | None = None,
 ) -> RequestView:
     """What a policy sees of one request: its route, model, session and the prepared prompt's keys.
 
@@ -117,6 +118,7 @@ def request_view(
         token_blocks=len(prepared.block_keys) if prepared else None,
         key_tokens=prepared.text_key_tokens if prepared else (),
         key_forks=prepared.text_forks if prepared else None,
+        flow=flow,
     )
 
 

@@ -77,6 +77,10 @@ class LiveReplicaView:
     def block_size(self) -> int | None:
         return self.replica.block_size
 
+    @property
+    def pending_prefill_by_flow(self) -> dict[str, int]:
+        return self.replica.pending_prefill_by_flow
+
 
 @dataclass(frozen=True, slots=True)
 class FirstAttempt:
@@ -252,7 +256,8 @@ class PolicyRunner:
         total = request.prompt_tokens_estimate
         if not total:
             return 0
-        return replica.charge_prefill(max(0, total - int(decision.detail.get("predicted_cached_tokens") or 0)))
+        uncached = max(0, total - int(decision.detail.get("predicted_cached_tokens") or 0))
+        return replica.charge_prefill(uncached, request.flow)
 
     @staticmethod
     def prefill_done(replica: Replica, charged: int) -> None:

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.config import HealthSettings, ReplicaConfig
-from gateway.flow.classify import classify, vllm_priority
+from gateway.flow.classify import classify, named_flow, vllm_priority
 from gateway.flow.dispatch import Dispatcher, admit
 from gateway.flow.gate import route_room
 from gateway.flow.queue import DISPATCHED, EXPIRED, REMOVED, Entry, FlowQueue, QueueFull
@@ -17,6 +17,7 @@ from gateway.flow.saturation import Signals, full_reason, room, saturated
 from gateway.flow.settings import FlowControlSettings, SaturationSettings
 from gateway.replicas.engine import EngineStats
 from gateway.replicas.pool import Replica
+from gateway.routing.base import Decision, RequestView
 from gateway.routing.runner import PolicyRunner
 
 
@@ -319,6 +320,34 @@ def test_flow_from_fairness_header_key_or_route() -> None:
     flow = classify(s, {}, "r", key_hash=key).flow
     assert flow.startswith("key:") and key not in flow  # never the whole hash, never the key
     assert classify(s, {}, "r").flow == "route:r"
+    # what routing reads: the flow a client named, None for an anonymous one
+    assert named_flow(s, {"x-llm-d-inference-fairness-id": " t1 "}) == "id:t1"
+    assert named_flow(s, {}, key) == flow
+    assert named_flow(s, {"x-llm-d-inference-fairness-id": "  "}) is None
+
+
+def test_each_named_flows_queued_prefill_is_counted_apart_while_it_has_some() -> None:
+    """The prefix policy reads how much of a replica's queue is the requesting flow's own."""
+    replica = Replica(ReplicaConfig(name="r0", url="http://h:1"), None, HealthSettings())  # type: ignore[arg-type]
+    a1 = replica.charge_prefill(500, "id:a")
+    a2 = replica.charge_prefill(300, "id:a")
+    b = replica.charge_prefill(200, "id:b")
+    anonymous = replica.charge_prefill(100)
+    assert replica.pending_prefill_tokens == 1100
+    assert replica.pending_prefill_by_flow == {"id:a": 800, "id:b": 200}
+    assert replica.view().pending_prefill_by_flow == {"id:a": 800, "id:b": 200}
+    PolicyRunner.prefill_done(replica, a1)
+    PolicyRunner.prefill_done(replica, b)
+    PolicyRunner.prefill_done(replica, anonymous)
+    assert replica.pending_prefill_by_flow == {"id:a": 300}
+    PolicyRunner.prefill_done(replica, a2)
+    assert replica.pending_prefill_by_flow == {} and replica.pending_prefill_tokens == 0
+    # the runner charges a request's uncached prompt to its flow
+    request = RequestView("q", "route", "m", "chat", prompt_tokens_estimate=1000, flow="id:a")
+    charged = PolicyRunner.acquire(replica, request, Decision("r0", "ring", {"predicted_cached_tokens": 200}))
+    assert replica.pending_prefill_by_flow == {"id:a": 800}
+    PolicyRunner.answered(replica, charged)
+    assert replica.pending_prefill_by_flow == {}
 
 
 def test_settings_are_strict() -> None:

@@ -119,3 +119,18 @@ def test_relocated_streams_still_get_usage_added_and_stripped(sim_urls: list[str
         stats = wait_for(lambda: gw.gateway.stats.by_route.get("agents"), what="the stream's outcome")
     assert all(ch.usage is None for ch in chunks)
     assert stats.prompt_tokens > 0  # usage was learned from the stream anyway
+
+
+def test_the_flow_a_client_names_reaches_the_policy(sim_urls: list[str]) -> None:
+    """The fairness header (else the client's key) names the request's flow for routing too,
+    whether or not flow control is on; an anonymous request has none."""
+    with running_gateway(sim_urls[:2], routes=keyed_route()) as gw:
+        sdk = client(gw)
+        sdk.chat.completions.create(
+            model=MODEL, messages=LONG, max_tokens=2, extra_headers={"x-llm-d-inference-fairness-id": "tenant-a"}
+        )
+        sdk.chat.completions.create(model=MODEL, messages=LONG, max_tokens=2)
+    assert [view.flow for view in SEEN] == ["id:tenant-a", None]
+    gateway = Gateway(gateway_config(sim_urls, routes=keyed_route()))
+    plan = gateway.plan("chat", {"model": MODEL, "messages": LONG}, {}, key_hash="ab" * 32)
+    assert plan.request.flow == "key:" + "ab" * 8

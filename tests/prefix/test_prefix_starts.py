@@ -294,3 +294,42 @@ def test_a_one_shot_head_is_still_copied_when_the_copy_saves_the_wait() -> None:
     request = req(head + chain(4, 4))
     assert p.peek(request, fleet(3000)).detail["shared_head"]["copy_saves_wait"] is True  # 3000 > 0 + 1280
     assert p.choose(request, fleet(3000)).replica not in holders
+
+
+def test_a_flows_own_backlog_does_not_buy_a_copy_of_its_head() -> None:
+    """The copy-saves-wait rule counts only the other flows' work on the holders when the client
+    names its flow: a batch tenant's burst queued on its document's holder waits behind itself,
+    instead of recomputing the document in front of the other tenants' requests elsewhere.
+    The same backlog from another flow, from an anonymous client (one flow per route), or with
+    ``head_copy_own_flow_wait`` on still buys the copy."""
+    head = chain(80, 9)  # 1,280 tokens
+
+    def setup(**settings: object) -> tuple[PrefixPolicy, set[str]]:
+        p = policy(head_window_starts=8, **settings)
+        _burst(p, chain(80, 7), 16, seed=3000)  # an earlier job: the pool learns its starts are one-shot
+        return p, set(_burst(p, head, 6, seed=1000))
+
+    def fleet(holders: set[str], by_flow: dict[str, int]) -> list[ReplicaView]:
+        queued = sum(by_flow.values())
+        return [
+            replace(view, in_flight=2, pending_prefill_tokens=queued, pending_prefill_by_flow=by_flow)
+            if view.name in holders
+            else replace(view, in_flight=2)
+            for view in views()
+        ]
+
+    def copied(p: PrefixPolicy, holders: set[str], flow: str | None, by_flow: dict[str, int], n: int) -> bool:
+        """Whether the request would start off the head's holders (peeked: each case alike)."""
+        decision = p.peek(replace(req(head + chain(4, n)), flow=flow), fleet(holders, by_flow))
+        assert decision.detail["shared_head"]["copy_saves_wait"] is (decision.replica not in holders)
+        return decision.replica not in holders
+
+    p, holders = setup()
+    assert len(holders) < len(NAMES)
+    assert not copied(p, holders, "id:batch", {"id:batch": 3000}, 1)  # its own burst: it waits
+    assert not copied(p, holders, "id:batch", {"id:batch": 2000, "id:chat": 1000}, 2)  # others' 1000 < 0 + 1280
+    assert copied(p, holders, "id:batch", {"id:batch": 1000, "id:chat": 2000}, 3)  # others' 2000 > 1280
+    assert copied(p, holders, "id:chat", {"id:batch": 3000}, 4)  # another flow's backlog
+    assert copied(p, holders, None, {"id:batch": 3000}, 5)  # anonymous: every queued token counts
+    p, holders = setup(head_copy_own_flow_wait=True)
+    assert copied(p, holders, "id:batch", {"id:batch": 3000}, 6)

@@ -89,7 +89,7 @@ candidate table (:mod:`~gateway.routing.policies.prefix_explain`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, ClassVar
 
@@ -106,6 +106,12 @@ from gateway.routing.returns import StartReturns
 from gateway.routing.ring import HashRing
 from gateway.routing.starts import HeadDemand
 from gateway.routing.work import RecentWork
+
+
+def _nothing_own(slot: int) -> int:
+    """No flow's own work counts apart (an anonymous request, or head_copy_own_flow_wait on)."""
+    return 0
+
 
 REASONS = ("affinity", "ring", "spill", "fallback")
 
@@ -267,6 +273,7 @@ class PrefixPolicy:
         if factor is not None and home is None and forked:
             start = keys[best_any - 1]
             holders = [group for group in groups if group.depth == best_any]
+            own_queued = self._own_queued(request, replicas)
             prior = settings.head_min_starts or 2 * load.n
             needed = self.demand.holders_needed(start, load.n, factor, prior)
             head_tokens = holders[0].tokens if holders else 0
@@ -277,7 +284,7 @@ class PrefixPolicy:
                 holding < needed
                 and not any(fleet.idle_member(g) for g in holders)
                 and fleet.has_room_for(head_tokens)
-                and (commits or self._copy_saves_wait(fleet, holders, head_tokens))
+                and (commits or self._copy_saves_wait(fleet, holders, head_tokens, own_queued))
             ):
                 elsewhere = [group for group in under if group.depth != best_any]
                 if elsewhere or any_free:
@@ -299,7 +306,8 @@ class PrefixPolicy:
                     "room_for_a_copy": fleet.has_room_for(head_tokens),
                     "traffic_pays_a_copy": self._copy_pays(start, prior, head_tokens),
                     "starts_commit_load": commits,
-                    "copy_saves_wait": self._copy_saves_wait(fleet, holders, head_tokens),
+                    "copy_saves_wait": self._copy_saves_wait(fleet, holders, head_tokens, own_queued),
+                    "own_flow_queued_on_holders": sum(own_queued(slot) for g in holders for slot in fleet.members(g)),
                 }
         # Ties break on this request's own identity — its session, or its deepest key (which
         # covers the whole prompt) — never on a shared head's key: conversations behind one
@@ -603,15 +611,33 @@ class PrefixPolicy:
         least = self.settings.head_copy_min_returns
         return least is None or self.returns.rate() >= least
 
-    def _copy_saves_wait(self, fleet: DecisionFleet, holders: list[Group], head_tokens: int) -> bool:
+    def _copy_saves_wait(
+        self, fleet: DecisionFleet, holders: list[Group], head_tokens: int, own_queued: Callable[[int], int]
+    ) -> bool:
         """Whether computing the head elsewhere is quicker than waiting on its holders: every
         admitted holder has more prefill queued than the least-queued replica plus the head
-        (per unit of weight).  What a copy for a start that commits nothing must buy."""
+        (per unit of weight).  What a copy for a start that commits nothing must buy.
+
+        The requesting flow's own work on a holder (``own_queued``, tokens per slot) does not
+        count unless ``head_copy_own_flow_wait``: a batch job's forty requests behind one
+        document queue on its holder, and a copy "saving" the job's wait behind its own burst
+        recomputes the document on the least-queued replica, where the other tenants' requests
+        go next (measured on ``tenants``: 3 recomputed documents a job, and the chat tenant's
+        turns queued behind them)."""
         least = fleet.least_queued()
         if least is None:
             return False
         admitted = [slot for group in holders for slot in fleet.members(group) if fleet.admitted(slot, group)]
-        return all(fleet.queued(slot, 1.0) > least + head_tokens for slot in admitted)
+        return all(fleet.queued(slot, 1.0, less=own_queued(slot)) > least + head_tokens for slot in admitted)
+
+    def _own_queued(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Callable[[int], int]:
+        """The requesting flow's own prefill queued on each slot, in tokens (0 for an anonymous
+        request, or with ``head_copy_own_flow_wait``); slots are ``replicas``' positions, as the
+        load's (the runner builds both from one list)."""
+        flow = request.flow
+        if flow is None or self.settings.head_copy_own_flow_wait:
+            return _nothing_own
+        return lambda slot: replicas[slot].pending_prefill_by_flow.get(flow, 0)
 
     def _first_eligible(self, key: int, load: FleetLoad) -> str:
         """The first eligible replica in ring order from ``key`` (a short walk: most are)."""

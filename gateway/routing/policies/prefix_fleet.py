@@ -90,10 +90,11 @@ class DecisionFleet:
         w = load.weights[slot]
         return f * self.mean_weight / w if w > 0 else ZERO_WEIGHT_LOAD + f
 
-    def queued(self, slot: int, weight: float) -> float:
-        """Queued prefill tokens per unit of weight (scaled by the mean weight), x ``weight``."""
+    def queued(self, slot: int, weight: float, less: int = 0) -> float:
+        """Queued prefill tokens (but ``less`` of them) per unit of weight (scaled by the mean
+        weight), x ``weight``."""
         load = self.load
-        p = load.pending[slot]
+        p = load.pending[slot] - less
         w = load.weights[slot]
         return weight * p * self.mean_weight / w if p and w > 0 else 0.0
 

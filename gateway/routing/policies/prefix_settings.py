@@ -124,6 +124,14 @@ class PrefixPolicySettings(PolicySettings):
         "single-turn questions) a head is copied only when the copy saves this request's wait: its holders "
         "have more prefill queued than the least-queued replica plus the head's length. null: always",
     )
+    head_copy_own_flow_wait: bool = Field(
+        False,
+        description="that wait counts the requesting flow's own prefill queued on the holders too. false: only "
+        "the other flows' work there justifies the copy, for a request whose client names its flow (fairness "
+        "header, else API key): one tenant's burst waits behind itself instead of recomputing the head on "
+        "another replica in front of the other tenants' requests. Anonymous requests (one flow per route) "
+        "count every queued token either way",
+    )
     head_window_starts: int = Field(
         256, ge=1, description="recent starts: a start weighs 1/e after this many more in the pool"
     )
