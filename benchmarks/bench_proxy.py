@@ -23,9 +23,9 @@ the absolute numbers.  Results: a table on stdout and ``bench_proxy.json`` (and,
 ``--profile``, ``bench_proxy_profile.txt``) in ``--out`` (default ``benchmarks/results/``).
 Errors: every phase counts the non-200 answers and failed requests of its timed part (never
 its warm-up's) and leaves them out of the latencies, gaps and TTFTs.  A failed warm-up request
-does not end the warm-up: the peak rows count them apart (``*_warmup_errors`` in the JSON).
-A closed-loop connection backs off after an error (1 ms, doubling, at most 100 ms; reset by a
-success) instead of retrying at once.
+does not end the warm-up: every phase counts them apart (``*_warmup_errors`` in the JSON, and a
+``warm-up errors`` line under the table).  A closed-loop connection backs off after an error
+(1 ms, doubling, at most 100 ms; reset by a success) instead of retrying at once.
 """
 
 from __future__ import annotations
@@ -248,12 +248,14 @@ def phase_added_latency(direct: str, through: str, rate: float, duration: float,
 
     On a shared machine one descheduled timeslice (tens of ms) lands in somebody's p99; the
     median over rounds of (gateway p99 - direct p99) is the robust number, the pooled one is
-    shown too.
+    shown too.  Each side's warm-up errors are summed over the rounds and kept apart (like the
+    peak rows'): a failed warm-up means that round's timed part may have started cold.
     """
     body = json.dumps(SMALL_CHAT).encode()
     pooled: dict[str, list[float]] = collections.defaultdict(list)
     per_round: list[dict[str, float]] = []
     errors = 0
+    warmup_errors = {"direct": 0, "gateway": 0}
     for _ in range(rounds):
         this: dict[str, list[float]] = {}
         for name, base in (("direct", direct), ("gateway", through)):
@@ -261,6 +263,7 @@ def phase_added_latency(direct: str, through: str, rate: float, duration: float,
             this[name] = result["latencies"]
             pooled[name] += result["latencies"]
             errors += result["errors"]
+            warmup_errors[name] += result["warmup_errors"]
         per_round.append(
             {
                 "added_p50_ms": ms(pct(this["gateway"], 0.5) - pct(this["direct"], 0.5)),
@@ -278,6 +281,8 @@ def phase_added_latency(direct: str, through: str, rate: float, duration: float,
         "rounds": rounds,
         "requests_each": len(d),
         "errors": errors,
+        "direct_warmup_errors": warmup_errors["direct"],
+        "gateway_warmup_errors": warmup_errors["gateway"],
         "direct_p50_ms": ms(pct(d, 0.5)),
         "direct_p99_ms": ms(pct(d, 0.99)),
         "gateway_p50_ms": ms(pct(g, 0.5)),
@@ -319,7 +324,7 @@ def phase_stream_gaps(direct: str, through: str, streams: int, concurrency: int,
     body = json.dumps({**SMALL_CHAT, "max_tokens": tokens, "stream": True}).encode()
     out: dict[str, Any] = {"streams": streams, "concurrency": concurrency, "tokens": tokens}
     for name, base in (("direct", direct), ("gateway", through)):
-        run_async(stream_gaps(base + "/v1/chat/completions", body, concurrency, concurrency))  # warm up
+        warm = run_async(stream_gaps(base + "/v1/chat/completions", body, concurrency, concurrency))
         result = run_async(stream_gaps(base + "/v1/chat/completions", body, streams, concurrency))
         gaps, ttfts = result["gaps"], result["ttfts"]
         out[f"{name}_gap_p50_ms"] = ms(pct(gaps, 0.5))
@@ -327,6 +332,7 @@ def phase_stream_gaps(direct: str, through: str, streams: int, concurrency: int,
         out[f"{name}_ttft_p50_ms"] = ms(pct(ttfts, 0.5))
         out[f"{name}_chunks"] = len(gaps) + len(ttfts)
         out[f"{name}_errors"] = result["errors"]
+        out[f"{name}_warmup_errors"] = warm["errors"]  # apart, like the other phases'
     out["gap_delta_p50_ms"] = round(out["gateway_gap_p50_ms"] - out["direct_gap_p50_ms"], 3)
     out["gap_delta_p99_ms"] = round(out["gateway_gap_p99_ms"] - out["direct_gap_p99_ms"], 3)
     out["ttft_delta_p50_ms"] = round(out["gateway_ttft_p50_ms"] - out["direct_ttft_p50_ms"], 3)
@@ -399,7 +405,24 @@ def table(results: dict[str, Any]) -> str:
            f"|{'-' * 46}|{'-' * 12}|{'-' * 12}|{'-' * 11}|{'-' * 24}"]  # fmt: skip
     for name, d, gw, delta, note in rows:
         out.append(f"| {name:<44} | {d:>10} | {gw:>10} | {delta!s:>9} | {note}")
-    return "\n".join(out)
+    return "\n".join([*out, "", warmup_note(results)])
+
+
+def warmup_note(results: dict[str, Any]) -> str:
+    """The line under the table naming every phase side whose warm-up had errors (or ``none``).
+
+    The timed figures leave warm-up errors out, so a table read alone hid a warm-up that failed:
+    that side's timed part may have started cold, or against a replica that was failing.
+    """
+    phases = [("added latency", results["added_latency"])]
+    phases += [(f"{'stream' if p['stream'] else 'non-stream'} peak c={p['concurrency']}", p) for p in results["peak"]]
+    phases.append(("stream gaps", results["stream_gaps"]))
+    failed = [
+        f"{label}: direct {row['direct_warmup_errors']}, gateway {row['gateway_warmup_errors']}"
+        for label, row in phases
+        if row["direct_warmup_errors"] or row["gateway_warmup_errors"]
+    ]
+    return "warm-up errors (not in the timed figures): " + ("; ".join(failed) if failed else "none")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,8 @@ does not end the closed loop's warm-up); and against a raw server that closes co
 the answer or mid-stream, and a port that refuses them: each is a stream error, none is timed,
 and the run goes on.  A closed loop against a replica that fails or refuses every request backs
 off (no hot loop: at most what its back-off schedule allows, each error a request sent), never
-past its deadline, and pauses only after errors.
+past its deadline, and pauses only after errors.  Every phase's warm-up errors, the open loop's
+included, reach the JSON per side and the line under the table (with fake loops, no processes).
 """
 
 from __future__ import annotations
@@ -256,6 +257,9 @@ def test_a_short_run_writes_its_table_and_json(run) -> None:
     assert {"machine", "targets", "added_latency", "peak", "stream_gaps"} <= set(result)
     assert {"load_before", "load_after", "cpus"} <= set(result["machine"])
     assert result["targets"] == bp.TARGETS
+    for row in [result["added_latency"], *result["peak"], result["stream_gaps"]]:
+        assert row["direct_warmup_errors"] == 0 == row["gateway_warmup_errors"], row
+    assert "\nwarm-up errors (not in the timed figures): none\n" in text
     assert {"added_p50_ms", "added_p99_ms", "pooled_added_p50_ms", "direct_p99_ms", "gateway_p99_ms"} <= set(
         result["added_latency"]
     )
@@ -421,6 +425,62 @@ def test_a_closed_loop_pauses_only_after_errors_and_a_success_resets_its_back_of
     asked.clear()
     clean = bp.run_async(scenario(lambda n: False))
     assert asked == [] and clean["errors"] == clean["warmup_errors"] == 0 and clean["latencies"]
+
+
+def fake_phases(monkeypatch: pytest.MonkeyPatch, warm: dict[str, int]) -> dict[str, Any]:
+    """Every phase of ``main`` over fake loops (no processes): each loop's warm-up errors are
+    ``warm[<phase>_<side>]`` (0 if absent), apart from its timed ones (the open loop's 2 on the
+    gateway side, the timed streams' 5 a side); returns the results dict ``table`` reads."""
+
+    def side(url: str) -> str:
+        return "direct" if url.startswith("http://direct") else "gateway"
+
+    async def open_loop(url: str, body: bytes, rate: float, duration: float) -> dict[str, Any]:
+        errors = 2 if side(url) == "gateway" else 0
+        return {"latencies": [0.001] * 8, "errors": errors, "warmup_errors": warm.get(f"added_{side(url)}", 0)}
+
+    async def closed_loop(url: str, body: bytes, concurrency: int, duration: float, stream: bool) -> dict[str, Any]:
+        return {
+            "rps": 100.0, "latencies": [0.001] * 100, "errors": 0, "seconds": 1.0, "warmup_requests": 10,
+            "warmup_errors": warm.get(f"peak_{side(url)}", 0),
+        }  # fmt: skip
+
+    async def stream_gaps(url: str, body: bytes, streams: int, concurrency: int) -> dict[str, Any]:
+        warming = streams == concurrency  # the phase warms up with one stream per connection
+        errors = warm.get(f"gaps_{side(url)}", 0) if warming else 5
+        return {"gaps": [0.02] * 3, "ttfts": [0.01], "errors": errors}
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(bp, "open_loop", open_loop)
+    monkeypatch.setattr(bp, "closed_loop", closed_loop)
+    monkeypatch.setattr(bp, "stream_gaps", stream_gaps)
+    monkeypatch.setattr(bp, "cpu_seconds", lambda pid: float(next(clock)))
+    return {
+        "added_latency": bp.phase_added_latency("http://direct", "http://gw", RATE, OPEN_S, 3),
+        "peak": [bp.phase_peak("http://direct", "http://gw", 1, 2, PEAK_S, stream) for stream in (False, True)],
+        "stream_gaps": bp.phase_stream_gaps("http://direct", "http://gw", 4, 2, TOKENS),
+    }
+
+
+def test_the_open_loops_warm_up_errors_survive_the_added_latency_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    added = fake_phases(monkeypatch, {"added_direct": 1, "added_gateway": 20})["added_latency"]
+    assert added["direct_warmup_errors"] == 3 * 1 and added["gateway_warmup_errors"] == 3 * 20, "summed over rounds"
+    assert added["errors"] == 3 * 2, "the timed errors stay apart from the warm-up's"
+
+
+def test_the_table_names_every_phase_side_whose_warm_up_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    warm = {"added_gateway": 20, "peak_gateway": 3, "gaps_direct": 1}
+    results = fake_phases(monkeypatch, warm)
+    gaps = results["stream_gaps"]
+    assert (gaps["direct_warmup_errors"], gaps["gateway_warmup_errors"], gaps["direct_errors"]) == (1, 0, 5)
+    assert bp.table(results).splitlines()[-1] == (
+        "warm-up errors (not in the timed figures): added latency: direct 0, gateway 60; "
+        "non-stream peak c=2: direct 0, gateway 3; stream peak c=2: direct 0, gateway 3; "
+        "stream gaps: direct 1, gateway 0"
+    )
+    clean = bp.table(fake_phases(monkeypatch, {}))
+    assert clean.splitlines()[-1] == "warm-up errors (not in the timed figures): none"
+    assert sum(line.startswith("| ") for line in clean.splitlines()) == 1 + 2 + 2 * 2 + 3, "the note is no row"
 
 
 @contextlib.asynccontextmanager
