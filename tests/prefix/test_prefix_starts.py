@@ -327,6 +327,8 @@ def test_a_flows_own_backlog_does_not_buy_a_copy_of_its_head() -> None:
     p, holders = setup()
     assert len(holders) < len(NAMES)
     assert not copied(p, holders, "id:batch", {"id:batch": 3000}, 1)  # its own burst: it waits
+    explained = p.peek(replace(req(head + chain(4, 1)), flow="id:batch"), fleet(holders, {"id:batch": 3000}))
+    assert explained.detail["shared_head"]["own_flow_queued_on_holders"] == 3000 * len(holders)
     assert not copied(p, holders, "id:batch", {"id:batch": 2000, "id:chat": 1000}, 2)  # others' 1000 < 0 + 1280
     assert copied(p, holders, "id:batch", {"id:batch": 1000, "id:chat": 2000}, 3)  # others' 2000 > 1280
     assert copied(p, holders, "id:chat", {"id:batch": 3000}, 4)  # another flow's backlog
