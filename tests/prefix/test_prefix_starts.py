@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import replace
 
 from gateway.routing.base import ReplicaView
+from gateway.routing.flows import RecentFlows
 from gateway.routing.policies.prefix import PrefixPolicy
 from gateway.routing.returns import StartReturns
 from gateway.routing.starts import HeadDemand
@@ -236,16 +237,23 @@ def test_a_return_is_a_later_turn_that_continues_a_start() -> None:
 
 
 def _burst(
-    p: PrefixPolicy, head: tuple[int, ...], n: int, seed: int, queued: int = 0, turns: bool = False
+    p: PrefixPolicy,
+    head: tuple[int, ...],
+    n: int,
+    seed: int,
+    queued: int = 0,
+    turns: bool = False,
+    flow: str | None = None,
 ) -> Counter[str]:
     """``n`` requests behind ``head`` all in flight at once; ``turns``: each start's next turn
-    (its own history) follows it, as a conversation's does.  Where the starts went."""
+    (its own history) follows it, as a conversation's does; ``flow``: the flow they name.
+    Where the starts went."""
     loads: Counter[str] = Counter()
     placed: Counter[str] = Counter()
     for i in range(n):
         fleet = [replace(view, pending_prefill_tokens=queued) for view in views(loads)]
         own = head + chain(8, seed + i)  # (keys stand for a chain: each burst's own)
-        d = p.choose(req(own), fleet)
+        d = p.choose(replace(req(own), flow=flow), fleet)
         placed[d.replica] += 1
         loads[d.replica] += 1
         if turns:
@@ -307,7 +315,9 @@ def test_a_flows_own_backlog_does_not_buy_a_copy_of_its_head() -> None:
     def setup(**settings: object) -> tuple[PrefixPolicy, set[str]]:
         p = policy(head_window_starts=8, **settings)
         _burst(p, chain(80, 7), 16, seed=3000)  # an earlier job: the pool learns its starts are one-shot
-        return p, set(_burst(p, head, 6, seed=1000))
+        holders = set(_burst(p, head, 6, seed=1000))
+        p.choose(replace(req(chain(20, 77)), flow="id:chat"), views())  # another tenant on the route
+        return p, holders
 
     def fleet(holders: set[str], by_flow: dict[str, int]) -> list[ReplicaView]:
         queued = sum(by_flow.values())
@@ -335,3 +345,24 @@ def test_a_flows_own_backlog_does_not_buy_a_copy_of_its_head() -> None:
     assert copied(p, holders, None, {"id:batch": 3000}, 5)  # anonymous: every queued token counts
     p, holders = setup(head_copy_own_flow_wait=True)
     assert copied(p, holders, "id:batch", {"id:batch": 3000}, 6)
+    # the route's only flow (one client key): its copy runs in front of nobody else's requests
+    alone = policy(head_window_starts=8)
+    _burst(alone, chain(80, 7), 16, seed=3000, flow="id:batch")
+    holders = set(_burst(alone, head, 6, seed=1000, flow="id:batch"))
+    assert copied(alone, holders, "id:batch", {"id:batch": 3000}, 8)
+
+
+def test_recent_flows_say_whether_another_flow_shares_the_route() -> None:
+    flows = RecentFlows(window=4, max_flows=2)
+    assert not flows.others_within("id:a")
+    flows.seen("id:a")
+    flows.seen("id:a")
+    assert not flows.others_within("id:a") and flows.others_within("id:b")
+    flows.seen(None)  # an anonymous request is another flow
+    assert flows.others_within("id:a")
+    for _ in range(4):
+        flows.seen("id:a")
+    assert not flows.others_within("id:a")  # the anonymous one is 4 requests back: out of the window
+    flows.seen("id:b")
+    flows.seen("id:c")  # bounded: the oldest flow is forgotten
+    assert list(flows._last) == ["id:b", "id:c"]

@@ -96,6 +96,7 @@ from typing import Any, ClassVar
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import Decision, ReplicaView, RequestView
 from gateway.routing.decay import Token
+from gateway.routing.flows import RecentFlows
 from gateway.routing.load import FleetLoad, fleet_load
 from gateway.routing.policies.prefix_explain import candidate_table
 from gateway.routing.policies.prefix_fleet import LIST_AT_MOST, Cheapest, Cost, DecisionFleet, Group
@@ -137,6 +138,7 @@ class PrefixPolicy:
         self.demand = HeadDemand(settings.head_window_starts)
         self.returns = StartReturns(settings.head_window_starts)
         self.work = RecentWork(settings.start_work_window)
+        self.flows = RecentFlows(settings.start_work_window)  # the own-flow copy rule: are there others?
         self._weight_sum = 0.0
         self._turn = 0
         self._withdrawals = 0  # forget_attempt calls that took keys back (see observe)
@@ -226,6 +228,8 @@ class PrefixPolicy:
         load = fleet_load(replicas)
         self._admit(load)
         settings = self.settings
+        if commit:
+            self.flows.seen(request.flow)
         keys = request.block_keys
         block_size = request.block_size or 1
         ring_key, key_source, key_depth = ring_key_of(request, settings.use_session_key, settings.key_depth_tokens)
@@ -631,11 +635,12 @@ class PrefixPolicy:
         return all(fleet.queued(slot, 1.0, less=own_queued(slot)) > least + head_tokens for slot in admitted)
 
     def _own_queued(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Callable[[int], int]:
-        """The requesting flow's own prefill queued on each slot, in tokens (0 for an anonymous
-        request, or with ``head_copy_own_flow_wait``); slots are ``replicas``' positions, as the
-        load's (the runner builds both from one list)."""
+        """The requesting flow's own prefill queued on each slot, in tokens; 0 for an anonymous
+        request, with ``head_copy_own_flow_wait``, or while no other flow sent a recent request
+        on this route (:mod:`gateway.routing.flows`: then a copy runs in front of nobody else's).
+        Slots are ``replicas``' positions, as the load's (the runner builds both from one list)."""
         flow = request.flow
-        if flow is None or self.settings.head_copy_own_flow_wait:
+        if flow is None or self.settings.head_copy_own_flow_wait or not self.flows.others_within(flow):
             return _nothing_own
         return lambda slot: replicas[slot].pending_prefill_by_flow.get(flow, 0)
 

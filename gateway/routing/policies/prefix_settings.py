@@ -129,8 +129,9 @@ class PrefixPolicySettings(PolicySettings):
         description="that wait counts the requesting flow's own prefill queued on the holders too. false: only "
         "the other flows' work there justifies the copy, for a request whose client names its flow (fairness "
         "header, else API key): one tenant's burst waits behind itself instead of recomputing the head on "
-        "another replica in front of the other tenants' requests. Anonymous requests (one flow per route) "
-        "count every queued token either way",
+        "another replica in front of the other tenants' requests. Only while another flow sent one of the "
+        "route's last start_work_window requests (alone on the route, a copy runs in front of nobody's); "
+        "anonymous requests (one flow per route) count every queued token either way",
     )
     head_window_starts: int = Field(
         256, ge=1, description="recent starts: a start weighs 1/e after this many more in the pool"
@@ -151,7 +152,10 @@ class PrefixPolicySettings(PolicySettings):
         "four leaves one replica with 1.33x the mean; docs/prefix-routing.md has what it costs and buys). null: off",
     )
     start_work_window: int = Field(
-        1024, ge=1, description="recent prefill work: a request's tokens weigh 1/e after this many more requests"
+        1024,
+        ge=1,
+        description="recent prefill work: a request's tokens weigh 1/e after this many more requests "
+        "(and the recent requests in which another flow makes head_copy_own_flow_wait's rule apply)",
     )
     use_session_key: bool = Field(True, description="use the route's session header value as the ring key if present")
 
