@@ -18,6 +18,7 @@ import contextlib
 import io
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -196,11 +197,22 @@ def test_the_verdict_wants_flat_rss_over_the_last_half_and_no_errors(
 
 
 def test_rss_mb_is_the_process_vmrss_in_mib() -> None:
+    """Read between two reads of VmRSS that agree: a child just started may still be exec'ing
+    (176 KiB forked, 284 KiB a moment later), so a single read before can race it."""
+
+    def vmrss_kib(pid: int) -> int:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+
     proc = subprocess.Popen(["sleep", "30"])
     try:
-        status = Path(f"/proc/{proc.pid}/status").read_text()
-        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
-        assert bs.rss_mb(proc.pid) == kib / 1024
+        deadline = time.monotonic() + 10.0
+        while True:
+            before, got, after = vmrss_kib(proc.pid), bs.rss_mb(proc.pid), vmrss_kib(proc.pid)
+            if before == after:
+                break
+            assert time.monotonic() < deadline, "the child's RSS never settled"
+        assert got == before / 1024
     finally:
         proc.kill()
         proc.wait()
