@@ -128,10 +128,16 @@ def parse_input_bytes(raw: bytes, limit: int | None = None) -> ExplainInput:
 
 # -- the report ------------------------------------------------------------------------------
 def explain(gateway: Gateway, request: ExplainInput) -> dict[str, Any]:
-    """Dry-run plan of ``request`` and the JSON report (raises the handler's 404/503 errors)."""
-    plan = gateway.plan(request.endpoint, request.body, request.headers, "explain", dry_run=True)
+    """Dry-run plan of ``request`` and the JSON report (raises the handler's 404/503 errors).
+
+    A client key in the explained request's own ``authorization`` header names its flow, as
+    the proxy's would (routing and flow control both read it); a key that is not configured
+    names none."""
+    keys = gateway.client_keys
+    key_hash = keys.identify(request.headers.get("authorization")) if keys.enabled else None
+    plan = gateway.plan(request.endpoint, request.body, request.headers, "explain", dry_run=True, key_hash=key_hash)
     report = build_report(plan)
-    report["flow_control"] = gateway.flow.explain(plan.route, request.headers)
+    report["flow_control"] = gateway.flow.explain(plan.route, request.headers, key_hash)
     return report
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import pytest
 from e2e_helpers import MODEL, config, prefix_route
 
-from gateway.admin.explain import offline_gateway, parse_input
+from gateway.admin.explain import explain, offline_gateway, parse_input
 from gateway.errors import BadRequest
 from gateway.routing.base import ReplicaView, RequestView
 from gateway.routing.policies.prefix import PrefixPolicy, PrefixPolicySettings
@@ -105,3 +106,20 @@ def test_startup_preloads_the_tokenizers_of_prefix_routes() -> None:
     assert set(pipelines["named"].tokens._by_model) == {llama}  # type: ignore[union-attr]
     assert set(pipelines["any"].tokens._by_model) == {""}  # type: ignore[union-attr]  # the fallback vocabulary
     assert gateway.routes.get("named").runner.policy.snapshot()["affinity"]["keys"] == 0  # nothing recorded
+
+
+def test_explain_names_the_flow_of_a_client_key_as_the_proxy_would() -> None:
+    """A configured client key in the explained request's headers names its flow (what the
+    prefix policy's own-flow copy rule and flow control read); an unknown key names none."""
+    key = "client-key-1"
+    auth = {"api_keys_sha256": [hashlib.sha256(key.encode()).hexdigest()]}
+    gateway = offline_gateway(config([f"http://127.0.0.1:{9000 + i}" for i in range(4)], auth=auth))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 40}]}
+
+    def flow_of(authorization: str) -> str:
+        return explain(gateway, parse_input({"body": chat, "headers": {"Authorization": authorization}}))[
+            "flow_control"
+        ]["flow"]
+
+    assert flow_of(f"Bearer {key}") == "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    assert flow_of("Bearer not-a-key") == "route:main"
