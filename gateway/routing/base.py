@@ -63,7 +63,7 @@ class ReplicaView:
     block_size: int | None = None
     # Of ``pending_prefill_tokens``, this gateway process's share per named flow (RequestView.flow):
     # how much of the wait ahead is the requesting flow's own work.
-    pending_prefill_by_flow: Mapping[str, int] = field(default_factory=dict)
+    pending_prefill_by_flow: Mapping[str, int] = field(default_factory=dict, compare=False)  # (views stay hashable)
 
 
 @dataclass(frozen=True, slots=True)

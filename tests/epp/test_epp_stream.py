@@ -212,9 +212,10 @@ async def test_client_keys_are_checked_and_never_reach_the_replica(gw: Gateway) 
     _, (out,) = await run(gw, em.request_headers(authorization="Bearer sk-bad"))
     status, body = em.immediate(out)
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
-    _, (_, picked) = await run(gw, em.request_headers(authorization="Bearer sk-good"), em.request_body(em.chat()))
+    stream, (_, picked) = await run(gw, em.request_headers(authorization="Bearer sk-good"), em.request_body(em.chat()))
     mutation = picked[0].request_headers.response.header_mutation
     assert "authorization" in mutation.remove_headers  # the gateway's own key stays at the gateway
+    assert stream.plan is not None and stream.plan.request.flow == "key:" + sha256_hex("sk-good")[:16]  # routing's flow
 
 
 def _gateway(**sections: Any) -> Gateway:

@@ -6,10 +6,13 @@ import math
 from collections import Counter
 from dataclasses import replace
 
+from gateway.config import HealthSettings, ReplicaConfig
+from gateway.replicas.pool import Replica
 from gateway.routing.base import ReplicaView
 from gateway.routing.flows import RecentFlows
 from gateway.routing.policies.prefix import PrefixPolicy
 from gateway.routing.returns import StartReturns
+from gateway.routing.runner import PolicyRunner
 from gateway.routing.starts import HeadDemand
 from gateway.routing.work import RecentWork
 from tests.prefix.policy_helpers import NAMES, chain, policy, req, views
@@ -314,8 +317,9 @@ def test_a_flows_own_backlog_does_not_buy_a_copy_of_its_head() -> None:
 
     def setup(**settings: object) -> tuple[PrefixPolicy, set[str]]:
         p = policy(head_window_starts=8, **settings)
-        _burst(p, chain(80, 7), 16, seed=3000)  # an earlier job: the pool learns its starts are one-shot
-        holders = set(_burst(p, head, 6, seed=1000))
+        # an earlier job: the pool learns its starts are one-shot
+        _burst(p, chain(80, 7), 16, seed=3000, flow="id:batch")
+        holders = set(_burst(p, head, 6, seed=1000, flow="id:batch"))
         p.choose(replace(req(chain(20, 77)), flow="id:chat"), views())  # another tenant on the route
         return p, holders
 
@@ -350,6 +354,66 @@ def test_a_flows_own_backlog_does_not_buy_a_copy_of_its_head() -> None:
     _burst(alone, chain(80, 7), 16, seed=3000, flow="id:batch")
     holders = set(_burst(alone, head, 6, seed=1000, flow="id:batch"))
     assert copied(alone, holders, "id:batch", {"id:batch": 3000}, 8)
+    # what peek said, choose does (each judges the recent flows before the request counts)
+    p, holders = setup()
+    request = replace(req(head + chain(4, 9)), flow="id:batch")
+    assert p.choose(request, fleet(holders, {"id:batch": 3000})).replica in holders
+
+
+def test_peek_and_choose_agree_at_the_edge_of_the_recent_flows_window() -> None:
+    """The last other-flow request is exactly at the window's edge: peek (explain, flow
+    control's preferred replica) and choose must place the request alike."""
+    head, window = chain(80, 9), 64
+    p = policy(head_window_starts=8, start_work_window=window)
+    _burst(p, chain(80, 7), 16, seed=3000, flow="id:batch")
+    holders = set(_burst(p, head, 6, seed=1000, flow="id:batch"))
+    p.choose(replace(req(chain(20, 77)), flow="id:chat"), views())
+    for _ in range(window - 1):
+        p.flows.seen("id:batch")
+    fleet = [
+        replace(view, in_flight=2, pending_prefill_tokens=3000, pending_prefill_by_flow={"id:batch": 3000})
+        if view.name in holders
+        else replace(view, in_flight=2)
+        for view in views()
+    ]
+    request = replace(req(head + chain(4, 1)), flow="id:batch")
+    assert (p.peek(request, fleet).replica in holders) == (p.choose(request, fleet).replica in holders)
+
+
+def test_the_own_flow_rule_reads_the_replicas_counts_through_the_runner() -> None:
+    """Real replicas and the route runner's live views: a charge named for a flow is what the
+    rule subtracts (the only way production code reaches the per-flow counts)."""
+
+    def stays_on_holders(flow: str | None, **settings: object) -> bool:
+        replicas = [
+            Replica(ReplicaConfig(name=name, url=f"http://h:{i}"), None, HealthSettings())  # type: ignore[arg-type]
+            for i, name in enumerate(NAMES)
+        ]
+        runner = PolicyRunner("route", "prefix", policy(head_window_starts=8, **settings), replicas)
+
+        def burst(head: tuple[int, ...], n: int, seed: int) -> set[str]:
+            placed = set()
+            for i in range(n):
+                decision, replica = runner.decide(replace(req(head + chain(8, seed + i)), flow="id:batch"))
+                replica.in_flight += 1
+                placed.add(decision.replica)
+            return placed
+
+        head = chain(80, 9)
+        burst(chain(80, 7), 16, 3000)
+        holders = burst(head, 6, 1000)
+        runner.decide(replace(req(chain(20, 77)), flow="id:chat"))
+        for replica in replicas:
+            replica.in_flight = 2
+            if replica.name in holders:
+                replica.charge_prefill(3000, "id:batch")
+        decision, _ = runner.decide(replace(req(head + chain(4, 1)), flow=flow))
+        return decision.replica in holders
+
+    assert stays_on_holders("id:batch")  # its own backlog: it waits
+    assert not stays_on_holders("id:chat")  # another flow's backlog: copied
+    assert not stays_on_holders(None)  # anonymous: copied, as before
+    assert not stays_on_holders("id:batch", head_copy_own_flow_wait=True)
 
 
 def test_recent_flows_say_whether_another_flow_shares_the_route() -> None:

@@ -94,7 +94,7 @@ class DecisionFleet:
         """Queued prefill tokens (but ``less`` of them) per unit of weight (scaled by the mean
         weight), x ``weight``."""
         load = self.load
-        p = load.pending[slot] - less
+        p = max(0, load.pending[slot] - less)
         w = load.weights[slot]
         return weight * p * self.mean_weight / w if p and w > 0 else 0.0
 
