@@ -239,6 +239,51 @@ def test_a_return_is_a_later_turn_that_continues_a_start() -> None:
     assert r.snapshot()["recent_returns"] == 2.0
 
 
+def test_a_named_flows_rate_is_its_own_with_the_pools_as_its_prior() -> None:
+    """A batch tenant's one-shot starts beside a chat tenant's conversations: the pool's rate
+    mixes them, each named flow's rate is its own record (the pool's rate weighs as the
+    prior's 8 starts), and a return counts for the flow whose conversation it continues."""
+    r = StartReturns(window=10**9, max_flows=2)
+    head = chain(40, 11)
+    for i in range(12):  # chat: conversations whose second turns come back
+        turn = head + chain(6, 200 + i)
+        r.started(turn, "id:chat")
+        assert r.returned(turn + chain(5, 300 + i), depth=44, stride=8)
+    for i in range(12):  # batch: one-shot starts
+        r.started(chain(40, 12) + chain(6, 400 + i), "id:batch")
+    pool = r.rate()
+    assert math.isclose(pool, (12 + 8) / (24 + 8), rel_tol=1e-6)  # 0.625: the pool still says "commits"
+    assert math.isclose(r.rate("id:chat"), (12 + 8 * pool) / (12 + 8), rel_tol=1e-6)
+    assert math.isclose(r.rate("id:batch"), 8 * pool / (12 + 8), rel_tol=1e-6)  # 0.25: it does not
+    assert r.rate("id:new") == pool and r.rate(None) == pool  # no record: the pool's
+    assert r.snapshot()["flows_tracked"] == 2
+    r.started(chain(40, 13) + chain(6, 500), "id:third")  # bounded: the oldest flow is forgotten
+    assert r.snapshot()["flows_tracked"] == 2 and r.rate("id:chat") == r.rate()
+
+
+def test_a_one_shot_tenants_starts_commit_nothing_beside_a_chatty_tenant() -> None:
+    """Beside a tenant whose conversations come back, the pool's rate says starts commit load;
+    a batch tenant whose earlier job's starts never came back reads its own record, so its
+    next request behind the job's document is no start that commits (no copy for load); the
+    same traffic sent anonymously reads the pool's rate, as before."""
+
+    def shared_head(flow: str | None) -> dict[str, object]:
+        p = policy(head_window_starts=64)
+        chat_head = chain(640, 21)
+        for i in range(24):  # the chat tenant's conversations, each with its next turn
+            own = chat_head + chain(8, 600 + i)
+            p.choose(replace(req(own), flow="id:chat"), views())
+            p.choose(replace(req(own + chain(4, 700 + i)), flow="id:chat"), views())
+        document = chain(640, 22)
+        _burst(p, document, 12, seed=800, flow=flow)  # the batch tenant's job: one-shot starts
+        assert p.returns.rate() >= 0.5  # the pool's rate says starts commit
+        busy = [replace(view, in_flight=3) for view in views()]
+        return p.peek(replace(req(document + chain(8, 900)), flow=flow), busy).detail["shared_head"]
+
+    assert shared_head("id:batch")["starts_commit_load"] is False
+    assert shared_head(None)["starts_commit_load"] is True
+
+
 def _burst(
     p: PrefixPolicy,
     head: tuple[int, ...],

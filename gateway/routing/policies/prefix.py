@@ -286,7 +286,7 @@ class PrefixPolicy:
             head_tokens = holders[0].tokens if holders else 0
             holding = sum(group.size for group in holders)
             # copies for the load a start commits only while starts come back for more turns
-            commits = self._starts_commit()
+            commits = self._starts_commit(request.flow)
             if (
                 holding < needed
                 and not any(fleet.idle_member(g) for g in holders)
@@ -379,7 +379,7 @@ class PrefixPolicy:
             if start is not None:
                 started = self.demand.record(start)
                 if counts_returns:
-                    self.returns.started(keys)
+                    self.returns.started(keys, request.flow)
         predicted = picked.tokens
         if precise is not None:
             # less where queued work there evicts some of it first; with no match, what its
@@ -611,12 +611,12 @@ class PrefixPolicy:
         be at least the head's own length."""
         return self.demand.share(head, prior) * self.work.total() >= 2 * head_tokens
 
-    def _starts_commit(self) -> bool:
+    def _starts_commit(self, flow: str | None) -> bool:
         """Whether recent new conversations come back for later turns (``head_copy_min_returns``
-        per start, see :mod:`gateway.routing.returns`): then a start commits load for its
-        whole conversation, which the head rules spread before it piles up."""
+        per start, see :mod:`gateway.routing.returns`; a named ``flow``'s own): then a start
+        commits load for its whole conversation, which the head rules spread before it piles up."""
         least = self.settings.head_copy_min_returns
-        return least is None or self.returns.rate() >= least
+        return least is None or self.returns.rate(flow) >= least
 
     def _copy_saves_wait(
         self, fleet: DecisionFleet, holders: list[Group], head_tokens: int, own_queued: Callable[[int], int]
