@@ -29,7 +29,7 @@ prior (the same 8 starts' weight): a new flow is judged as the pool is until it 
 Anonymous requests read the pool's rate, as before.  Measured on ``tenants`` (batch and chat
 tenants, ``bench_virtual.py --precise --project --flow --closed-loop --quick --seeds 3``):
 ``shipped`` minus ``sglang_like``: -1.34 -> -0.54 points at moderate load, -0.24 -> +0.02
-at saturation; named conversational tenants (the agent workloads) kept their hit rates.
+at saturation; named conversational tenants (the agent workloads) lost no hit rate.
 
 Per gateway process: a turn placed by another process is not seen here, so with several
 processes the rate reads low by about their number (shared state carries starts, not
