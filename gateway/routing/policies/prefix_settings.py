@@ -119,10 +119,11 @@ class PrefixPolicySettings(PolicySettings):
         0.5,
         ge=0.0,
         description="the head rules above and start_work_factor copy a head for the load new conversations commit, "
-        "so only while recent starts come back for at least this many later turns each on average (pool-wide; "
-        "see gateway/routing/returns.py). Below it (one-shot traffic: a batch job mapping one document, "
-        "single-turn questions) a head is copied only when the copy saves this request's wait: its holders "
-        "have more prefill queued than the least-queued replica plus the head's length. null: always",
+        "so only while recent starts come back for at least this many later turns each on average (pool-wide, "
+        "or a named flow's own with the pool's as its prior; see gateway/routing/returns.py). Below it "
+        "(one-shot traffic: a batch job mapping one document, single-turn questions) a head is copied only "
+        "when the copy saves this request's wait: its holders have more prefill queued than the "
+        "least-queued replica plus the head's length. null: always",
     )
     head_copy_own_flow_wait: bool = Field(
         False,
