@@ -405,6 +405,19 @@ def test_a_flows_own_backlog_does_not_buy_a_copy_of_its_head() -> None:
     assert p.choose(request, fleet(holders, {"id:batch": 3000})).replica in holders
 
 
+def test_a_holder_over_its_load_bound_is_a_spill_not_a_copy_that_saves_the_wait() -> None:
+    """Every holder over its load bound: the request goes elsewhere whatever the copy rules say,
+    and explain must not report a copy that saves the wait (no holder could have served it)."""
+    p = policy(head_window_starts=8)
+    head = chain(80, 9)
+    _burst(p, chain(80, 7), 16, seed=3000)
+    holders = set(_burst(p, head, 6, seed=1000))
+    fleet = [replace(view, in_flight=40 if view.name in holders else 0) for view in views()]
+    decision = p.peek(req(head + chain(4, 1)), fleet)
+    assert decision.replica not in holders
+    assert decision.detail["shared_head"]["copy_saves_wait"] is False
+
+
 def test_peek_and_choose_agree_at_the_edge_of_the_recent_flows_window() -> None:
     """The last other-flow request is exactly at the window's edge: peek (explain, flow
     control's preferred replica) and choose must place the request alike."""

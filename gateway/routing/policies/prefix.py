@@ -635,7 +635,11 @@ class PrefixPolicy:
         if least is None:
             return False
         admitted = [slot for group in holders for slot in fleet.members(group) if fleet.admitted(slot, group)]
-        return all(fleet.queued(slot, 1.0, less=own_queued(slot)) > least + head_tokens for slot in admitted)
+        # no holder may take it (all over their load bound): it goes elsewhere anyway, a spill, and
+        # explain must not call that a copy that saves the wait
+        return bool(admitted) and all(
+            fleet.queued(slot, 1.0, less=own_queued(slot)) > least + head_tokens for slot in admitted
+        )
 
     def _own_queued(self, request: RequestView, replicas: Sequence[ReplicaView], others: bool) -> Callable[[int], int]:
         """The requesting flow's own prefill queued on each slot, in tokens; 0 for an anonymous
