@@ -208,7 +208,10 @@ class PrefixPolicy:
     # -- the decision ------------------------------------------------------------------
     def choose(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
         """Decide and record the placement in the affinity index."""
-        return self._decide(request, replicas, commit=True)
+        decision = self._decide(request, replicas, commit=True)
+        # counted after deciding: peek and choose judge the same recent flows (gateway.routing.flows)
+        self.flows.seen(request.flow)
+        return decision
 
     def peek(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision:
         """What :meth:`choose` would decide now, changing nothing (``/admin/explain``).
@@ -228,11 +231,6 @@ class PrefixPolicy:
         load = fleet_load(replicas)
         self._admit(load)
         settings = self.settings
-        # whether another flow shares the route, read before this request counts (peek and
-        # choose must judge the same window: gateway.routing.flows)
-        others = request.flow is not None and self.flows.others_within(request.flow)
-        if commit:
-            self.flows.seen(request.flow)
         keys = request.block_keys
         block_size = request.block_size or 1
         ring_key, key_source, key_depth = ring_key_of(request, settings.use_session_key, settings.key_depth_tokens)
@@ -280,7 +278,7 @@ class PrefixPolicy:
         if factor is not None and home is None and forked:
             start = keys[best_any - 1]
             holders = [group for group in groups if group.depth == best_any]
-            own_queued = self._own_queued(request, replicas, others)
+            own_queued = self._own_queued(request, replicas)
             prior = settings.head_min_starts or 2 * load.n
             needed = self.demand.holders_needed(start, load.n, factor, prior)
             head_tokens = holders[0].tokens if holders else 0
@@ -641,14 +639,14 @@ class PrefixPolicy:
             fleet.queued(slot, 1.0, less=own_queued(slot)) > least + head_tokens for slot in admitted
         )
 
-    def _own_queued(self, request: RequestView, replicas: Sequence[ReplicaView], others: bool) -> Callable[[int], int]:
+    def _own_queued(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Callable[[int], int]:
         """The requesting flow's own prefill queued on each slot, in tokens; 0 for an anonymous
-        request, with ``head_copy_own_flow_wait``, or unless ``others`` (another flow sent a
-        recent request on this route, :mod:`gateway.routing.flows`: alone, a copy runs in front
-        of nobody else's).  Slots are ``replicas``' positions, as the load's (the runner builds
-        both from one list)."""
+        request, with ``head_copy_own_flow_wait``, or unless another flow sent a recent request
+        on this route (:mod:`gateway.routing.flows`: alone, a copy runs in front of nobody
+        else's).  Slots are ``replicas``' positions, as the load's (the runner builds both from
+        one list)."""
         flow = request.flow
-        if flow is None or self.settings.head_copy_own_flow_wait or not others:
+        if flow is None or self.settings.head_copy_own_flow_wait or not self.flows.others_within(flow):
             return _nothing_own
         return lambda slot: replicas[slot].pending_prefill_by_flow.get(flow, 0)
 
