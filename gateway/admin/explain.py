@@ -255,7 +255,8 @@ def _replica_rows(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> li
             row["kv_mode"], row["kv_reason"] = precise.mode_of(replica.name, plan.request.block_size or None)
         candidate = candidates.get(replica.name)
         if candidate is not None:
-            for key in ("ring_rank", "bound", "under_bound", "matched_blocks", "matched_tokens", "score"):
+            keys = ("ring_rank", "bound", "under_bound", "kept_over_bound", "matched_blocks", "matched_tokens", "score")
+            for key in keys:
                 if key in candidate:
                     row[key] = candidate[key]
         rows.append(row)
@@ -289,6 +290,12 @@ def why(plan: Plan, candidates: Mapping[str, Mapping[str, Any]]) -> str:
     )
     if decision.reason == "fallback":
         return f"no routing key (the prompt is shorter than one {block_size}-token block): least loaded replica"
+    if decision.reason == "affinity" and detail.get("kept_over_bound"):
+        return (
+            f"{pick} recently served the longest prefix of this request ({cached_text}); it is over its "
+            f"load bound ({load}), but a spill would not save enough wait to pay for computing that "
+            "prefix again (spill_min_saving)"
+        )
     if decision.reason == "affinity":
         return (
             f"{pick} recently served the longest prefix of this request ({cached_text}) and is under its "

@@ -100,7 +100,8 @@ def test_a_long_cached_history_stays_home_despite_queued_prefill() -> None:
 
 
 def test_when_the_home_is_over_its_bound_queued_prefill_picks_the_next_replica() -> None:
-    p = policy(load_factor=1.25, bound_extra=2, bound_extra_min_tokens=2048)
+    # (the bound always spills: with nothing queued on r1, spill_min_saving would keep it there)
+    p = policy(load_factor=1.25, bound_extra=2, bound_extra_min_tokens=2048, spill_min_saving=None)
     history = chain(200, 21)  # 3,200 cached tokens on r1
     p.index.record("r1", history)
     # r1 is over its bound (ceil(1.25 x 8 / 4) + 2 = 5): the request moves, and the replica

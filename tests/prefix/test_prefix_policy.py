@@ -59,6 +59,7 @@ class Fleet:
     st.sampled_from([(0, 0), (2, 0), (2, 160)]),
     st.lists(st.integers(0, 20_000), min_size=6, max_size=6),
     st.sampled_from([0.0, 1.0]),
+    st.sampled_from([None, 0.0, 3.0]),
 )
 @pytest.mark.slow
 def test_bound_is_never_exceeded_when_a_replica_is_under_it(
@@ -71,7 +72,10 @@ def test_bound_is_never_exceeded_when_a_replica_is_under_it(
     extra: tuple[int, int],
     pending: list[int],
     queue_weight: float,
+    saving: float | None,
 ) -> None:
+    """... except where the replicas holding the most of the prompt keep it (spill_min_saving):
+    then only such a replica, with enough of the prompt cached, below twice its bound."""
     names = [f"n{i}" for i in range(len(loads))]
     members = [ReplicaView(n, weight=weights[i]) for i, n in enumerate(names)]
     s = PrefixPolicySettings(
@@ -81,6 +85,7 @@ def test_bound_is_never_exceeded_when_a_replica_is_under_it(
         bound_extra=extra[0],
         bound_extra_min_tokens=extra[1],
         prefill_queue_weight=queue_weight,
+        spill_min_saving=saving,
     )
     p = PrefixPolicy(s, members)
     head = chain(6, 1)
@@ -97,11 +102,14 @@ def test_bound_is_never_exceeded_when_a_replica_is_under_it(
         d = p.choose(req(head + chain(6, conv)), eligible)
         assert d.reason in REASONS and (probe.replica, probe.reason) == (d.replica, d.reason)
         bounds = {cand["replica"]: cand["bound"] for cand in probe.detail["candidates"]}
-        if any(in_flight[n] < bounds[n] for n in names):
-            assert in_flight[d.replica] < bounds[d.replica]
+        if any(in_flight[n] < bounds[n] for n in names) and in_flight[d.replica] >= bounds[d.replica]:
+            assert saving is not None and probe.detail.get("kept_over_bound")
+            held = {cand["replica"]: cand["matched_tokens"] for cand in probe.detail["candidates"]}
+            assert held[d.replica] == max(held.values()) >= max(1, extra[1])
+            assert in_flight[d.replica] < 2 * bounds[d.replica]
         if extra[0] == 0:
             assert bounds == textbook
-            if any(in_flight[n] < textbook[n] for n in names):
+            if saving is None and any(in_flight[n] < textbook[n] for n in names):
                 assert in_flight[d.replica] < textbook[d.replica]
         for n in names:  # extra room only where enough of the prompt is cached
             matched = next(x["matched_blocks"] for x in probe.detail["candidates"] if x["replica"] == n)
@@ -145,7 +153,7 @@ def test_growing_conversation_stays_where_its_history_is() -> None:
     # At low load the textbook bound (ceil(1.25 x mean)) is tight and pushes turns away from a
     # replica busy with one or two other requests; the extra room for long cached histories
     # (the default) keeps them home.
-    textbook = _conversation_stickiness(policy(bound_extra=0, load_factor=1.25), hold=6)
+    textbook = _conversation_stickiness(policy(bound_extra=0, load_factor=1.25, spill_min_saving=None), hold=6)
     assert _conversation_stickiness(policy(), hold=6) > max(0.85, textbook + 0.2)
 
 

@@ -13,7 +13,11 @@ uncached tokens.  The decision, in order:
    the textbook bound pushes a long conversation off its replica at low load (two other
    requests there are enough), recomputing thousands of tokens to save a short wait, while
    short popular prefixes must not pile up.  Some replica is always under its bound, so the
-   bound is never exceeded.
+   bound is never exceeded — except that a spill must pay for what it recomputes
+   (``spill_min_saving``): when every replica holding the most of the prompt (at least
+   ``bound_extra_min_tokens``) is over its bound, the least busy of them keeps the request
+   unless another replica's estimated wait is shorter by more than 3 x the tokens it would
+   compute again, up to twice its bound (:meth:`PrefixPolicy._keep_over_bound`).
 2. **Affinity.**  The affinity index gives each replica the depth (in keys) of the longest
    prefix of this request it recently served, and whether an earlier prompt ended there.
    Keys cover the whole prompt (token blocks over the window, then text chunks, see
@@ -258,6 +262,12 @@ class PrefixPolicy:
         free = Group(0, 0, want & ~held)  # eligible replicas holding none of the prompt
         under = [group for group in groups if fleet.admitted_members(group, 1)]  # groups with a replica under its bound
         any_free = bool(fleet.admitted_members(free, 1))
+        kept_over_bound = False
+        if groups and (not under or under[0] is not groups[0]) and settings.spill_min_saving is not None:
+            # every replica holding the most of the prompt is over its bound: spill only where it saves the wait
+            kept_over_bound = self._keep_over_bound(request, fleet, groups[0], under, free if any_free else None)
+            if kept_over_bound:
+                under.insert(0, groups[0])
         if not under and not any_free:  # impossible with load_factor >= 1; stay total anyway
             fleet.all_under = True
             under, any_free = list(groups), bool(free.mask)
@@ -425,6 +435,8 @@ class PrefixPolicy:
             detail["branch"] = branch  # home | balance | shared | score | ring
             if head_view is not None:
                 detail["shared_head"] = head_view  # a new conversation behind a shared head
+            if kept_over_bound:
+                detail["kept_over_bound"] = True  # its holders were over the bound; a spill would not pay
             detail["key"] = f"{ring_key:016x}"
             detail["load_factor"] = settings.load_factor
             detail["total_in_flight"] = load.total_in_flight
@@ -649,6 +661,53 @@ class PrefixPolicy:
         if flow is None or self.settings.head_copy_own_flow_wait or not self.flows.others_within(flow):
             return _nothing_own
         return lambda slot: replicas[slot].pending_prefill_by_flow.get(flow, 0)
+
+    def _keep_over_bound(
+        self, request: RequestView, fleet: DecisionFleet, deepest: Group, under: list[Group], free: Group | None
+    ) -> bool:
+        """Whether the replicas holding the most of the prompt, all over their load bound, keep
+        the request anyway (their group's extra room is raised to admit the least queued).
+
+        A spill recomputes the prompt the holder has cached on a replica holding less of it.
+        That is paid only when it shortens the request's estimated wait (prefill queued there +
+        its own uncached prompt + ``load_cost_tokens`` per request in flight, per unit of weight:
+        a pile of cached requests still counts for its decode batch) by more than
+        ``spill_min_saving`` x the tokens computed again: a batch job's burst behind one long document is mostly cached
+        requests queued behind the document itself, and a spill computes the document a second
+        time while the first is still queued (measured on ``tenants``: a recomputed document per
+        job, the job's TTFT p90 1.1x).  Never past twice the bound (with its extra room; on a
+        small fleet at load_factor 2 the in-flight term comes first).  Only a listed (small)
+        group is weighed."""
+        if deepest.tokens < max(1, self.settings.bound_extra_min_tokens) or not fleet.small(deepest):
+            return False  # a short popular prefix is spread (as for bound_extra)
+        settings = self.settings
+        prompt = request.prompt_tokens_estimate or request.prompt_tokens or deepest.tokens
+        per_request = settings.load_cost_tokens
+        load = fleet.load
+
+        def wait(slot: int, held: int) -> float:  # as _place_shared estimates a time to first token
+            return per_request * fleet.busy(slot) + fleet.queued(slot, 1.0) + max(0, prompt - held)
+
+        best_slot: int | None = None
+        best_wait = math.inf
+        for slot in fleet.members(deepest):
+            here = wait(slot, deepest.tokens)
+            if load.in_flight[slot] < 2 * (fleet.bound(slot) + deepest.extra) and here < best_wait:
+                best_slot, best_wait = slot, here
+        if best_slot is None:
+            return False
+        order = load.order(per_request, 1.0)
+        saving_per_token = settings.spill_min_saving or 0.0
+        for group in [*under, *([free] if free is not None else [])]:
+
+            def wait_there(slot: int, held: int = group.tokens) -> float:
+                return wait(slot, held)
+
+            cheapest = fleet.cheapest(group, order, wait_there)
+            if cheapest is not None and best_wait - cheapest.cost > saving_per_token * (deepest.tokens - group.tokens):
+                return False  # spilling there saves more wait than it recomputes
+        deepest.kept = load.in_flight[best_slot] + 1 - fleet.bound(best_slot) - deepest.extra
+        return True
 
     def _first_eligible(self, key: int, load: FleetLoad) -> str:
         """The first eligible replica in ring order from ``key`` (a short walk: most are)."""

@@ -47,6 +47,7 @@ def candidate_table(
             "pending_prefill_tokens": r.pending_prefill_tokens,
             "bound": bound,
             "under_bound": r.in_flight < bound,
+            "kept_over_bound": r.in_flight >= bound and fleet.admitted(slot, group),  # see spill_min_saving
             "matched_blocks": group.depth,
             "matched_tokens": group.tokens,
         }

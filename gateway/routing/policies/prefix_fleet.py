@@ -43,6 +43,7 @@ class Group:
     tokens: int
     mask: int
     extra: int = 0  # bound_extra its members get (enough of the prompt cached)
+    kept: int = 0  # more room past that, where a spill would not pay for its recompute (spill_min_saving)
     slots: list[int] | None = None  # its members' slots, once listed (small groups)
 
     @property
@@ -117,7 +118,7 @@ class DecisionFleet:
 
     def admitted(self, slot: int, group: Group) -> bool:
         """May take the request: under its bound (with the group's extra room)."""
-        return self.all_under or self.load.in_flight[slot] < self.bound(slot) + group.extra
+        return self.all_under or self.load.in_flight[slot] < self.bound(slot) + group.extra + group.kept
 
     # -- groups ------------------------------------------------------------------------
     def member(self, slot: int, group: Group) -> bool:
@@ -136,18 +137,19 @@ class DecisionFleet:
             group.slots = out
         return group.slots
 
-    def _small(self, group: Group) -> bool:
+    def small(self, group: Group) -> bool:
+        """Whether the group is listed (few members) rather than met by walking an order."""
         size = group.size
         return size <= LIST_AT_MOST or size * size <= self.load.n
 
     def admitted_members(self, group: Group, most: int) -> list[int]:
         """Up to ``most`` admitted members, least busy first when the group is large."""
-        if self._small(group):
+        if self.small(group):
             return [slot for slot in self.members(group) if self.admitted(slot, group)][:most]
         load = self.load
         limit = math.inf  # in-flight per weight beyond which no member is under its bound
         if not self.all_under and load.weight_sum > 0:
-            ratios = ((self.bound_of(w) + group.extra) / w for w in load.distinct_weights if w > 0)
+            ratios = ((self.bound_of(w) + group.extra + group.kept) / w for w in load.distinct_weights if w > 0)
             limit = max(ratios, default=0.0)
         out = []
         for key, slot in load.order(1.0, 0.0).entries:
@@ -162,7 +164,7 @@ class DecisionFleet:
     def idle_member(self, group: Group) -> bool:
         """Whether a member under its bound has nothing in flight (the idle ones lead order (1, 0))."""
         load = self.load
-        if self._small(group) or load.weight_sum <= 0:
+        if self.small(group) or load.weight_sum <= 0:
             return any(load.in_flight[s] == 0 and self.admitted(s, group) for s in self.members(group))
         for key, slot in load.order(1.0, 0.0).entries:
             if key > 0:
@@ -173,7 +175,7 @@ class DecisionFleet:
 
     def cheapest(self, group: Group, order: LoadOrder, cost: Cost) -> Cheapest | None:
         """The group's admitted replica of least ``cost`` (None: none admitted)."""
-        if self._small(group):
+        if self.small(group):
             best: Cheapest | None = None
             for slot in self.members(group):
                 if self.admitted(slot, group):

@@ -81,6 +81,14 @@ class PrefixPolicySettings(PolicySettings):
         description="a prompt running past its keys (they stop at the window when no text continues them): a "
         "replica matching every key is credited with the length of the prompt that last ended there",
     )
+    spill_min_saving: float | None = Field(
+        3.0,
+        ge=0.0,
+        description="a replica over its load bound (with bound_extra) that holds the most of the prompt still "
+        "takes the request unless placing it elsewhere shortens its estimated wait (queued prefill + its own "
+        "uncached prompt) by more than this x the prompt tokens the other replica computes again; at most "
+        "twice its bound. null: the bound always spills",
+    )
     sticky_homes: bool = Field(
         True,
         description="a request whose deepest match is its own history (on one replica, and no other prompt went "
