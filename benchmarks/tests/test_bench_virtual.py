@@ -205,9 +205,9 @@ def test_ensemble_summary_spreads_and_compares_family_means():
 def test_the_flow_row_finishes_every_request_and_reports_each_tenant():
     tenants = build("tenants", size=0.4)
     # a lower saturation mark than shipped: the prefix policy keeps each batch job's burst on
-    # one replica, so at the default 16k queued tokens the route (every replica full) never
-    # saturates at this size
-    low = "low:saturation.queued_prefill_tokens=4096"
+    # one replica (until a spill pays for its recompute, spill_min_saving), so at the default
+    # 16k queued tokens the route (every replica full) never saturates at this size, nor at 4k
+    low = "low:saturation.queued_prefill_tokens=2048"
     rows = bv.rows_for(tenants, [], peers=False, flow=True, flow_variants=[low])
     cells = bv.run_level(tenants, "saturated", [row for row in rows if row[0] in ("prefix", "prefix+low")])
     flow, plain = cells["prefix+low"], cells["prefix"]
