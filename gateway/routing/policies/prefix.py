@@ -666,28 +666,25 @@ class PrefixPolicy:
         self, request: RequestView, fleet: DecisionFleet, deepest: Group, under: list[Group], free: Group | None
     ) -> bool:
         """Whether the replicas holding the most of the prompt, all over their load bound, keep
-        the request anyway (their group's extra room is raised to admit the least queued).
+        the request anyway (then ``deepest.kept`` admits the one with the shortest wait).
 
         A spill recomputes the prompt the holder has cached on a replica holding less of it.
-        That is paid only when it shortens the request's estimated wait (prefill queued there +
-        its own uncached prompt + ``load_cost_tokens`` per request in flight, per unit of weight:
-        a pile of cached requests still counts for its decode batch) by more than
-        ``spill_min_saving`` x the tokens computed again: a batch job's burst behind one long document is mostly cached
-        requests queued behind the document itself, and a spill computes the document a second
-        time while the first is still queued (measured on ``tenants``: a recomputed document per
-        job, the job's TTFT p90 1.1x).  Never past twice the bound (with its extra room; on a
-        small fleet at load_factor 2 the in-flight term comes first).  Only a listed (small)
-        group is weighed."""
-        if deepest.tokens < max(1, self.settings.bound_extra_min_tokens) or not fleet.small(deepest):
-            return False  # a short popular prefix is spread (as for bound_extra)
+        That is paid only when it shortens the request's estimated wait
+        (:meth:`DecisionFleet.wait`: in-flight requests, so a pile of cached requests still
+        counts for its decode batch, queued prefill and its own uncached prompt) by more than
+        ``spill_min_saving`` x the tokens computed again.  A batch job's burst behind one long
+        document is mostly cached requests queued behind the document itself, and a spill
+        computes the document a second time while the first is still queued (measured on
+        ``tenants``: a recomputed document per job, the job's TTFT p90 1.1x).  Never past twice
+        the bound (with its extra room; on a small fleet at load_factor 2 the in-flight term
+        comes first).  Only a listed (small) group is weighed."""
         settings = self.settings
+        if deepest.tokens < max(1, settings.bound_extra_min_tokens) or not fleet.small(deepest):
+            return False  # a short popular prefix is spread (as for bound_extra)
         prompt = request.prompt_tokens_estimate or request.prompt_tokens or deepest.tokens
         per_request = settings.load_cost_tokens
+        wait = partial(fleet.wait, prompt=prompt, per_request=per_request)
         load = fleet.load
-
-        def wait(slot: int, held: int) -> float:  # as _place_shared estimates a time to first token
-            return per_request * fleet.busy(slot) + fleet.queued(slot, 1.0) + max(0, prompt - held)
-
         best_slot: int | None = None
         best_wait = math.inf
         for slot in fleet.members(deepest):
@@ -699,11 +696,7 @@ class PrefixPolicy:
         order = load.order(per_request, 1.0)
         saving_per_token = settings.spill_min_saving or 0.0
         for group in [*under, *([free] if free is not None else [])]:
-
-            def wait_there(slot: int, held: int = group.tokens) -> float:
-                return wait(slot, held)
-
-            cheapest = fleet.cheapest(group, order, wait_there)
+            cheapest = fleet.cheapest(group, order, partial(wait, held=group.tokens))
             if cheapest is not None and best_wait - cheapest.cost > saving_per_token * (deepest.tokens - group.tokens):
                 return False  # spilling there saves more wait than it recomputes
         deepest.kept = load.in_flight[best_slot] + 1 - fleet.bound(best_slot) - deepest.extra
@@ -786,14 +779,12 @@ class PrefixPolicy:
         total = request.prompt_tokens_estimate or request.prompt_tokens or 0
         recompute = settings.shared_recompute_weight
         order = fleet.load.order(per_request, queue_weight)
+        wait = partial(
+            fleet.wait, prompt=total, per_request=per_request, queue_weight=queue_weight, recompute=recompute
+        )
         best: list[tuple[Group, Cost, Cheapest]] = []
         for group in groups:
-
-            def cost(slot: int, held: int = group.tokens) -> float:
-                return (
-                    per_request * fleet.busy(slot) + fleet.queued(slot, queue_weight) + recompute * max(0, total - held)
-                )
-
+            cost = partial(wait, held=group.tokens)
             cheapest = fleet.cheapest(group, order, cost)
             if cheapest is not None:
                 best.append((group, cost, cheapest))

@@ -99,6 +99,15 @@ class DecisionFleet:
         w = load.weights[slot]
         return weight * p * self.mean_weight / w if p and w > 0 else 0.0
 
+    def wait(
+        self, slot: int, held: int, prompt: int, per_request: float, queue_weight: float = 1.0, recompute: float = 1.0
+    ) -> float:
+        """A request's estimated time to first token on ``slot``, in tokens of prefill:
+        ``per_request`` per request in flight and the queued prefill (x ``queue_weight``), both
+        per unit of weight, plus its own uncached prompt there (``prompt`` less the ``held``
+        tokens, x ``recompute``)."""
+        return per_request * self.busy(slot) + self.queued(slot, queue_weight) + recompute * max(0, prompt - held)
+
     def has_room(self, slot: int, tokens: float) -> bool:
         """Whether ``slot`` has less prefill queued than ``tokens`` (per unit of weight, scaled
         by the mean weight): spare capacity to compute a copy of a shared head that long

@@ -85,9 +85,9 @@ class PrefixPolicySettings(PolicySettings):
         3.0,
         ge=0.0,
         description="a replica over its load bound (with bound_extra) that holds the most of the prompt still "
-        "takes the request unless placing it elsewhere shortens its estimated wait (queued prefill + its own "
-        "uncached prompt) by more than this x the prompt tokens the other replica computes again; at most "
-        "twice its bound. null: the bound always spills",
+        "takes the request unless placing it elsewhere shortens its estimated wait (load_cost_tokens per request "
+        "in flight + queued prefill + its own uncached prompt) by more than this x the prompt tokens the other "
+        "replica computes again; at most twice its bound. null: the bound always spills",
     )
     sticky_homes: bool = Field(
         True,
