@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -64,6 +65,31 @@ def test_the_holder_spills_once_its_queue_outweighs_the_recompute() -> None:
     early = _holding(spill_min_saving=1).choose(req(DOC + ASK), _views(13, 8_385))
     assert early.replica != "r1" and early.reason == "spill"
     assert _holding(spill_min_saving=1).choose(req(DOC + ASK), _views(13, 8_384)).replica == "r1"
+
+
+def test_a_flows_own_queue_on_the_holder_buys_no_spill() -> None:
+    """As for the copy-saves-wait rule, the requesting flow's own queued prefill does not count
+    while another flow shares the route: a batch job's request jumping its own burst's queue would
+    recompute the document where the other tenants' requests go next.  Another flow's queue (or
+    an anonymous request's, or ``head_copy_own_flow_wait``) still pays for the spill."""
+
+    def fleet(by_flow: dict[str, int]) -> list[ReplicaView]:
+        return [
+            replace(v, pending_prefill_by_flow=by_flow) if v.name == "r1" else v
+            for v in _views(13, sum(by_flow.values()))
+        ]
+
+    def decide(flow: str | None, by_flow: dict[str, int], **kw: Any) -> str:
+        p = _holding(**kw)
+        p.choose(replace(req(chain(20, 77)), flow="id:chat"), _views(0, 0))  # another tenant on the route
+        return p.peek(replace(req(DOC + ASK), flow=flow), fleet(by_flow)).replica
+
+    # 20,000 tokens queued on r1 pay for a spill (past 17,600, above) unless they are its own
+    assert decide("id:batch", {"id:batch": 20_000}) == "r1"
+    assert decide("id:batch", {"id:batch": 1_000, "id:chat": 19_000}) != "r1"
+    assert decide("id:chat", {"id:batch": 20_000}) != "r1"
+    assert decide(None, {"id:batch": 20_000}) != "r1"
+    assert decide("id:batch", {"id:batch": 20_000}, head_copy_own_flow_wait=True) != "r1"
 
 
 def test_never_past_twice_the_bound() -> None:

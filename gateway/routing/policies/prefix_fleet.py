@@ -100,13 +100,21 @@ class DecisionFleet:
         return weight * p * self.mean_weight / w if p and w > 0 else 0.0
 
     def wait(
-        self, slot: int, held: int, prompt: int, per_request: float, queue_weight: float = 1.0, recompute: float = 1.0
+        self,
+        slot: int,
+        held: int,
+        prompt: int,
+        per_request: float,
+        queue_weight: float = 1.0,
+        recompute: float = 1.0,
+        own: Callable[[int], int] | None = None,
     ) -> float:
         """A request's estimated time to first token on ``slot``, in tokens of prefill:
-        ``per_request`` per request in flight and the queued prefill (x ``queue_weight``), both
-        per unit of weight, plus its own uncached prompt there (``prompt`` less the ``held``
-        tokens, x ``recompute``)."""
-        return per_request * self.busy(slot) + self.queued(slot, queue_weight) + recompute * max(0, prompt - held)
+        ``per_request`` per request in flight and the queued prefill (x ``queue_weight``; less
+        ``own(slot)`` tokens of it, the requesting flow's own), both per unit of weight, plus its
+        own uncached prompt there (``prompt`` less the ``held`` tokens, x ``recompute``)."""
+        queued = self.queued(slot, queue_weight, less=own(slot) if own is not None else 0)
+        return per_request * self.busy(slot) + queued + recompute * max(0, prompt - held)
 
     def has_room(self, slot: int, tokens: float) -> bool:
         """Whether ``slot`` has less prefill queued than ``tokens`` (per unit of weight, scaled

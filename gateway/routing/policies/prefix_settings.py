@@ -86,8 +86,9 @@ class PrefixPolicySettings(PolicySettings):
         ge=0.0,
         description="a replica over its load bound (with bound_extra) that holds the most of the prompt still "
         "takes the request unless placing it elsewhere shortens its estimated wait (load_cost_tokens per request "
-        "in flight + queued prefill + its own uncached prompt) by more than this x the prompt tokens the other "
-        "replica computes again; at most twice its bound. null: the bound always spills",
+        "in flight + the queued prefill of other flows, as head_copy_own_flow_wait counts it + its own uncached "
+        "prompt) by more than this x the prompt tokens the other replica computes again; at most twice its "
+        "bound. null: the bound always spills",
     )
     sticky_homes: bool = Field(
         True,
@@ -135,11 +136,12 @@ class PrefixPolicySettings(PolicySettings):
     )
     head_copy_own_flow_wait: bool = Field(
         False,
-        description="that wait counts the requesting flow's own prefill queued on the holders too. false: only "
-        "the other flows' work there justifies the copy, for a request whose client names its flow (fairness "
-        "header, else API key): one tenant's burst waits behind itself instead of recomputing the head on "
-        "another replica in front of the other tenants' requests. Only while another flow sent one of the "
-        "route's last start_work_window requests (alone on the route, a copy runs in front of nobody's); "
+        description="that wait (and spill_min_saving's) counts the requesting flow's own prefill queued on the "
+        "replicas too. false: only the other flows' work there justifies the copy or the spill, for a request "
+        "whose client names its flow (fairness header, else API key): one tenant's burst waits behind itself "
+        "instead of recomputing the head on another replica in front of the other tenants' requests. Only while "
+        "another flow sent one of the route's last start_work_window requests (alone on the route, a copy runs "
+        "in front of nobody's); "
         "anonymous requests (one flow per route) count every queued token either way",
     )
     head_window_starts: int = Field(
