@@ -120,7 +120,7 @@ def test_the_index_fills_to_its_byte_bound_not_to_a_model_of_the_replicas_kv_cac
     assert affinity["capacity_per_replica"] == per_replica
     # what the default replica_cache_tokens: auto would hold: each simulator's KV cache in keys
     sim, prefix = SimOptions(), PrefixPolicySettings()
-    kv_model = replicas * sim.num_gpu_blocks // prefix.affinity_stride_blocks
+    kv_model = replicas * sim.num_gpu_blocks // prefix.stride_for(sim.block_size)
     entries = [s["affinity_entries"] for s in result["samples"]]
     assert max(entries) > kv_model * 1.2, f"the index stopped near the KV cache model's {kv_model}: {entries}"
     assert affinity["entries"] == replicas * per_replica, "the index is full at its byte bound, and no fuller"

@@ -199,6 +199,15 @@ class AffinityIndex:
         self._token_cap[name] = tokens
         self._trim_all()
 
+    def set_stride(self, stride: int) -> None:
+        """Store every ``stride``-th key from now on (the policy's, once it knows the route's
+        block size).  Keys stored before stay: a shorter stride probes every position they can
+        sit at; a longer one comes with a smaller block size, whose keys hash other blocks than
+        the stored ones, which age out of the LRUs."""
+        if stride < 1:
+            raise ValueError("stride must be >= 1")
+        self.stride = stride
+
     @property
     def default_weight(self) -> int:
         """Tokens a stored key weighs unless its record said otherwise: one stride of blocks

@@ -54,9 +54,19 @@ def prefix_key_caps(routes: list[Route], body_bytes: int) -> dict[str, int]:
         if index is not None and route.pipeline is not None:
             s, n = route.pipeline.settings, route.pipeline.normalize_settings
             relocated = relocated_bytes(n.mode, max(n.max_scan_chars, n.completion_prefix_chars))
+            # the index's stride follows the block size (PrefixPolicySettings.stride_for)
+            stride_for = getattr(getattr(route.runner.policy, "settings", None), "stride_for", None)
             # ``auto``: the engines pick the size, any size down to one token per block
-            smallest_block = s.block_size if isinstance(s.block_size, int) else 1
-            caps[route.name] = max_record_keys(
-                body_bytes, s.window_tokens, smallest_block, s.chunk_bytes, index.stride, relocated
+            sizes = [s.block_size] if isinstance(s.block_size, int) else range(1, max(1, s.window_tokens) + 1)
+            caps[route.name] = max(
+                max_record_keys(
+                    body_bytes,
+                    s.window_tokens,
+                    size,
+                    s.chunk_bytes,
+                    stride_for(size) if stride_for is not None else index.stride,
+                    relocated,
+                )
+                for size in sizes
             )
     return caps

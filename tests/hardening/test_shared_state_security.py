@@ -22,6 +22,7 @@ from gateway.http.server import serve_in_thread
 from gateway.prefix.learn import NO_LEARN_SINK, VarianceLearner, place_digest, value_digest
 from gateway.replicas.pool import Replica
 from gateway.routing.affinity import AffinityIndex
+from gateway.routing.policies.prefix_settings import PrefixPolicySettings
 from gateway.state.affinity_sync import AffinitySync
 from gateway.state.peer_load import PeerLoad
 from gateway.state.record_bounds import max_record_keys, relocated_bytes
@@ -325,6 +326,11 @@ def test_the_gateway_caps_peer_records_at_what_its_body_limit_allows(
     with serve_in_thread(config) as gw:
         sync = gw.gateway.state_sync
         assert sync is not None
-        # block_size auto (the default): the engines may choose any size, down to one token a block
-        expected = max_record_keys(65536, 4096, 1, 1024, 4, relocated_bytes("relocate", 32768))
+        # block_size auto (the default): the engines may choose any size, down to one token a block,
+        # and the index's stride follows it (most keys at 33 tokens: still every key stored)
+        relocated = relocated_bytes("relocate", 32768)
+        stride = PrefixPolicySettings().stride_for
+        expected = max_record_keys(65536, 4096, 33, 1024, stride(33), relocated)
+        assert stride(33) == 1 and stride(32) == 2
+        assert expected == max(max_record_keys(65536, 4096, b, 1024, stride(b), relocated) for b in range(1, 4097))
         assert sync.key_caps == {"main": expected} and expected < MAX_KEYS_PER_RECORD

@@ -97,6 +97,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, ClassVar
 
+from gateway.prefix.block_size import DEFAULT_BLOCK_SIZE
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.base import Decision, ReplicaView, RequestView
 from gateway.routing.decay import Token
@@ -135,7 +136,7 @@ class PrefixPolicy:
         self.ring = HashRing({}, settings.virtual_nodes)
         self.index = AffinityIndex(
             settings.affinity_max_entries,
-            settings.affinity_stride_blocks,
+            settings.stride_for(DEFAULT_BLOCK_SIZE),  # until the route's block size is known
             max_bytes=settings.affinity_max_bytes,
         )
         self._weights_block_size = 0  # the block size the index's standard key weight is set for
@@ -816,8 +817,13 @@ class PrefixPolicy:
         return fleet.first_in_ring(self.ring, tie_key, ties)
 
     def _sync_block_size(self, block_size: int) -> None:
-        """A stored key weighs one stride of blocks in a modelled cache unless its record says
-        otherwise (a peer's record cannot): set once the block size is known."""
+        """Set what follows the route's block size once it is known (and when the engines'
+        changes it): the index's stride, a fixed span of tokens, so that 128-token blocks are
+        not matched at 512-token resolution (a simulated engine at vLLM's CPU 128 held 30 blocks of a
+        document, the model matched 28: each prediction two blocks short until its events came), and
+        a stored key's standard weight in a modelled cache, one stride of blocks unless its
+        record says otherwise (a peer's record cannot)."""
         if block_size != self._weights_block_size:
             self._weights_block_size = block_size
-            self.index.default_weight = block_size * self.settings.affinity_stride_blocks
+            self.index.set_stride(self.settings.stride_for(block_size))
+            self.index.default_weight = block_size * self.index.stride

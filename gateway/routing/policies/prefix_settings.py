@@ -34,8 +34,19 @@ class PrefixPolicySettings(PolicySettings):
     affinity_max_entries: int | None = Field(
         None, ge=1, description="optional extra bound: (prefix key, replica) pairs in the affinity index"
     )
-    affinity_stride_blocks: int = Field(
-        4, ge=1, description="index every n-th block key (and the deepest): memory / n, match depth granularity x n"
+    affinity_stride_tokens: int = Field(
+        64,
+        ge=1,
+        description="index a block key at least every this many prompt tokens (and the deepest): every "
+        "max(1, n // block_size)-th key at the route's block size, so the model's resolution and memory per "
+        "token stay the same when the engines' block size changes (4 keys at vLLM's GPU 16, every key at its "
+        "CPU 128)",
+    )
+    affinity_stride_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="index every n-th block key (and the deepest) whatever the block size: memory / n, match "
+        "depth granularity x n. null: from affinity_stride_tokens",
     )
     replica_cache_tokens: int | Literal["auto"] | None = Field(
         "auto",
@@ -169,6 +180,12 @@ class PrefixPolicySettings(PolicySettings):
         "(and the recent requests in which another flow makes head_copy_own_flow_wait's rule apply)",
     )
     use_session_key: bool = Field(True, description="use the route's session header value as the ring key if present")
+
+    def stride_for(self, block_size: int) -> int:
+        """The affinity index's stride in keys at ``block_size``-token blocks."""
+        if self.affinity_stride_blocks is not None:
+            return self.affinity_stride_blocks
+        return max(1, self.affinity_stride_tokens // max(1, block_size))
 
     @field_validator("replica_cache_tokens")
     @classmethod
