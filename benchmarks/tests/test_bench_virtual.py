@@ -203,10 +203,11 @@ def test_ensemble_summary_spreads_and_compares_family_means():
 
 
 def test_the_flow_row_finishes_every_request_and_reports_each_tenant():
-    tenants = build("tenants", size=0.4)
+    tenants = build("tenants", size=0.6)
     # a lower saturation mark than shipped: the prefix policy keeps each batch job's burst on
-    # one replica (until a spill pays for its recompute, spill_min_saving), so at the default
-    # 16k queued tokens the route (every replica full) never saturates at this size, nor at 4k
+    # one replica (until a spill pays for its recompute, spill_min_saving, not counting the job's
+    # own queue), so at the default 16k queued tokens the route (every replica full) never
+    # saturates at this size; at size 0.4 it did not even at 512 (one job's burst at a time)
     low = "low:saturation.queued_prefill_tokens=2048"
     rows = bv.rows_for(tenants, [], peers=False, flow=True, flow_variants=[low])
     cells = bv.run_level(tenants, "saturated", [row for row in rows if row[0] in ("prefix", "prefix+low")])
