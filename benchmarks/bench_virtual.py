@@ -92,6 +92,7 @@ from gateway.routing.runner import PolicyRunner  # noqa: E402
 from gateway.sim import engine as sim_engine  # noqa: E402
 from gateway.sim.engine import EngineRequest  # noqa: E402
 from gateway.sim.options import SimOptions  # noqa: E402
+from gateway.sim.protocol import APIError  # noqa: E402
 from gateway.sim.replica import Replica as SimReplica  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -149,6 +150,10 @@ class Router(Protocol):
 
     def finished(self, handle: Any, cached_tokens: int, prompt_tokens: int) -> None:
         """The request ended; ``prompt_tokens`` is what the engine's usage reports (as a reply's)."""
+        ...
+
+    def failed(self, handle: Any) -> None:
+        """The engine refused the request before its cache saw it (a 400)."""
         ...
 
 
@@ -271,6 +276,13 @@ class GatewayRouter:
         self.route_.runner.release(handle.replica, handle.view, handle.decision, cached_tokens, True)
         self.route_.learn_prompt_tokens(handle.view, prompt_tokens)  # as the gateway's Attempt.release
 
+    def failed(self, handle: _Held) -> None:
+        """The engine refused the request (400: its prompt is over ``max_model_len``): as the
+        gateway's Attempt on a 4xx, its prefill charge is given back and the policy takes back
+        what it recorded for it."""
+        self.first_token(handle)
+        self.route_.runner.release(handle.replica, handle.view, handle.decision, None, False, served=False)
+
 
 class PreciseGatewayRouter(GatewayRouter):
     """The ``prefix`` row with every simulated engine's KV events feeding the precise index.
@@ -363,6 +375,9 @@ class SglangLikeRouter:
     def finished(self, handle: int, cached_tokens: int, prompt_tokens: int) -> None:
         self.load[handle] -= 1
 
+    def failed(self, handle: int) -> None:
+        self.load[handle] -= 1
+
 
 def _key_depths(prepared: Any) -> list[int]:
     """Prompt tokens covered up to each key of the chain (token blocks, then text keys)."""
@@ -414,7 +429,9 @@ class Outcome:
     uncached: int = 0
     wait: float = 0.0  # from reaching the engine to its first scheduling (queueing, KV full)
     tenant: str | None = None  # the request's tenant (BenchRequest.tenant)
-    refused: bool = False  # answered by the gateway without reaching an engine (shed, TTL expired)
+    # never reached an engine's cache: shed or expired at the gateway, or the engine's 400 (a prompt
+    # over max_model_len)
+    refused: bool = False
     sent: float = 0.0  # when the client sent it (sim seconds; later than its time in closed loop)
     # what its engine held of the prompt when the request was placed (the gateway's decision):
     # a gateway that knew each engine's cache exactly at that moment would predict this
@@ -482,6 +499,13 @@ class VirtualFleet:
             e, sent, handle = routed if routed is not None else router.route(req, body, headers)
             replica = replicas[e]
             tokens = _engine_tokens(replica, req.endpoint, sent)
+            try:  # what the engine's HTTP front checks first (this fleet hands requests straight in)
+                replica.check_prompt_len(len(tokens), text=False)
+            except APIError:  # a prompt over max_model_len: vLLM answers 400, nothing is cached
+                outcomes[i] = Outcome(e, tenant=req.tenant, refused=True, sent=sent_at[i])
+                router.failed(handle)
+                answered(i, now + hop)
+                return
             (ereq,) = replica.engine_requests(tokens, req.max_tokens, "length", 1, seed, now + hop)
             ereq.waiter = _Waiter()
             ereq.stream = True

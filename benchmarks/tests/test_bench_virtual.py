@@ -256,3 +256,26 @@ def test_the_verdict_reads_medians_against_the_prefix_row():
     moderate = verdict(slower, "moderate")
     assert moderate["checks"]["p50_vs_prefix"]["pass"] and not moderate["checks"]["p90_vs_prefix"]["pass"]
     assert not moderate["pass"]
+
+
+def test_a_prompt_over_max_model_len_is_refused_as_the_engine_would(agent, monkeypatch):
+    """The fleet hands requests straight to the engines, past the HTTP front where vLLM refuses
+    a prompt over ``max_model_len`` (400). It checks that limit itself: such a request is
+    counted refused, its replica is given back (no charge or in-flight left behind), and the
+    session goes on. Before, a prompt larger than a tight cache stalled the engine for good."""
+    prompts = sorted(r.prompt_tokens for r in agent.requests)
+    limit = prompts[len(prompts) // 2]  # about half the prompts are over it
+    over = sum(p > limit + 64 for p in prompts)  # the engine's tokens differ a little from the estimate
+    monkeypatch.setitem(bv.bp.SIM, "max_model_len", limit)
+    rows = [row for row in bv.rows_for(agent, [], peers=True) if row[0] in ("prefix", "sglang_like")]
+    routers = []
+    for i, (name, factory, oracle) in enumerate(rows):
+        routers.append(factory())
+        rows[i] = (name, lambda r=routers[-1]: r, oracle)
+    cells = bv.run_level(agent, "moderate", rows)
+    for stats in cells.values():
+        assert stats["requests"] + stats["refused"] == len(agent.requests)
+        assert stats["refused"] >= over > 0
+    gateway = routers[0]
+    assert all(r.in_flight == 0 and r.pending_prefill_tokens == 0 for r in gateway.pool)
+    assert routers[1].load == [0] * len(routers[1].load)
