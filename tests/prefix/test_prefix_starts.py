@@ -488,3 +488,30 @@ def test_recent_flows_say_whether_another_flow_shares_the_route() -> None:
     flows.seen("id:b")
     flows.seen("id:c")  # bounded: the oldest flow is forgotten
     assert list(flows._last) == ["id:b", "id:c"]
+
+
+def test_a_one_shot_request_behind_a_short_head_is_not_queued_behind_its_busy_holders() -> None:
+    """Starts that do not come back (RAG questions): a new request behind a short shared head
+    goes where it is answered soonest, its queued prefill counted though another replica holds
+    the head (``one_shot_queue_gap_tokens``).  Measured on ``rag``: three holders of a 688-token
+    preamble with 30k tokens queued each took every question while the fourth sat idle.
+    Conversations (their starts come back), a long head, or the setting off: the holders keep it."""
+    head = chain(43, 9)  # 688 tokens
+
+    def decide(turns: bool, head_keys: tuple[int, ...] = head, **settings: object) -> str:
+        p = policy(**settings)
+        _burst(p, chain(80, 7), 16, seed=3000, turns=turns)  # the pool learns whether starts return
+        for i, name in enumerate(("r1", "r2", "r3")):  # the head behind three earlier questions
+            p.index.record(name, head_keys + chain(8, 100 + i))
+        busy = [
+            replace(view, in_flight=10, pending_prefill_tokens=30_000) if view.name != "r0" else view
+            for view in views()
+        ]
+        decision = p.peek(req(head_keys + chain(8, 200)), busy)
+        assert decision.detail["shared_head"]["starts_commit_load"] is turns
+        return decision.replica
+
+    assert decide(turns=False) == "r0"
+    assert decide(turns=False, one_shot_queue_gap_tokens=None) != "r0"
+    assert decide(turns=True) != "r0"  # a conversation's start: where its later turns will find it
+    assert decide(turns=False, head_keys=chain(80, 9)) != "r0"  # 1,280 tokens: over the gap

@@ -68,6 +68,15 @@ class PrefixPolicySettings(PolicySettings):
         "queued on one (sent, no first byte yet; per unit of weight) counts like this many tokens of work: "
         "1 = the shortest estimated time to first token, 0 = in-flight counts only",
     )
+    one_shot_queue_gap_tokens: int | None = Field(
+        1024,
+        ge=0,
+        description="a new request behind a shared head whose starts do not come back for later turns (one-shot "
+        "traffic: see head_copy_min_returns) goes where it is answered soonest among the replicas holding less "
+        "than this many tokens more of it than others: the queued prefill counts as among equally cached "
+        "replicas, so a short head is computed again on an idle replica instead of queueing behind busy holders. "
+        "null: only among replicas holding the same cached prefix (within a block)",
+    )
     ring_slack: int | None = Field(
         0,
         ge=0,
