@@ -509,6 +509,8 @@ def test_a_one_shot_request_behind_a_short_head_is_not_queued_behind_its_busy_ho
         ]
         decision = p.peek(req(head_keys + chain(8, 200)), busy)
         assert decision.detail["shared_head"]["starts_commit_load"] is turns
+        # explain says whether the queue counted for it
+        assert decision.detail["prefill_queue_weight"] == (1.0 if decision.replica == "r0" else 0.0)
         return decision.replica
 
     assert decide(turns=False) == "r0"

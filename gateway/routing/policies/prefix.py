@@ -445,6 +445,9 @@ class PrefixPolicy:
                 detail["kept_over_bound"] = True  # its holders were over the bound; a spill would not pay
             detail["key"] = f"{ring_key:016x}"
             detail["load_factor"] = settings.load_factor
+            # the queued prefill's weight in this request's scores: 0 where the candidates hold
+            # different cached prefixes of it (see _queue_gap)
+            detail["prefill_queue_weight"] = queue_weight
             detail["total_in_flight"] = load.total_in_flight
             detail["candidates"] = candidate_table(
                 fleet, self.ring, ring_key, replicas, groups, free, has_match, queue_weight, settings.load_cost_tokens
