@@ -417,7 +417,8 @@ class Gateway:
             prepared = route.pipeline.prepare(endpoint, body, learn=not dry_run)  # type: ignore[union-attr]
         session = headers.get(route.session_header)
         flow = named_flow(self.flow.settings, headers, key_hash)
-        request = request_view(route.name, endpoint, body, prepared, session, request_id, flow)
+        limit = self.context.limit_for(model) if self.context is not None else None
+        request = request_view(route.name, endpoint, body, prepared, session, request_id, flow, limit)
         return Draft(route, endpoint, prepared, request)
 
     #: place a prepared request (see :func:`gateway.routing.plan.decide`)

@@ -197,6 +197,13 @@ def build_report(plan: Plan) -> dict[str, Any]:
         "predicted_cached_tokens": plan.predicted_cached_tokens,
         "matched_blocks": detail.get("matched_blocks"),
     }
+    if detail.get("over_context"):
+        # estimated past max_model_len: forwarded (no certainty), but its engine will refuse it,
+        # so the policy records nothing for it
+        report["decision"]["over_context"] = {
+            "prompt_tokens_estimate": plan.request.prompt_tokens_estimate,
+            "max_model_len": plan.request.context_limit,
+        }
     report["detail"] = detail
     report["forwarded_body"] = plan.body  # None: the client's bytes are forwarded unchanged
     return report

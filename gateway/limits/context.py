@@ -113,9 +113,13 @@ class ContextLimits:
         if table:  # an empty listing (replicas briefly down) keeps what was known
             self.max_len = table
 
+    def limit_for(self, model: Any) -> int | None:
+        """``model``'s max_model_len as its replicas list it (None: not listed)."""
+        return self.max_len.get(model) if isinstance(model, str) else None
+
     def check(self, endpoint: str, body: Mapping[str, Any], exact_window_tokens: int | None = None) -> None:
         """Raise :class:`ContextLengthExceeded` when the prompt certainly does not fit."""
-        limit = self.max_len.get(body.get("model"))  # type: ignore[arg-type]
+        limit = self.limit_for(body.get("model"))
         if limit is None:
             return
         lower = prompt_tokens_lower_bound(endpoint, body, self.bytes_per_token, exact_window_tokens)

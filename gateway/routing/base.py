@@ -41,6 +41,10 @@ class RequestView:
     # The flow the client named (fairness header, else API key: gateway.flow.classify.named_flow);
     # None: anonymous, its route's one flow.  A head is not copied to spread one flow's own burst.
     flow: str | None = None
+    # The served model's max_model_len (from the replicas' /v1/models; None: not known).  A prompt
+    # estimated past it will be refused by the engine (400): the policy places it but records
+    # nothing, since a record it later takes back would already have pushed others out.
+    context_limit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,6 +98,7 @@ def request_view(
     session_key: str | None = None,
     request_id: str = "",
     flow: str | None = None,
+    context_limit: int | None = None,
 ) -> RequestView:
     """What a policy sees of one request: its route, model, session and the prepared prompt's keys.
 
@@ -119,6 +120,7 @@ def request_view(
         key_tokens=prepared.text_key_tokens if prepared else (),
         key_forks=prepared.text_forks if prepared else None,
         flow=flow,
+        context_limit=context_limit,
     )
 
 

@@ -63,6 +63,29 @@ def test_prompts_that_cannot_fit_get_an_early_400() -> None:
     assert forwarded == 2  # the two that vLLM would serve reached the replica
 
 
+def test_a_prompt_estimated_over_the_context_is_forwarded_and_recorded_nowhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not certain to be refused (the bytes bound), so forwarded; but its estimate is over the
+    model's max_model_len, so the policy records nothing for it (vLLM would answer 400, and the
+    record would have pushed other prompts out of the replica's modelled cache)."""
+    monkeypatch.setenv("PREFIX_GATEWAY_ADMIN_KEY", "admin-secret")
+    routes = [{"name": "main", "policy": "prefix"}]
+    long_text = "the quick brown fox jumps " * 2000  # ~10k tokens, 52k bytes (~400 by the bytes bound)
+    with (
+        run_upstream(max_model_len=4096) as (url, _seen),
+        serve_in_thread(gateway_config([url], routes=routes)) as gw,
+    ):
+        assert _chat(_client(gw), long_text).choices[0].message.content == "echo"
+        admin = {"Authorization": "Bearer admin-secret"}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": long_text}]}
+        plan = httpx.post(f"{gw.url}/admin/explain", json=body, headers=admin, timeout=10).json()
+        short = {"model": MODEL, "messages": [{"role": "user", "content": "the quick brown fox " * 50}]}
+        fits = httpx.post(f"{gw.url}/admin/explain", json=short, headers=admin, timeout=10).json()
+    assert plan["decision"]["over_context"]["max_model_len"] == 4096
+    assert plan["decision"]["over_context"]["prompt_tokens_estimate"] > 4096
+    assert plan["decision"]["matched_blocks"] == 0  # the one served before was recorded nowhere
+    assert "over_context" not in fits["decision"]
+
+
 def test_context_check_can_be_turned_off() -> None:
     with (
         run_upstream(max_model_len=16) as (url, _seen),

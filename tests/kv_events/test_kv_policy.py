@@ -4,6 +4,7 @@ choices, past-the-window extension, block-size mismatch and the stale fallback."
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from gateway.kv_events.service import KvEvents
@@ -120,6 +121,24 @@ def test_past_the_window_the_engines_whole_window_extends_with_the_models_text_k
     assert deep.replica == first.replica and deep.detail["matched_blocks"] == 4 + 3
     events.ingestor.ingest(first.replica, 0, 2, _events(cleared()))
     assert policy.peek(_request(tokens, text), _views()).detail["matched_blocks"] == 0
+
+
+def test_a_turn_over_the_context_takes_no_text_key_back_from_the_conversation_before_it() -> None:
+    """The conversation grew past its model's max_model_len: the engine refuses the turn (400),
+    and the gateway, which recorded nothing for it, withdraws nothing either (a withdrawal takes
+    every text key of the request off the replica: the conversation's own history with it)."""
+    policy, events, _clock = _setup(speculative_s=0)
+    tokens = _tokens(5, 4)
+    text = (111, 222, 333)
+    first = policy.choose(_request(tokens, text, rid="a"), _views())
+    _engine_holds(events, first.replica, tokens, 1)
+    over = replace(_request(tokens, (*text, 444, 555), rid="b"), context_limit=4 * BS + 4000)
+    decision = policy.choose(over, _views())
+    assert decision.replica == first.replica and decision.detail["over_context"] is True
+    policy.forget_attempt(over, decision)  # the engine's 400
+    assert events.routing.text_tail.extend(first.replica, over.block_keys, 4, 5) == 4 + 3
+    shorter = policy.peek(_request(tokens, (*text, 666), rid="c"), _views())
+    assert shorter.replica == first.replica and shorter.detail["matched_blocks"] == 4 + 3
 
 
 def test_past_the_window_the_prediction_is_bounded_by_what_the_engine_still_holds_there() -> None:

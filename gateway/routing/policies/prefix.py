@@ -76,7 +76,8 @@ uncached tokens.  The decision, in order:
 4. **Fallback.**  No keys at all (prompt shorter than one block, embeddings): least loaded.
 
 Every choice is recorded in the affinity index *at decision time* (a burst of requests with a
-new shared prefix follows the first one instead of scattering) and taken back, here and on the
+new shared prefix follows the first one instead of scattering; not one whose prompt is estimated
+past its model's ``max_model_len``, which its engine refuses) and taken back, here and on the
 peers, if the replica does not serve it — no 2xx answer (``forget_attempt``) — and every tie is broken by
 the ring order of the request's own key — its session header, else its deepest key, never a
 shared head's key and never list position — so gateway processes with the same membership
@@ -112,6 +113,19 @@ from gateway.routing.returns import StartReturns
 from gateway.routing.ring import HashRing
 from gateway.routing.starts import HeadDemand
 from gateway.routing.work import RecentWork
+
+
+def _over_context(request: RequestView) -> bool:
+    """Whether the prompt's estimated length is past its model's ``max_model_len``: vLLM answers
+    it 400 and caches nothing.  Recorded, it would push the model's oldest records out (a
+    191k-token prompt over a 131k context: the tails of every conversation on that replica),
+    and taking the record back on the 400 returns only the keys it added, not those it pushed
+    out (measured: benchmarks/README.md, "Prompts over the context").  The gateway still sends
+    it (the estimate is no certainty, see :mod:`gateway.limits.context`)."""
+    limit = request.context_limit
+    if limit is None:
+        return False
+    return (request.prompt_tokens_estimate or request.prompt_tokens or 0) > limit
 
 
 def _nothing_own(slot: int) -> int:
@@ -246,6 +260,9 @@ class PrefixPolicy:
             pick = load.names[load.least_loaded(turn)]
             return Decision(pick, "fallback", {"predicted_cached_tokens": 0, "key_source": "none"})
         self._sync_block_size(block_size)
+        # A prompt estimated past the model's context is refused by its engine: placed, recorded nowhere
+        over_context = _over_context(request)
+        record = commit and not over_context
 
         want, bits = self._eligible_bits(load)
         fleet = DecisionFleet(load, settings.load_factor, bits, self.index.name_of)
@@ -286,7 +303,7 @@ class PrefixPolicy:
         one_shot = False  # ... whose starts do not come back for later turns
         balance: str | None = None  # where it starts instead, for prefill-work balance
         head_view: dict[str, Any] | None = None  # explain only: why the head was (not) copied
-        counts_returns = commit and settings.head_copy_min_returns is not None  # (off: nothing reads them)
+        counts_returns = record and settings.head_copy_min_returns is not None  # (off: nothing reads them)
         if counts_returns:  # a later turn of a conversation started behind a shared head (gateway.routing.returns)
             self.returns.returned(keys, best_any, self.index.stride)
         if factor is not None and home is None and forked:
@@ -386,7 +403,7 @@ class PrefixPolicy:
         forked = precise.fork_tokens(pick, request, picked.depth) if precise is not None and picked.depth else 0
         added: list[int] = []
         started: Token | None = None
-        if commit:
+        if record:
             added = self._record(pick, request)
             if precise is not None:
                 precise.chose(pick, request, load.pending[load.index[pick]])
@@ -415,7 +432,7 @@ class PrefixPolicy:
         engine_block = getattr(replicas[load.index[pick]], "block_size", None)
         if engine_block and engine_block > block_size and engine_block % block_size == 0:
             predicted -= predicted % engine_block
-        worked = self.work.record(pick, (prompt_tokens or 0) - max(0, predicted)) if commit else None
+        worked = self.work.record(pick, (prompt_tokens or 0) - max(0, predicted)) if record else None
         detail: dict[str, Any] = {
             "predicted_cached_tokens": max(0, predicted),
             "matched_blocks": picked.depth,
@@ -427,13 +444,15 @@ class PrefixPolicy:
         }
         if precise is not None:
             detail["kv_mode"] = precise.mode_of(pick, block_size)[0]  # precise: matched from the engine's events
+        if over_context:
+            detail["over_context"] = True  # nothing recorded: observe and forget_attempt have nothing to mend
         if added:
             detail["recorded_keys"] = added  # taken back by forget_attempt if the attempt fails
         if started is not None:
             detail["started"] = started  # likewise
         if worked is not None:
             detail["work"] = worked  # likewise
-        if commit and keys:
+        if record and keys:
             detail["withdrawals"] = self._withdrawals  # observe: did one happen while it ran?
         if not commit:
             # The explain-only part (hex key, per-candidate table over every replica) costs a
@@ -467,6 +486,8 @@ class PrefixPolicy:
         The second, served, records them again — only when some attempt was taken back while
         it ran (an int compare per served request) and its prompt is no longer held."""
         keys, name = request.block_keys, decision.replica
+        if decision.detail.get("over_context"):
+            return  # recorded nothing (if its engine served it after all, its events say so)
         if self.precise is not None and keys:
             self.precise.finished(name, request)
         if decision.detail.get("withdrawals", self._withdrawals) == self._withdrawals or not keys:
@@ -482,6 +503,8 @@ class PrefixPolicy:
         record reported only the keys it added).  The prefill work charged to the replica and
         the conversation start behind a shared head are undone too (the start only here: a
         peer that counted it keeps a decayed demand count, which says nothing of a replica)."""
+        if decision.detail.get("over_context"):
+            return  # recorded nothing: taking its keys back would take back other requests' records
         keys = decision.detail.get("recorded_keys")
         if keys:
             self.index.unrecord(decision.replica, keys)
