@@ -217,6 +217,7 @@ class GatewayRouter:
         engine = sim_options(n == 1)  # what the gateway's first scrape of each replica tells it
         for replica in self.pool:
             replica.set_engine(EngineStats(0.0, block_size=engine.block_size, num_gpu_blocks=engine.num_gpu_blocks))
+        self.context_limit = engine.max_model_len  # what the gateway reads from the replicas' /v1/models
         self.index = {r.name: i for i, r in enumerate(self.pool)}
         self.reasons: dict[str, int] = {}
         self.predicted_tokens = 0  # the policy's predicted cached tokens, summed over decisions
@@ -237,7 +238,9 @@ class GatewayRouter:
         route.follow_engines()  # block_size: auto — the engines' own size, as Gateway.plan reads it
         prepared = route.pipeline.prepare(req.endpoint, body) if route.needs_keys(req.endpoint) else None  # type: ignore[union-attr]
         flow = named_flow(FLOW_SETTINGS, headers)  # the tenant's fairness header, as Gateway.prepare reads it
-        view = request_view(route.name, req.endpoint, body, prepared, headers.get(route.session_header), flow=flow)
+        session = headers.get(route.session_header)
+        limit = self.context_limit
+        view = request_view(route.name, req.endpoint, body, prepared, session, flow=flow, context_limit=limit)
         return view, (prepared.body if prepared is not None else body)
 
     def holds(self, req: BenchRequest, body: dict[str, Any], headers: dict[str, str]) -> bool:
