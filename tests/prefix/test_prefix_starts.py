@@ -329,25 +329,39 @@ def test_a_head_whose_starts_never_come_back_is_not_copied_for_them() -> None:
 
 
 def test_a_one_shot_head_is_still_copied_when_the_copy_saves_the_wait() -> None:
-    """Without returns a copy must pay for itself: once the holder has more prefill queued than
-    the least-queued replica plus the head, computing the head elsewhere is quicker than
-    waiting there, so the next start goes elsewhere; with less queued it stays."""
-    p = policy(head_window_starts=8)
+    """Without returns a copy must pay for itself, as a spill does: once the holder has more
+    prefill queued than the least-queued replica plus the head plus ``spill_min_saving`` (3) x
+    the head, computing the head elsewhere saves more wait than it recomputes, so the next
+    start goes elsewhere; with less queued it stays.  (A copy that saves less — 3,000 tokens
+    queued against 1,280 to compute: the first request's tail, say — is not made; with
+    ``spill_min_saving: null`` any saving buys it, as before.)"""
     head = chain(80, 9)  # 1,280 tokens
-    _burst(p, chain(80, 7), 16, seed=3000)  # an earlier job: the pool learns its starts are one-shot
-    holders = set(_burst(p, head, 6, seed=1000))  # one-shot starts behind the head
-    assert len(holders) < len(NAMES)
+
+    def setup(**settings: object) -> tuple[PrefixPolicy, set[str]]:
+        p = policy(head_window_starts=8, **settings)
+        _burst(p, chain(80, 7), 16, seed=3000)  # an earlier job: the pool learns its starts are one-shot
+        holders = set(_burst(p, head, 6, seed=1000))  # one-shot starts behind the head
+        assert len(holders) < len(NAMES)
+        return p, holders
 
     def fleet(queued: int) -> list[ReplicaView]:
         return [
             replace(view, in_flight=2, pending_prefill_tokens=queued if view.name in holders else 0) for view in views()
         ]
 
+    p, holders = setup()
     request = req(head + chain(4, 3))
     seen = p.peek(request, fleet(1000)).detail["shared_head"]
     assert seen["starts_commit_load"] is False and seen["copy_saves_wait"] is False  # 1000 < 0 + 1280
     assert p.choose(request, fleet(1000)).replica in holders
     request = req(head + chain(4, 4))
+    assert p.peek(request, fleet(3000)).detail["shared_head"]["copy_saves_wait"] is False  # 3000 < 0 + 4 x 1280
+    assert p.choose(request, fleet(3000)).replica in holders
+    request = req(head + chain(4, 5))
+    assert p.peek(request, fleet(6000)).detail["shared_head"]["copy_saves_wait"] is True  # 6000 > 0 + 4 x 1280
+    assert p.choose(request, fleet(6000)).replica not in holders
+    p, holders = setup(spill_min_saving=None)
+    request = req(head + chain(4, 6))
     assert p.peek(request, fleet(3000)).detail["shared_head"]["copy_saves_wait"] is True  # 3000 > 0 + 1280
     assert p.choose(request, fleet(3000)).replica not in holders
 
@@ -385,20 +399,21 @@ def test_a_flows_own_backlog_does_not_buy_a_copy_of_its_head() -> None:
 
     p, holders = setup()
     assert len(holders) < len(NAMES)
-    assert not copied(p, holders, "id:batch", {"id:batch": 3000}, 1)  # its own burst: it waits
+    assert not copied(p, holders, "id:batch", {"id:batch": 6000}, 1)  # its own burst: it waits
     explained = p.peek(replace(req(head + chain(4, 1)), flow="id:batch"), fleet(holders, {"id:batch": 3000}))
     assert explained.detail["shared_head"]["own_flow_queued_on_holders"] == 3000 * len(holders)
-    assert not copied(p, holders, "id:batch", {"id:batch": 2000, "id:chat": 1000}, 2)  # others' 1000 < 0 + 1280
-    assert copied(p, holders, "id:batch", {"id:batch": 1000, "id:chat": 2000}, 3)  # others' 2000 > 1280
-    assert copied(p, holders, "id:chat", {"id:batch": 3000}, 4)  # another flow's backlog
-    assert copied(p, holders, None, {"id:batch": 3000}, 5)  # anonymous: every queued token counts
+    # (a copy must save 3 x the head it recomputes: holders' queue over 0 + 4 x 1280 = 5120)
+    assert not copied(p, holders, "id:batch", {"id:batch": 5000, "id:chat": 4000}, 2)  # others' 4000 < 5120
+    assert copied(p, holders, "id:batch", {"id:batch": 1000, "id:chat": 6000}, 3)  # others' 6000 > 5120
+    assert copied(p, holders, "id:chat", {"id:batch": 6000}, 4)  # another flow's backlog
+    assert copied(p, holders, None, {"id:batch": 6000}, 5)  # anonymous: every queued token counts
     p, holders = setup(head_copy_own_flow_wait=True)
-    assert copied(p, holders, "id:batch", {"id:batch": 3000}, 6)
+    assert copied(p, holders, "id:batch", {"id:batch": 6000}, 6)
     # the route's only flow (one client key): its copy runs in front of nobody else's requests
     alone = policy(head_window_starts=8)
     _burst(alone, chain(80, 7), 16, seed=3000, flow="id:batch")
     holders = set(_burst(alone, head, 6, seed=1000, flow="id:batch"))
-    assert copied(alone, holders, "id:batch", {"id:batch": 3000}, 8)
+    assert copied(alone, holders, "id:batch", {"id:batch": 6000}, 8)
     # what peek said, choose does (each judges the recent flows before the request counts)
     p, holders = setup()
     request = replace(req(head + chain(4, 9)), flow="id:batch")
@@ -464,7 +479,7 @@ def test_the_own_flow_rule_reads_the_replicas_counts_through_the_runner() -> Non
         for replica in replicas:
             replica.in_flight = 2
             if replica.name in holders:
-                replica.charge_prefill(3000, "id:batch")
+                replica.charge_prefill(6000, "id:batch")  # over 0 + 4 x the 1,280-token head: a copy pays
         decision, _ = runner.decide(replace(req(head + chain(4, 1)), flow=flow))
         return decision.replica in holders
 

@@ -108,7 +108,9 @@ class PrefixPolicySettings(PolicySettings):
         "takes the request unless placing it elsewhere shortens its estimated wait (load_cost_tokens per request "
         "in flight + the queued prefill of other flows, as head_copy_own_flow_wait counts it + its own uncached "
         "prompt) by more than this x the prompt tokens the other replica computes again; at most twice its "
-        "bound. null: the bound always spills",
+        "bound. A start that commits no later turns (head_copy_min_returns) copies its shared head elsewhere only "
+        "by the same rule: its holders' queued prefill must exceed the least-queued replica's + the head x (1 + "
+        "this). null: the bound always spills, and such a copy needs only to save some wait",
     )
     sticky_homes: bool = Field(
         True,
