@@ -326,6 +326,22 @@ def test_flow_from_fairness_header_key_or_route() -> None:
     assert named_flow(s, {"x-llm-d-inference-fairness-id": "  "}) is None
 
 
+def test_the_headers_are_the_clients_word_unless_their_lists_are_emptied() -> None:
+    """docs/security.md, "Flow-control headers": by default a keyed client's objective header
+    outranks its key's priority and its fairness header names its flow; with both header
+    lists emptied the key alone decides."""
+    key = "ef" * 32
+    headers = {"x-llm-d-inference-objective": "chat", "x-llm-d-inference-fairness-id": "other-tenant"}
+    trusting = FlowControlSettings(objectives={"chat": 10}, api_key_priorities={key: -1})
+    said = classify(trusting, headers, "r", key_hash=key)
+    assert (said.priority, said.flow) == (10, "id:other-tenant")
+    locked = FlowControlSettings(
+        objectives={"chat": 10}, api_key_priorities={key: -1}, objective_headers=[], fairness_headers=[]
+    )
+    keyed = classify(locked, headers, "r", key_hash=key)
+    assert (keyed.priority, keyed.flow) == (-1, "key:" + key[:16])
+
+
 def test_each_named_flows_queued_prefill_is_counted_apart_while_it_has_some() -> None:
     """The prefix policy reads how much of a replica's queue is the requesting flow's own."""
     replica = Replica(ReplicaConfig(name="r0", url="http://h:1"), None, HealthSettings())  # type: ignore[arg-type]
