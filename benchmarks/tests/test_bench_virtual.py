@@ -279,3 +279,46 @@ def test_a_prompt_over_max_model_len_is_refused_as_the_engine_would(agent, monke
     gateway = routers[0]
     assert all(r.in_flight == 0 and r.pending_prefill_tokens == 0 for r in gateway.pool)
     assert routers[1].load == [0] * len(routers[1].load)
+
+
+def test_a_paired_comparison_says_how_far_its_median_can_be_trusted():
+    """Few samples: the mean and the wins and losses, no interval; from SPREAD_MIN_SAMPLES on, a
+    bootstrap interval of the median that holds the median, is the same on every run, and
+    straddles zero where the rules trade wins."""
+    few = bv.paired_spread([-0.01, 0.02, -0.005])
+    assert few == {"samples": 3, "mean": pytest.approx(0.005 / 3), "wins": 1, "losses": 2}
+    trading = [0.01, -0.01, 0.02, -0.005, 0.0, 0.03, -0.02, 0.004, -0.003, 0.015, -0.012, 0.006]
+    spread = bv.paired_spread(trading)
+    low, high = spread["median_ci95"]
+    assert low < 0 < high
+    assert low <= bv.statistics.median(trading) <= high
+    assert bv.paired_spread(trading) == spread  # seeded: the same samples give the same interval
+    winning = [0.01 + i / 1000 for i in range(12)]
+    assert bv.paired_spread(winning)["median_ci95"][0] > 0
+
+    def cells(d: float) -> dict[str, dict[str, float]]:
+        rows = (("shipped", d), ("sglang_like", 0.0))
+        return {row: {"hit_rate": 0.5 + x, "decision_state_error": 0.0} for row, x in rows}
+
+    medians = bv.precise_medians([cells(d) for d in trading])
+    got = medians["paired_spread"]["shipped-sglang_like"]  # (0.5 + d) - 0.5: d, within float noise
+    assert got["wins"] == spread["wins"] and got["losses"] == spread["losses"]
+    assert got["median_ci95"] == pytest.approx(spread["median_ci95"])
+
+
+def test_first_seed_runs_the_samples_after_it(monkeypatch, tmp_path):
+    """``--first-seed S --seeds N`` builds samples S..S+N-1 (more samples of a cell without
+    running the first ones again) and says so in the JSON."""
+    built: list[int] = []
+
+    def fake_build(name, size, seed):
+        built.append(seed)
+        return build("agent", size=0.02, seed=seed)
+
+    monkeypatch.setattr(bv, "build", fake_build)
+    argv = ["--workload", "agent", "--load", "moderate", "--no-peers", "--seeds", "2", "--first-seed", "5"]
+    assert bv.main([*argv, "--out", str(tmp_path)]) == 0
+    assert built == [5, 6]
+    assert bv.json.loads((tmp_path / "bench_virtual.json").read_text())["first_seed"] == 5
+    with pytest.raises(SystemExit):
+        bv.main(["--first-seed", "-1", "--out", str(tmp_path)])
