@@ -116,6 +116,23 @@ def test_the_error_split_tells_what_the_engine_held_at_decision():
     assert split == pytest.approx({"gone": 0.1, "evicted": 0.1, "missed": 0.1, "arrived": 0.1})
 
 
+def test_the_error_past_the_window_is_the_part_of_each_difference_beyond_it():
+    def outcome(predicted: int, cached: int) -> bv.Outcome:
+        return bv.Outcome(0, prompt_tokens=30_000, cached_tokens=cached, predicted=predicted)
+
+    outcomes = [
+        outcome(20_000, 12_000),  # all 8,000 past the window
+        outcome(6_000, 1_000),  # 1,904 past it, 3,096 inside
+        outcome(100, 300),  # all inside
+    ]
+    past = bv.error_past_window(outcomes, 90_000, window=4096)
+    assert past == pytest.approx(9_904 / 90_000)
+    total = sum(abs(o.predicted - o.cached_tokens) for o in outcomes)
+    inside = sum(abs(min(o.predicted, 4096) - min(o.cached_tokens, 4096)) for o in outcomes)
+    assert past * 90_000 + inside == pytest.approx(total)  # the two parts add up to the error
+    assert bv.WINDOW_TOKENS == 4096  # the routes' default window, where the bench keys its rows
+
+
 @pytest.mark.slow
 def test_the_error_split_adds_up_to_the_prediction_error(agent):
     rows = [row for row in bv.rows_for(agent, [], peers=True, precise=True) if row[0] in ("precise", "sglang_like")]
@@ -123,6 +140,7 @@ def test_the_error_split_adds_up_to_the_prediction_error(agent):
     precise = cells["precise"]
     assert precise["prediction_error"] > 0  # something to split
     assert sum(precise["error_split"].values()) == pytest.approx(precise["prediction_error"])
+    assert 0 <= precise["prediction_error_past_window"] <= precise["prediction_error"]
     assert "error_split" not in cells["sglang_like"]  # a peer predicts nothing
 
 
