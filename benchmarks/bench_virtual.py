@@ -793,7 +793,7 @@ def error_past_window(outcomes: Sequence[Outcome], prompt: int, window: int = WI
     past the first ``window`` tokens: |max(predicted, W) - max(reported, W)| per request.  The rest
     is inside the window; the two add up to the row's ``prediction_error`` (each request's
     difference splits at W into two parts of one sign).  Measured (Mooncake synthetic @ saturated,
-    samples 0-39): 0.74 of 0.78 points past the window, where only the model and the text tail
+    samples 0-39): 0.66 of 0.77 points past the window, where only the model and the text tail
     match and the engine's events bound by depth."""
     return sum(abs(max(o.predicted or 0, window) - max(o.cached_tokens, window)) for o in outcomes) / prompt
 
