@@ -108,6 +108,9 @@ DEFAULT_WORKLOADS = (
 )
 QUICK_SIZE = 0.5
 ALIGNED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # keyed with the simulator's own tokens (SimOptions.tokenizer)
+#: the routes' token window (``prefix.window_tokens``'s default): past it the precise index keys no
+#: block, the key chain goes on over text chunks and the engine's events bound the match by depth alone
+WINDOW_TOKENS: int = PrefixSettings.model_fields["window_tokens"].default
 # --kv: each replica's KV cache as a fraction of bench_policies' (the oracle pools the fleet's);
 # "tight" is the KV-pressure cell of issue 23: half the blocks (a quarter stalls: one Mooncake
 # request no longer fits), so the conversation trace evicts history it is asked for again
@@ -301,7 +304,7 @@ class PreciseGatewayRouter(GatewayRouter):
 
     def attach_engines(self, engines: Sequence[Any], clock: VirtualClock) -> None:
         settings = KvEventsSettings(project_evictions=self.project)
-        window = self.route_.pipeline.settings.window_tokens if self.route_.pipeline is not None else 4096
+        window = self.route_.pipeline.settings.window_tokens if self.route_.pipeline is not None else WINDOW_TOKENS
         self.ingestor = Ingestor(PreciseIndex(settings.max_bytes, window), clock.monotonic)
         routing = PreciseRouting(
             self.ingestor,
@@ -781,11 +784,6 @@ def error_split(outcomes: Sequence[Outcome], prompt: int) -> dict[str, float]:
             parts["missed"] += max(0, min(held, cached) - predicted)
             parts["arrived"] += cached - max(predicted, min(held, cached))
     return {k: v / prompt for k, v in parts.items()}
-
-
-#: the routes' token window (``prefix.window_tokens``'s default): past it the precise index keys no
-#: block, the key chain goes on over text chunks and the engine's events bound the match by depth alone
-WINDOW_TOKENS: int = PrefixSettings.model_fields["window_tokens"].default
 
 
 def error_past_window(outcomes: Sequence[Outcome], prompt: int, window: int = WINDOW_TOKENS) -> float:
